@@ -1,0 +1,56 @@
+"""The algorithm library: pure torch, no Ray / vLLM / OpenRLHF imports.
+
+Public functional API (ALGORITHMS.md section 8; stable, users call it from their trainers):
+per-token tensors are ``[B, T]``, masks 0/1 of the same shape, losses come back per token,
+unaggregated and zero where the mask is 0.
+"""
+from .advantages import (
+    ds_reshape_advantages,
+    dynamic_sampling_mask,
+    entropy_advantages,
+    group_advantages,
+    overlong_penalty,
+    passk_advantages,
+    pkpo_advantages,
+    unlikeliness_rewards,
+)
+from .divergences import f_divergence
+from .kl import kl_estimate
+from .losses import (
+    aggregate_loss,
+    cispo_loss,
+    clip_cov_loss,
+    diff_entropy_loss,
+    dph_anchor_loss,
+    dph_js_def_loss,
+    entropy_from_logits,
+    entropy_loss,
+    flowrl_loss,
+    kl_cov_loss,
+    lad_loss,
+    ppo_clip_loss,
+)
+from .registry import (
+    AnchorInputs,
+    LossInputs,
+    Method,
+    Needs,
+    get_method,
+    list_methods,
+    method_table,
+    register_method,
+)
+
+__all__ = [
+    # section 8 public API
+    "f_divergence", "dph_anchor_loss", "lad_loss", "ds_reshape_advantages",
+    "group_advantages", "passk_advantages", "unlikeliness_rewards",
+    # the rest of the library
+    "pkpo_advantages", "entropy_advantages", "overlong_penalty", "dynamic_sampling_mask",
+    "kl_estimate", "aggregate_loss", "ppo_clip_loss", "cispo_loss", "clip_cov_loss",
+    "kl_cov_loss", "entropy_loss", "diff_entropy_loss", "flowrl_loss", "dph_js_def_loss",
+    "entropy_from_logits",
+    # the method registry
+    "Method", "Needs", "LossInputs", "AnchorInputs", "get_method", "list_methods",
+    "method_table", "register_method",
+]

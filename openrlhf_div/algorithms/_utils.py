@@ -1,0 +1,79 @@
+"""Shared helpers: input validation, masked reductions, clamps. Pure torch."""
+from __future__ import annotations
+
+import difflib
+from typing import Iterable, Optional
+
+import torch
+
+LOG_CLAMP = 20.0  # every exp of a log-ratio clamps its exponent to [-20, 20]
+
+
+def unknown_name_error(kind: str, name: str, valid: Iterable[str]) -> ValueError:
+    valid = sorted(valid)
+    close = difflib.get_close_matches(str(name), valid, n=3)
+    hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    return ValueError(f"unknown {kind} {name!r}.{hint} Valid names: {', '.join(valid)}")
+
+
+def check_2d(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be [B, T], got shape {tuple(t.shape)}")
+
+
+def check_same_shape(ref_name: str, ref: torch.Tensor, **others: Optional[torch.Tensor]) -> None:
+    """Every tensor in ``others`` must have ``ref``'s shape; the error names the culprit."""
+    check_2d(ref_name, ref)
+    for name, t in others.items():
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.shape != ref.shape:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)} but {ref_name} has shape {tuple(ref.shape)}; "
+                "per-token tensors must all be [B, T]"
+            )
+
+
+def as_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A float 0/1 mask with ``like``'s dtype (bool masks accepted)."""
+    return mask.to(dtype=like.dtype)
+
+
+def broadcast_seq(name: str, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``x`` of shape ``[B]`` or ``[B, T]`` broadcast to ``like`` ``[B, T]``."""
+    if x.dim() == 1:
+        if x.shape[0] != like.shape[0]:
+            raise ValueError(
+                f"{name} has {x.shape[0]} entries but the batch has {like.shape[0]} sequences"
+            )
+        return x.to(like.dtype).unsqueeze(-1).expand_as(like)
+    if x.shape != like.shape:
+        raise ValueError(
+            f"{name} must be [B] or [B, T] = {tuple(like.shape)}, got shape {tuple(x.shape)}"
+        )
+    return x.to(like.dtype)
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    m = mask.to(x.dtype)
+    return (x * m).sum() if dim is None else (x * m).sum(dim=dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    m = mask.to(x.dtype)
+    if dim is None:
+        return (x * m).sum() / m.sum().clamp(min=1.0)
+    return (x * m).sum(dim=dim) / m.sum(dim=dim).clamp(min=1.0)
+
+
+def zero_masked(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Zero where the mask is 0, also where ``loss`` is inf/nan there (no NaN leak via 0*inf)."""
+    return torch.where(mask.bool(), loss, torch.zeros_like(loss))
+
+
+def clamp_log(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-LOG_CLAMP, LOG_CLAMP)

@@ -1,0 +1,501 @@
+"""The method registry: the one seam between methods and engines (ARCHITECTURE.md).
+
+A :class:`Method` is data: an advantage estimator, optional reward shaping and advantage
+reshaping, one policy loss, optional regularizers, an optional ``D_pef`` anchor loss, and
+the hyperparameters of each. From those it derives :class:`Needs`, what it asks of an
+engine. Engines never branch on a method's name: they read ``method.needs``, hand the
+method tensors, and apply what it returns::
+
+    method = get_method("dph_js", anchor_eta=0.1)
+    rewards = method.shape_rewards(raw_rewards, G, seq_mean_old_log_probs=..., lengths=...)
+    keep = method.keep_groups(rewards, G)            # dynamic sampling (all True if off)
+    adv = method.advantages(rewards, G, old_log_probs=old, mask=mask)      # [N, T]
+    ...                                                # per micro-batch, training forward:
+    loss, metrics = method.loss(
+        online=LossInputs(log_probs=lp, old_log_probs=old, advantages=adv, mask=mask,
+                          correct=method.is_correct(rewards), entropy=H, ref_log_probs=ref),
+        anchor=AnchorInputs(log_probs=alp, ref_log_probs=stored_ref, mask=amask),
+        num_online_tokens=..., num_anchor_tokens=...)  # global counts, for grad accumulation
+    loss.backward()
+
+``L = L_exp + eta * L_pef``, each aggregated over its own tokens (ALGORITHMS.md 4).
+Adding a method is one :func:`register_method` call; every engine gets it.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import torch
+
+from ._utils import check_same_shape, masked_mean, unknown_name_error
+from .advantages import (
+    ds_reshape_advantages,
+    dynamic_sampling_mask,
+    entropy_advantages,
+    group_advantages,
+    overlong_penalty,
+    passk_advantages,
+    pkpo_advantages,
+    unlikeliness_rewards,
+)
+from .kl import kl_estimate
+from .losses import (
+    AGGREGATIONS,
+    aggregate_loss,
+    cispo_loss,
+    clip_cov_loss,
+    diff_entropy_loss,
+    dph_anchor_loss,
+    dph_js_def_loss,
+    entropy_loss,
+    flowrl_loss,
+    kl_cov_loss,
+    lad_loss,
+    ppo_clip_loss,
+    ppo_clip_mask,
+)
+from .divergences import check_alpha
+
+# ------------------------------------------------------------------ components
+# Each component owns its hyperparameters (name -> default). A method accepts exactly the
+# hyperparameters of its components, so a typo is an error, not a silent no-op.
+COMMON_HPARAMS: Dict[str, Any] = {
+    "correct_threshold": 1.0,   # correct_i = (R_i >= threshold) for binary verifiable rewards
+    "overlong_max_len": None,   # DAPO overlong shaping L_max (None: off)
+    "overlong_cache_len": None,  # DAPO overlong shaping L_c
+}
+ESTIMATORS: Dict[str, Dict[str, Any]] = {
+    "grpo": {}, "dr_grpo": {}, "rloo": {},
+    "passk": {"passk_k": 4},
+    "pkpo": {"passk_k": 4},
+}
+REWARD_SHAPING: Dict[str, Dict[str, Any]] = {
+    "unlikeliness": {"unlikeliness_beta": 0.25},
+}
+ADV_RESHAPING: Dict[str, Dict[str, Any]] = {
+    "ds": {"gamma_p": 0.01, "gamma_n": 0.01, "ds_granularity": "token"},
+    "entadv": {"entadv_alpha": 0.4, "entadv_kappa": 2.0},
+}
+POLICY_LOSSES: Dict[str, Dict[str, Any]] = {
+    "ppo_clip": {"eps_low": 0.2, "eps_high": 0.2, "dual_clip": 3.0},
+    "cispo": {"eps_low": 1.0, "eps_high": 0.28},
+    "clip_cov": {"eps_low": 0.2, "eps_high": 0.2, "dual_clip": 3.0,
+                 "clip_cov_ratio": 2e-4, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0},
+    "kl_cov": {"kl_cov_ratio": 2e-3, "kl_cov_k": 1.0},
+    "lad": {"lad_divergence": "js", "lad_eta": 0.25, "lad_granularity": "token", "lad_clip": None},
+    "flowrl": {"flowrl_beta": 15.0, "flowrl_max_weight": 10.0},
+}
+REGULARIZERS: Dict[str, Dict[str, Any]] = {
+    "kl": {"kl_coef": 0.01, "kl_estimator": "k3"},
+    "entropy": {"entropy_coef": 1e-3},
+    "diff_entropy": {"entropy_coef_pos": 1e-3, "entropy_coef_neg": 1e-3},
+    "js_def_online": {"js_def_lambda": 0.125},
+}
+ANCHORS: Dict[str, Dict[str, Any]] = {
+    "forward_kl": {"anchor_eta": 0.01},
+    "js": {"anchor_eta": 0.2},
+    "alpha": {"anchor_eta": 0.01, "anchor_alpha": 0.5},
+    "js_def": {"anchor_eta": 0.2},
+}
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a method asks of an engine."""
+
+    ref_log_probs: bool = False   # an online reference-model forward on rollouts
+    anchor_batch: bool = False    # D_pef anchor samples with their stored base log-probs
+    entropy: bool = False         # full-vocabulary entropy at the training forward
+    old_log_probs: bool = True    # behaviour-policy log-probs of the rollouts
+    prompt_hidden: bool = False   # prompt hidden states, for FlowRL's log Z head
+
+
+@dataclass
+class LossInputs:
+    """Per-token tensors of online rollouts for one (micro-)batch, all ``[B, T]``."""
+
+    log_probs: torch.Tensor
+    old_log_probs: torch.Tensor
+    advantages: torch.Tensor          # [B, T] (from Method.advantages) or [B]
+    mask: torch.Tensor
+    correct: Optional[torch.Tensor] = None       # [B] bool; needed by diff_entropy
+    ref_log_probs: Optional[torch.Tensor] = None  # needs.ref_log_probs
+    entropy: Optional[torch.Tensor] = None        # needs.entropy
+    log_z: Optional[torch.Tensor] = None          # [B], FlowRL's log Z head output
+    generator: Optional[torch.Generator] = None   # Clip-Cov's random token choice
+
+
+@dataclass
+class AnchorInputs:
+    """A ``D_pef`` micro-batch: current log-probs and the stored base log-probs."""
+
+    log_probs: torch.Tensor
+    ref_log_probs: torch.Tensor
+    mask: torch.Tensor
+
+
+def _require(inputs: LossInputs, field_name: str, method: str, need: str):
+    val = getattr(inputs, field_name)
+    if val is None:
+        raise ValueError(
+            f"method {method!r} needs LossInputs.{field_name} (declared in Method.needs.{need}); got None"
+        )
+    return val
+
+
+@dataclass
+class Method:
+    """A training method as data. Build one with :func:`get_method`."""
+
+    name: str
+    summary: str
+    estimator: str = "grpo"
+    reward_shaping: Tuple[str, ...] = ()
+    adv_reshaping: Tuple[str, ...] = ()
+    policy_loss: str = "ppo_clip"
+    regularizers: Tuple[str, ...] = ()
+    anchor: Optional[str] = None
+    aggregation: str = "token-mean"
+    dynamic_sampling: bool = False
+    hparams: Dict[str, Any] = field(default_factory=dict)
+    paper: str = ""
+
+    # -------------------------------------------------------------- declaration
+    def hparam_defaults(self) -> Dict[str, Any]:
+        d = dict(COMMON_HPARAMS)
+        d.update(ESTIMATORS[self.estimator])
+        for r in self.reward_shaping:
+            d.update(REWARD_SHAPING[r])
+        for r in self.adv_reshaping:
+            d.update(ADV_RESHAPING[r])
+        d.update(POLICY_LOSSES[self.policy_loss])
+        for r in self.regularizers:
+            d.update(REGULARIZERS[r])
+        if self.anchor is not None:
+            d.update(ANCHORS[self.anchor])
+        return d
+
+    @property
+    def needs(self) -> Needs:
+        return Needs(
+            ref_log_probs="kl" in self.regularizers or "js_def_online" in self.regularizers
+            or self.policy_loss == "flowrl",
+            anchor_batch=self.anchor is not None,
+            entropy=bool({"entropy", "diff_entropy"} & set(self.regularizers))
+            or "entadv" in self.adv_reshaping,
+            old_log_probs=True,
+            prompt_hidden=self.policy_loss == "flowrl",
+        )
+
+    @property
+    def anchor_weight(self) -> float:
+        """``eta`` of ``L = L_exp + eta * L_pef`` (0 without an anchor)."""
+        return float(self.hparams["anchor_eta"]) if self.anchor is not None else 0.0
+
+    def describe(self) -> Dict[str, Any]:
+        return {
+            "name": self.name, "summary": self.summary, "estimator": self.estimator,
+            "reward_shaping": list(self.reward_shaping), "adv_reshaping": list(self.adv_reshaping),
+            "policy_loss": self.policy_loss, "regularizers": list(self.regularizers),
+            "anchor": self.anchor, "aggregation": self.aggregation,
+            "dynamic_sampling": self.dynamic_sampling, "hparams": dict(self.hparams),
+            "needs": dataclasses.asdict(self.needs), "paper": self.paper,
+        }
+
+    def with_overrides(self, **overrides) -> "Method":
+        """A copy with hyperparameters (or ``aggregation`` / ``dynamic_sampling``) replaced."""
+        m = copy.deepcopy(self)
+        for key in ("aggregation", "dynamic_sampling"):
+            if key in overrides:
+                setattr(m, key, overrides.pop(key))
+        valid = m.hparam_defaults()
+        for k, v in overrides.items():
+            if k not in valid:
+                close = difflib.get_close_matches(k, list(valid) + ["aggregation", "dynamic_sampling"], n=3)
+                hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+                raise ValueError(
+                    f"method {m.name!r} has no hyperparameter {k!r}.{hint} "
+                    f"Valid: {', '.join(sorted(valid))}, aggregation, dynamic_sampling"
+                )
+            m.hparams[k] = v
+        m.validate()
+        return m
+
+    def validate(self) -> None:
+        h = self.hparams
+        if self.aggregation not in AGGREGATIONS:
+            raise unknown_name_error("loss aggregation", self.aggregation, AGGREGATIONS)
+        if self.anchor == "alpha":
+            check_alpha(h["anchor_alpha"])
+        if self.policy_loss == "lad" and not float(h["lad_eta"]) > 0:
+            raise ValueError(f"lad_eta must be > 0, got {h['lad_eta']}")
+        if "anchor_eta" in h and float(h["anchor_eta"]) < 0:
+            raise ValueError(f"anchor_eta must be >= 0, got {h['anchor_eta']}")
+
+    # -------------------------------------------------------------- rollout side
+    def is_correct(self, rewards: torch.Tensor) -> torch.Tensor:
+        """``correct_i = (R_i >= correct_threshold)`` on the task rewards (before shaping)."""
+        return torch.as_tensor(rewards) >= float(self.hparams["correct_threshold"])
+
+    def shape_rewards(
+        self, rewards: torch.Tensor, group_size: int, *,
+        seq_mean_old_log_probs: Optional[torch.Tensor] = None,
+        lengths: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Reward shaping before the advantage estimator: DAPO overlong (when the method
+        sets ``overlong_max_len`` and ``lengths`` are given) and the unlikeliness reward."""
+        r = torch.as_tensor(rewards, dtype=torch.float32).clone()
+        h = self.hparams
+        if h.get("overlong_max_len") is not None and lengths is not None:
+            r = r + overlong_penalty(lengths, int(h["overlong_max_len"]), int(h["overlong_cache_len"]))
+        if "unlikeliness" in self.reward_shaping:
+            if seq_mean_old_log_probs is None:
+                raise ValueError(f"method {self.name!r} needs seq_mean_old_log_probs for the unlikeliness reward")
+            r = unlikeliness_rewards(r, seq_mean_old_log_probs, group_size, h["unlikeliness_beta"])
+        return r
+
+    def keep_groups(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+        """``[B]`` bool: groups to train on (dynamic sampling drops all-equal groups)."""
+        r = torch.as_tensor(rewards, dtype=torch.float32)
+        if not self.dynamic_sampling:
+            return torch.ones(r.numel() // group_size, dtype=torch.bool)
+        return dynamic_sampling_mask(r, group_size)
+
+    def sequence_advantages(self, rewards: torch.Tensor, group_size: int,
+                            correct: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[N]`` advantages from (shaped) rewards by the method's estimator."""
+        r = torch.as_tensor(rewards, dtype=torch.float32)
+        if self.estimator == "passk":
+            return passk_advantages(self._binary(r, correct), group_size, int(self.hparams["passk_k"]))
+        if self.estimator == "pkpo":
+            return pkpo_advantages(self._binary(r, correct), group_size, int(self.hparams["passk_k"]))
+        return group_advantages(r, group_size, self.estimator)
+
+    def _binary(self, r, correct):
+        c = self.is_correct(r) if correct is None else torch.as_tensor(correct)
+        return c.to(torch.float32)
+
+    def advantages(
+        self, rewards: torch.Tensor, group_size: int, *,
+        old_log_probs: torch.Tensor, mask: torch.Tensor,
+        correct: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Token-level advantages ``[N, T]``: estimator, then DS reshaping if the method has it.
+
+        ``rewards`` are the shaped rewards; ``correct`` defaults to ``is_correct(rewards)``
+        (pass the task rewards' correctness when shaping changed them). EntAdv, which needs
+        the training forward's entropy, is applied inside :meth:`loss`.
+        """
+        check_same_shape("old_log_probs", old_log_probs, mask=mask)
+        seq = self.sequence_advantages(rewards, group_size, correct)
+        if "ds" in self.adv_reshaping:
+            c = self.is_correct(rewards) if correct is None else torch.as_tensor(correct)
+            h = self.hparams
+            return ds_reshape_advantages(seq, c, old_log_probs, mask, float(h["gamma_p"]),
+                                         float(h["gamma_n"]), h["ds_granularity"])
+        return seq.to(old_log_probs.dtype).unsqueeze(-1) * mask.to(old_log_probs.dtype)
+
+    # -------------------------------------------------------------- training side
+    def online_loss(self, b: LossInputs) -> Tuple[torch.Tensor, Dict[str, float]]:
+        """Per-token loss ``[B, T]`` on rollout tokens: policy loss + regularizers."""
+        h = self.hparams
+        name = self.name
+        adv = b.advantages
+        if adv.dim() == 1:
+            adv = adv.to(b.log_probs.dtype).unsqueeze(-1).expand_as(b.log_probs)
+        metrics: Dict[str, float] = {}
+        if "entadv" in self.adv_reshaping:
+            H = _require(b, "entropy", name, "entropy")
+            adv = entropy_advantages(adv, H, b.mask, float(h["entadv_alpha"]), float(h["entadv_kappa"]))
+        pl = self.policy_loss
+        if pl == "ppo_clip":
+            loss = ppo_clip_loss(b.log_probs, b.old_log_probs, adv, b.mask,
+                                 h["eps_low"], h["eps_high"], h["dual_clip"])
+        elif pl == "cispo":
+            loss = cispo_loss(b.log_probs, b.old_log_probs, adv, b.mask, h["eps_low"], h["eps_high"])
+        elif pl == "clip_cov":
+            loss = clip_cov_loss(b.log_probs, b.old_log_probs, adv, b.mask, h["eps_low"], h["eps_high"],
+                                 h["dual_clip"], h["clip_cov_ratio"], h["clip_cov_lb"], h["clip_cov_ub"],
+                                 generator=b.generator)
+        elif pl == "kl_cov":
+            loss = kl_cov_loss(b.log_probs, b.old_log_probs, adv, b.mask, h["kl_cov_ratio"], h["kl_cov_k"])
+        elif pl == "lad":
+            clip = h["lad_clip"]
+            loss = lad_loss(b.log_probs, b.old_log_probs, adv, b.mask, h["lad_divergence"], float(h["lad_eta"]),
+                            h["lad_granularity"], tuple(clip) if clip is not None else None)
+        elif pl == "flowrl":
+            ref = _require(b, "ref_log_probs", name, "ref_log_probs")
+            log_z = _require(b, "log_z", name, "prompt_hidden")
+            seq_adv = masked_mean(adv, b.mask, dim=1)
+            loss = flowrl_loss(b.log_probs, b.old_log_probs, ref, seq_adv, log_z, b.mask,
+                               float(h["flowrl_beta"]), float(h["flowrl_max_weight"]))
+        else:  # pragma: no cover - guarded by register_method
+            raise unknown_name_error("policy loss", pl, POLICY_LOSSES)
+        with torch.no_grad():
+            log_r = (b.log_probs - b.old_log_probs).clamp(-20, 20)
+            metrics["clipfrac"] = float(masked_mean(
+                ppo_clip_mask(torch.exp(log_r), adv, float(h.get("eps_low", 0.2)),
+                              float(h.get("eps_high", 0.2))).float(), b.mask))
+            metrics["policy_loss"] = float(masked_mean(loss, b.mask))
+        for reg in self.regularizers:
+            if reg == "kl":
+                ref = _require(b, "ref_log_probs", name, "ref_log_probs")
+                kl = kl_estimate(b.log_probs, ref, b.mask, h["kl_estimator"])
+                loss = loss + float(h["kl_coef"]) * kl
+                metrics["kl"] = float(masked_mean(kl.detach(), b.mask))
+            elif reg == "entropy":
+                H = _require(b, "entropy", name, "entropy")
+                loss = loss + entropy_loss(H, b.mask, float(h["entropy_coef"]))
+                metrics["entropy"] = float(masked_mean(H.detach(), b.mask))
+            elif reg == "diff_entropy":
+                H = _require(b, "entropy", name, "entropy")
+                c = _require(b, "correct", name, "correct")
+                loss = loss + diff_entropy_loss(H, c, b.mask, float(h["entropy_coef_pos"]),
+                                                float(h["entropy_coef_neg"]))
+                metrics["entropy"] = float(masked_mean(H.detach(), b.mask))
+            elif reg == "js_def_online":
+                ref = _require(b, "ref_log_probs", name, "ref_log_probs")
+                js = dph_js_def_loss(b.log_probs, ref, b.mask, on="online")
+                loss = loss + self.anchor_weight * float(h["js_def_lambda"]) * js
+                metrics["js_def_online"] = float(masked_mean(js.detach(), b.mask))
+        return loss, metrics
+
+    def anchor_loss(self, a: AnchorInputs) -> torch.Tensor:
+        """Unweighted per-token anchor loss ``[B, T]`` on ``D_pef`` tokens."""
+        if self.anchor is None:
+            raise ValueError(f"method {self.name!r} has no anchor loss (needs.anchor_batch is False)")
+        if self.anchor == "js_def":
+            return dph_js_def_loss(a.log_probs, a.ref_log_probs, a.mask, on="anchor")
+        return dph_anchor_loss(a.log_probs, a.ref_log_probs, a.mask, self.anchor,
+                               alpha=self.hparams.get("anchor_alpha", 0.5))
+
+    def loss(
+        self,
+        online: Optional[LossInputs] = None,
+        anchor: Optional[AnchorInputs] = None,
+        num_online_tokens: Optional[float] = None,
+        num_anchor_tokens: Optional[float] = None,
+        num_online_seqs: Optional[float] = None,
+    ) -> Tuple[torch.Tensor, Dict[str, float]]:
+        """Scalar ``L = L_exp + eta * L_pef`` for one micro-batch (either part may be absent).
+
+        Each part is aggregated over its own tokens; the ``num_*`` arguments give the
+        global counts of the optimiser step so micro-batch losses add up exactly.
+        """
+        total = None
+        metrics: Dict[str, float] = {}
+        if online is not None:
+            per_tok, metrics = self.online_loss(online)
+            l_exp = aggregate_loss(per_tok, online.mask, self.aggregation, num_online_tokens, num_online_seqs)
+            metrics["loss_exp"] = float(l_exp.detach())
+            total = l_exp
+        if anchor is not None:
+            per_tok = self.anchor_loss(anchor)
+            l_pef = aggregate_loss(per_tok, anchor.mask, "token-mean", num_anchor_tokens)
+            metrics["loss_pef"] = float(l_pef.detach())
+            weighted = self.anchor_weight * l_pef
+            total = weighted if total is None else total + weighted
+        if total is None:
+            raise ValueError("Method.loss needs online inputs, anchor inputs, or both")
+        metrics["loss"] = float(total.detach())
+        return total, metrics
+
+
+# ------------------------------------------------------------------ the registry
+_REGISTRY: Dict[str, Method] = {}
+
+
+def register_method(method: Method, overwrite: bool = False) -> Method:
+    """Add a method (its hyperparameters are completed with the components' defaults)."""
+    if method.name in _REGISTRY and not overwrite:
+        raise ValueError(f"method {method.name!r} is already registered")
+    for kind, val, table in (("estimator", method.estimator, ESTIMATORS),
+                             ("policy loss", method.policy_loss, POLICY_LOSSES)):
+        if val not in table:
+            raise unknown_name_error(kind, val, table)
+    for kind, vals, table in (("reward shaping", method.reward_shaping, REWARD_SHAPING),
+                              ("advantage reshaping", method.adv_reshaping, ADV_RESHAPING),
+                              ("regularizer", method.regularizers, REGULARIZERS)):
+        for v in vals:
+            if v not in table:
+                raise unknown_name_error(kind, v, table)
+    if method.anchor is not None and method.anchor not in ANCHORS:
+        raise unknown_name_error("anchor divergence", method.anchor, ANCHORS)
+    given = dict(method.hparams)
+    method.hparams = method.hparam_defaults()
+    full = method.with_overrides(**given)
+    _REGISTRY[method.name] = full
+    return full
+
+
+def get_method(name: str, **overrides) -> Method:
+    """A fresh copy of the named preset, with hyperparameter ``overrides`` applied."""
+    if name not in _REGISTRY:
+        raise unknown_name_error("method", name, _REGISTRY)
+    return _REGISTRY[name].with_overrides(**overrides)
+
+
+def list_methods() -> Tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def method_table() -> Mapping[str, Dict[str, Any]]:
+    return {n: m.describe() for n, m in _REGISTRY.items()}
+
+
+def _presets() -> None:
+    D, S, L = ("DPH-RL (seed 000)", "Differential Smoothing (seed 002)", "LAD (seed 003)")
+    P = [
+        Method("grpo", "GRPO: group-normalised advantages, PPO-clip 0.2/0.2, no KL"),
+        Method("dr_grpo", "Dr. GRPO: mean-centred advantages without std division", estimator="dr_grpo"),
+        Method("rloo", "RLOO: leave-one-out baseline", estimator="rloo"),
+        Method("dapo", "DAPO: clip-higher 0.28, token-mean, dynamic sampling, overlong shaping",
+               dynamic_sampling=True,
+               hparams={"eps_high": 0.28, "overlong_max_len": 20480, "overlong_cache_len": 4096}),
+        Method("rkl", "GRPO + reverse KL (k3) to the online reference, beta 0.01",
+               regularizers=("kl",), hparams={"eps_high": 0.28, "kl_coef": 0.01}, paper=D),
+        Method("dph_f", "DPH-RL forward KL: PPO-clip without KL on D_exp + generator-form "
+               "KL(pi_ref||pi) on D_pef, eta 0.01", anchor="forward_kl",
+               hparams={"eps_high": 0.28}, paper=D),
+        Method("dph_js", "DPH-RL Jensen-Shannon generator anchor on D_pef, eta 0.2", anchor="js",
+               hparams={"eps_high": 0.28}, paper=D),
+        Method("dph_alpha", "DPH-RL alpha-divergence anchor (alpha 0.5), eta 0.01", anchor="alpha",
+               hparams={"eps_high": 0.28}, paper=D),
+        Method("dph_js_def", "DPH-RL JS by definition: KL(ref||M) on D_pef + KL(pi||M) on rollouts "
+               "(needs the online reference)", anchor="js_def", regularizers=("js_def_online",),
+               hparams={"eps_high": 0.28}, paper=D),
+        Method("ds_grpo", "DS-GRPO: A - gamma_p old_t on correct, A + gamma_n old_t on incorrect",
+               adv_reshaping=("ds",), hparams={"eps_high": 0.25}, paper=S),
+        Method("ds_positive", "DS ablation: reshape correct responses only (gamma_n = 0)",
+               adv_reshaping=("ds",), hparams={"eps_high": 0.25, "gamma_n": 0.0}, paper=S),
+        Method("ds_negative", "DS ablation: reshape incorrect responses only (gamma_p = 0)",
+               adv_reshaping=("ds",), hparams={"eps_high": 0.25, "gamma_p": 0.0}, paper=S),
+        Method("entropy_bonus", "GRPO + entropy bonus c_H H (c_H = 1e-3)", regularizers=("entropy",),
+               hparams={"eps_high": 0.25, "entropy_coef": 1e-3}, paper=S),
+        Method("entropy_penalty", "GRPO + entropy penalty (c_H = -1e-3)", regularizers=("entropy",),
+               hparams={"eps_high": 0.25, "entropy_coef": -1e-3}, paper=S),
+        Method("diff_entropy", "Differential entropy control: bonus on correct, penalty on incorrect",
+               regularizers=("diff_entropy",), hparams={"eps_high": 0.25}, paper=S),
+        Method("cispo", "CISPO: clipped, detached IS weight times A log pi", policy_loss="cispo"),
+        Method("clip_cov", "Clip-Cov: detach random high-covariance tokens", policy_loss="clip_cov"),
+        Method("kl_cov", "KL-Cov: |log r| penalty on the top-covariance tokens", policy_loss="kl_cov"),
+        Method("entadv", "EntAdv: A + min(alpha sg(H), |A|/kappa)", adv_reshaping=("entadv",)),
+        Method("flowrl", "FlowRL: length-normalised trajectory balance with a learned log Z",
+               policy_loss="flowrl", aggregation="seq-mean-token-mean"),
+        Method("unlikeliness", "Unlikeliness reward: discount likely correct answers by rank",
+               reward_shaping=("unlikeliness",)),
+        Method("passk", "Pass@k training, analytical advantage (k = 4)", estimator="passk"),
+        Method("pkpo", "PKPO: unbiased pass@k reward transform + leave-one-out baseline", estimator="pkpo"),
+    ]
+    for div in ("kl", "reverse_kl", "jeffreys", "tv", "hellinger", "js"):
+        P.append(Method(f"lad_{div}", f"LAD with the {div} f-divergence, eta 0.25, no PPO clip",
+                        policy_loss="lad", hparams={"lad_divergence": div}, paper=L))
+    for m in P:
+        register_method(m)
+
+
+_presets()

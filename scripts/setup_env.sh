@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Create or reuse the virtualenv at .venv and install the pinned CPU stack into it.
+# Idempotent: reinstalls only when the requirement files or setup.py changed.
+# Sourced by scripts/demo.sh and scripts/test.sh; safe to run on its own.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+PY="${PYTHON:-python3}"
+
+stamp_of() {
+  cat "$ROOT/requirements/cpu.txt" "$ROOT/requirements/constraints-cpu.txt" "$ROOT/setup.py" \
+    | sha256sum | cut -d' ' -f1
+}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating virtualenv at $VENV"
+  "$PY" -m venv "$VENV"
+fi
+
+want="$(stamp_of)"
+have="$(cat "$VENV/.openrlhf_div_stamp" 2>/dev/null || true)"
+if [ "$want" != "$have" ]; then
+  echo "[setup] installing pinned CPU dependencies into .venv (first run: about 2-3 minutes)"
+  # The constraints file pins torch==2.13.0 (the CPU build) and reaches build isolation too,
+  # so no multi-GB CUDA wheel is pulled.
+  export PIP_CONSTRAINT="$ROOT/requirements/constraints-cpu.txt"
+  export PIP_DISABLE_PIP_VERSION_CHECK=1
+  "$VENV/bin/python" -m pip install -q --progress-bar off -r "$ROOT/requirements/cpu.txt" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+  # openrlhf hard-requires flash-attn (CUDA-only): install it without its dependency list.
+  "$VENV/bin/python" -m pip install -q --progress-bar off --no-deps openrlhf==0.11.2 2> >(grep -v "is ignored" >&2)
+  "$VENV/bin/python" -m pip install -q --progress-bar off --no-deps --no-build-isolation -e "$ROOT" 2> >(grep -v "is ignored" >&2)
+  echo "$want" > "$VENV/.openrlhf_div_stamp"
+  echo "[setup] done"
+fi
