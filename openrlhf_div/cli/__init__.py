@@ -1,0 +1,1 @@
+"""The ``openrlhf-div`` command line."""

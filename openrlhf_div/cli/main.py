@@ -1,0 +1,51 @@
+"""``openrlhf-div``: one command, one subcommand per stage.
+
+Each subcommand lives in its own module ``openrlhf_div/cli/<name>.py`` exposing
+``add_parser(subparsers)`` (which sets ``func`` on its parser); add new ones to
+``SUBCOMMANDS``. Modules are imported lazily so ``--help`` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import List, Optional
+
+from openrlhf_div import __version__
+
+# (subcommand module, one-line help). Order is the order of --help.
+SUBCOMMANDS = [
+    ("methods", "list the registered methods, their defaults and what they need"),
+    ("bandit", "the controlled 50-arm bandit: LAD / GRPO / DS against their analytic optima"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="openrlhf-div",
+        description="Diversity-preserving RLVR: DPH-RL, Differential Smoothing, LAD and baselines.",
+    )
+    parser.add_argument("--version", action="version", version=f"openrlhf-div {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, _help in SUBCOMMANDS:
+        mod = importlib.import_module(f"openrlhf_div.cli.{name}")
+        mod.add_parser(sub)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    try:
+        rc = args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return int(rc or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
