@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import List, Optional
 
@@ -44,6 +45,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except (ValueError, FileNotFoundError) as exc:
+        # bad input: one clear line, no traceback (set OPENRLHF_DIV_DEBUG=1 for the traceback)
+        if os.environ.get("OPENRLHF_DIV_DEBUG"):
+            raise
+        print(f"openrlhf-div {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     return int(rc or 0)
 
 
