@@ -30,7 +30,10 @@ GRPO (``grpo``)
     32 samples, PPO-clip 0.2/0.2 (dual clip 3), plus the exact ``eta * KL(pi || pi_old)``
     (``eta = 1``: weight 1, as in the paper). With *unnormalised* advantages its optimum
     would be the LAD target; the std division lowers its effective temperature and the
-    clip limits each phase's move.
+    clip limits each phase's move (ratio ~1 +- 0.2 per phase). Two controls separate the
+    effects: ``grpo_noclip`` (same, clip range widened to 1e9, no dual clip) and
+    ``dr_grpo_noclip`` (``R_i - mean R``, no std division, no clip), whose optimum is the
+    LAD target (up to the ``(G-1)/G`` factor of a batch mean that includes the sample).
 
 DS (``ds_grpo``, ``ds_positive``, ``ds_negative``), the check of DS Lemma B.5
     Maximising ``E_pi[R'] - beta KL(pi || pi_ref)`` with the DS reward
