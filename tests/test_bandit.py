@@ -136,8 +136,12 @@ def test_the_losses_come_from_the_library(monkeypatch):
 @pytest.fixture(scope="module")
 def default_runs():
     """LAD-JS and GRPO-without-clip on the real default settings (4000 steps, seed 0)."""
-    torch.set_num_threads(1)
-    return {m: B.run_bandit(m, B.BanditConfig()) for m in ("lad_js", "grpo_noclip")}
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)   # 50-element tensors: threads only add overhead
+    try:
+        return {m: B.run_bandit(m, B.BanditConfig()) for m in ("lad_js", "grpo_noclip")}
+    finally:
+        torch.set_num_threads(n)
 
 
 @pytest.mark.slow
