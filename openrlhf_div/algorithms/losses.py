@@ -82,7 +82,7 @@ def ppo_clip_mask(ratio, adv, eps_low, eps_high):
 def ppo_clip_loss(
     log_probs, old_log_probs, advantages, mask,
     eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: Optional[float] = 3.0,
-) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+) -> torch.Tensor:
     """PPO-clip with dual clip (GRPO ``eps = 0.2/0.2``; DAPO clip-higher ``eps_high = 0.28``).
 
     ``l = max(-A r, -A clip(r, 1-eps_low, 1+eps_high))``; for ``A < 0``,
