@@ -195,10 +195,44 @@ def _unknown_key(key: str, valid: Sequence[str], where: str) -> ConfigError:
                        f"{', '.join(sorted(valid))}")
 
 
+def _coerce(key: str, hint: Any, val: Any) -> Any:
+    """Convert ``val`` to a scalar field's type (YAML reads ``1e-3`` as a string, for one)."""
+    text = str(hint)
+    if val is None:
+        if "Optional" in text or "None" in text:
+            return None
+        raise ConfigError(f"config key {key!r} may not be null")
+    for typ, name in ((bool, "bool"), (int, "int"), (float, "float")):
+        if text in (name, f"Optional[{name}]", f"{name} | None", f"typing.Optional[{name}]"):
+            break
+    else:
+        return val
+    if typ is bool:
+        if isinstance(val, bool):
+            return val
+        if str(val).lower() in ("true", "yes", "1", "on"):
+            return True
+        if str(val).lower() in ("false", "no", "0", "off"):
+            return False
+    else:
+        try:
+            if typ is int:
+                f = float(val)
+                if f == int(f) and not isinstance(val, bool):
+                    return int(f)
+            else:
+                if not isinstance(val, bool):
+                    return float(val)
+        except (TypeError, ValueError):
+            pass
+    raise ConfigError(f"config key {key!r} expects {name}, got {val!r}")
+
+
 def _from_dict(cls, data: Dict[str, Any], where: str = ""):
     if not isinstance(data, dict):
         raise ConfigError(f"config section {where or '<top>'} must be a mapping, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = {f.name: f.type for f in dataclasses.fields(cls)}
     kwargs = {}
     for k, v in data.items():
         full = f"{where}.{k}" if where else k
@@ -208,7 +242,7 @@ def _from_dict(cls, data: Dict[str, Any], where: str = ""):
         if dataclasses.is_dataclass(ftype):
             kwargs[k] = _from_dict(ftype, v or {}, full)
         else:
-            kwargs[k] = v
+            kwargs[k] = _coerce(full, hints[k], v)
     return cls(**kwargs)
 
 

@@ -227,9 +227,11 @@ class Experience:
 # =============================================================================== trainer
 class Trainer:
     """Build with a :class:`TrainConfig`; ``resume_dir`` continues a run from its latest
-    checkpoint. ``hooks`` are called after every micro-batch loss with a dict holding the
-    exact tensors handed to ``method.loss`` (``online``, ``anchor``, ``num_online_tokens``,
-    ``num_anchor_tokens``, ``num_online_seqs``, ``loss``, ``metrics``, ``step``, ...)."""
+    checkpoint. ``hooks`` are called after every micro-batch loss (before ``backward``) with
+    a dict holding the exact tensors handed to ``method.loss`` (``online``, ``anchor``,
+    ``num_online_tokens``, ``num_anchor_tokens``, ``num_online_seqs``), its result
+    (``loss``, ``metrics``), where it happened (``step``, ``epoch``, ``mini_batch``,
+    ``micro_batch``, ``rows`` of the step's ``experience``, ``anchors``) and ``trainer``."""
 
     def __init__(self, cfg: TrainConfig, resume_dir: Optional[str] = None,
                  hooks: Sequence[Callable[[Dict[str, Any]], None]] = ()):
@@ -499,7 +501,8 @@ class Trainer:
         for h in self.hooks:
             h(dict(step=self.step + 1, online=online, anchor=anchor, num_online_tokens=num_online_tokens,
                    num_anchor_tokens=num_anchor_tokens, num_online_seqs=num_online_seqs, loss=loss,
-                   metrics=metrics, rows=list(rows), anchors=anchors, method=self.method, **where))
+                   metrics=metrics, rows=list(rows), anchors=anchors, method=self.method, experience=exp,
+                   trainer=self, **where))
         if not torch.isfinite(loss):
             raise NonFiniteLossError(self._nonfinite_msg("loss", float(loss), where["epoch"], where["mini_batch"],
                                                          where["micro_batch"]))
