@@ -231,7 +231,8 @@ class Trainer:
     a dict holding the exact tensors handed to ``method.loss`` (``online``, ``anchor``,
     ``num_online_tokens``, ``num_anchor_tokens``, ``num_online_seqs``), its result
     (``loss``, ``metrics``), where it happened (``step``, ``epoch``, ``mini_batch``,
-    ``micro_batch``, ``rows`` of the step's ``experience``, ``anchors``) and ``trainer``."""
+    ``micro_batch``, ``rows`` of the step's ``experience``, ``anchors``), ``trainer`` and
+    ``train_rng_state`` (the state of ``LossInputs.generator`` before the call)."""
 
     def __init__(self, cfg: TrainConfig, resume_dir: Optional[str] = None,
                  hooks: Sequence[Callable[[Dict[str, Any]], None]] = ()):
@@ -491,6 +492,7 @@ class Trainer:
             anchor = AnchorInputs(log_probs=fo.log_probs[n_on:],
                                   ref_log_probs=pad_lists([a["ref_log_probs"] for a in anchors], R, self.device),
                                   mask=mask[n_on:])
+        rng_state = self.train_rng.get_state() if self.hooks else None
         loss, metrics = self.method.loss(online=online, anchor=anchor, num_online_tokens=num_online_tokens,
                                          num_anchor_tokens=num_anchor_tokens, num_online_seqs=num_online_seqs)
         metrics = dict(metrics)
@@ -502,7 +504,7 @@ class Trainer:
             h(dict(step=self.step + 1, online=online, anchor=anchor, num_online_tokens=num_online_tokens,
                    num_anchor_tokens=num_anchor_tokens, num_online_seqs=num_online_seqs, loss=loss,
                    metrics=metrics, rows=list(rows), anchors=anchors, method=self.method, experience=exp,
-                   trainer=self, **where))
+                   trainer=self, train_rng_state=rng_state, **where))
         if not torch.isfinite(loss):
             raise NonFiniteLossError(self._nonfinite_msg("loss", float(loss), where["epoch"], where["mini_batch"],
                                                          where["micro_batch"]))
@@ -517,7 +519,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> Dict[str, float]:
-        t0 = time.perf_counter()
+        """One RL step: :meth:`make_experience` then :meth:`optimise`; returns its metrics."""
+        t0, c0 = time.perf_counter(), time.process_time()
         exp, stats = self.make_experience()
         t1 = time.perf_counter()
         if exp is not None:
@@ -528,7 +531,7 @@ class Trainer:
         t2 = time.perf_counter()
         n = self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
         stats.update(step=self.step, time_experience=t1 - t0, time_train=t2 - t1, time_step=t2 - t0,
-                     samples_per_s=n / max(t2 - t0, 1e-9))
+                     cpu_time_step=time.process_time() - c0, samples_per_s=n / max(t2 - t0, 1e-9))
         return stats
 
     # ------------------------------------------------------------------ evaluation
