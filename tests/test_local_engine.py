@@ -426,3 +426,28 @@ def test_ctrl_c_finishes_the_step_and_checkpoints(data_dir, tmp_path):
         tr.train()
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_000002"
     assert [json.loads(x)["step"] for x in open(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_lean_decoder_matches_hf_cache_path(arch):
+    from openrlhf_div.engines.local.fastgen import HFDecoder, LlamaLikeDecoder, make_decoder
+
+    model, tok = build_tiny_model(VOCAB, seed=1)
+    if arch == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=1, pad_token_id=tok.pad_token_id,
+                          eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
+    assert isinstance(make_decoder(model, 2, 8), LlamaLikeDecoder)
+    assert isinstance(make_decoder(model, 2, 8, fast=False), HFDecoder)
+    prompts = ["ab=", "abcdef=", "f="]
+    kw = dict(n_samples=4, max_new_tokens=7, temperature=1.3)
+    a = generate(model, tok, prompts, generator=torch.Generator().manual_seed(9), fast=False, **kw)
+    b = generate(model, tok, prompts, generator=torch.Generator().manual_seed(9), fast=True, **kw)
+    assert a.response_ids == b.response_ids
+    torch.testing.assert_close(a.log_probs, b.log_probs, atol=1e-5, rtol=0)
+    lp = sequence_log_probs(model, b.input_ids, b.attention_mask, b.response_mask, temperature=1.3)
+    torch.testing.assert_close(lp.detach(), b.log_probs, atol=1e-5, rtol=0)
