@@ -119,6 +119,15 @@ def test_sampler_log_probs_equal_training_forward_and_unpadded_reference():
     assert again.response_ids == out.response_ids
     ids, attn, rm = pack_sequences(out.prompt_ids, out.response_ids, tok.pad_token_id)
     assert torch.equal(ids, out.input_ids) and torch.equal(attn, out.attention_mask) and torch.equal(rm, out.response_mask)
+    # greedy (temperature 0): every token is the argmax of the training forward's logits
+    gr = generate(model, tok, prompts, n_samples=2, max_new_tokens=6, temperature=0.0)
+    assert gr.response_ids[0] == gr.response_ids[1]
+    with torch.no_grad():
+        logits = model(input_ids=gr.input_ids, attention_mask=gr.attention_mask,
+                       position_ids=(gr.attention_mask.cumsum(-1) - 1).clamp(min=0)).logits
+    P = gr.input_ids.shape[1] - gr.response_mask.shape[1]
+    am = logits[:, P - 1:-1].argmax(-1)
+    assert bool(((am == gr.input_ids[:, P:]) | (gr.response_mask == 0)).all())
     _, ent = sequence_log_probs(model, out.input_ids, out.attention_mask, out.response_mask,
                                 return_entropy=True, temperature=T)
     assert float(ent.max()) <= math.log(len(tok)) + 1e-5 and float(ent[out.response_mask.bool()].min()) > 0
