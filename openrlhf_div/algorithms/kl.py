@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import check_same_shape, clamp_log, unknown_name_error, zero_masked
+from ._utils import check_same_shape, clamp_log, fill_masked, unknown_name_error, zero_masked
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -22,6 +22,8 @@ def kl_estimate(log_probs, ref_log_probs, mask=None, estimator: str = "k3", clam
     ``k3`` values are clamped to ``[-clamp, clamp]`` as OpenRLHF and verl do.
     """
     check_same_shape("log_probs", log_probs, ref_log_probs=ref_log_probs, mask=mask)
+    if mask is not None:
+        log_probs, ref_log_probs = fill_masked(log_probs, mask), fill_masked(ref_log_probs, mask)
     lr = clamp_log(log_probs - ref_log_probs)
     if estimator == "k1":
         kl = lr
