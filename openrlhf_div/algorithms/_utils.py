@@ -61,7 +61,7 @@ def broadcast_seq(name: str, x: torch.Tensor, like: torch.Tensor) -> torch.Tenso
 def fill_masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``x`` with 0 where the mask is 0, selected (not multiplied) so that inf/nan held at
     padding positions cannot turn into NaN (``0 * inf``) in values or gradients."""
-    return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return torch.where(mask.bool(), x, 0.0)
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:

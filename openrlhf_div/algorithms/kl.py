@@ -22,9 +22,8 @@ def kl_estimate(log_probs, ref_log_probs, mask=None, estimator: str = "k3", clam
     ``k3`` values are clamped to ``[-clamp, clamp]`` as OpenRLHF and verl do.
     """
     check_same_shape("log_probs", log_probs, ref_log_probs=ref_log_probs, mask=mask)
-    if mask is not None:
-        log_probs, ref_log_probs = fill_masked(log_probs, mask), fill_masked(ref_log_probs, mask)
-    lr = clamp_log(log_probs - ref_log_probs)
+    lr = log_probs - ref_log_probs
+    lr = clamp_log(lr if mask is None else fill_masked(lr, mask))
     if estimator == "k1":
         kl = lr
     elif estimator == "k2":

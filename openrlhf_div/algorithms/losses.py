@@ -66,18 +66,14 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(dim=-1)
 
 
-def _ratio(log_probs, old_log_probs):
-    log_ratio = clamp_log(log_probs - old_log_probs)
+def _ratio(log_probs, old_log_probs, mask):
+    """``r = exp(clamp(lp - old, -20, 20))``, with the log-ratio set to 0 at masked tokens."""
+    log_ratio = clamp_log(fill_masked(log_probs - old_log_probs, mask))
     return torch.exp(log_ratio), log_ratio
 
 
 def _adv(advantages, like, mask):
     return fill_masked(broadcast_seq("advantages", advantages, like).detach(), mask)
-
-
-def _clean(mask, *xs):
-    """Zero every per-token input at padding positions (see :func:`fill_masked`)."""
-    return tuple(None if x is None else fill_masked(x, mask) for x in xs)
 
 
 def ppo_clip_mask(ratio, adv, eps_low, eps_high):
@@ -98,8 +94,7 @@ def ppo_clip_loss(
     """
     check_same_shape("log_probs", log_probs, old_log_probs=old_log_probs, mask=mask)
     A = _adv(advantages, log_probs, mask)
-    log_probs, old_log_probs = _clean(mask, log_probs, old_log_probs)
-    r, _ = _ratio(log_probs, old_log_probs)
+    r, _ = _ratio(log_probs, old_log_probs, mask)
     l1 = -A * r
     l2 = -A * r.clamp(1.0 - eps_low, 1.0 + eps_high)
     loss = torch.maximum(l1, l2)
@@ -117,9 +112,8 @@ def cispo_loss(log_probs, old_log_probs, advantages, mask, eps_low: float = 1.0,
     Default ``eps_low = 1.0`` (no lower bound, as MiniMax-M1), ``eps_high = 0.28``.
     """
     check_same_shape("log_probs", log_probs, old_log_probs=old_log_probs, mask=mask)
-    A = _adv(advantages, log_probs, mask)
-    log_probs, old_log_probs = _clean(mask, log_probs, old_log_probs)
-    r, _ = _ratio(log_probs, old_log_probs)
+    A = _adv(advantages, log_probs, mask)  # 0 at masked tokens: no 0 * inf there
+    r, _ = _ratio(log_probs, old_log_probs, mask)
     w = r.clamp(1.0 - eps_low, 1.0 + eps_high).detach()
     return zero_masked(-w * A * log_probs, mask)
 
@@ -147,9 +141,8 @@ def clip_cov_loss(
     """
     loss = ppo_clip_loss(log_probs, old_log_probs, advantages, mask, eps_low, eps_high, dual_clip)
     A = _adv(advantages, log_probs, mask)
-    lp_c, old_c = _clean(mask, log_probs.detach(), old_log_probs)
-    r, _ = _ratio(lp_c, old_c)
-    cov = _covariance(A, lp_c, mask)
+    r, _ = _ratio(log_probs.detach(), old_log_probs, mask)
+    cov = _covariance(A, log_probs, mask)
     valid = mask.bool()
     n_valid = int(valid.sum().item())
     cand = valid & (cov > lb) & (cov < ub) & ~ppo_clip_mask(r, A, eps_low, eps_high)
@@ -168,8 +161,7 @@ def kl_cov_loss(log_probs, old_log_probs, advantages, mask, ratio: float = 2e-3,
     ``-A r + k |log r|``, all others ``-A r`` (no ratio clipping)."""
     check_same_shape("log_probs", log_probs, old_log_probs=old_log_probs, mask=mask)
     A = _adv(advantages, log_probs, mask)
-    log_probs, old_log_probs = _clean(mask, log_probs, old_log_probs)
-    r, log_r = _ratio(log_probs, old_log_probs)
+    r, log_r = _ratio(log_probs, old_log_probs, mask)
     loss = -A * r
     valid = mask.bool()
     n_valid = int(valid.sum().item())
@@ -222,11 +214,10 @@ def flowrl_loss(
             raise ValueError(f"{nm} must be [B] = [{B}] for FlowRL, got shape {tuple(t.shape)}")
     m = mask.to(log_probs.dtype)
     n = m.sum(dim=1).clamp(min=1.0)
-    lp, old, ref = _clean(mask, log_probs, old_log_probs, ref_log_probs.detach())
-    mean_lp = lp.sum(1) / n
-    mean_ref = ref.sum(1) / n
-    delta = log_z + mean_lp - beta * advantages.detach().to(log_probs.dtype) - mean_ref
-    log_w = clamp_log((lp - old).sum(1)).detach()
+    # mean_t lp_t - mean_t ref_t as one masked mean of lp - ref (selected, not multiplied)
+    mean_lp_minus_ref = fill_masked(log_probs - ref_log_probs.detach(), mask).sum(1) / n
+    delta = log_z + mean_lp_minus_ref - beta * advantages.detach().to(log_probs.dtype)
+    log_w = clamp_log(fill_masked(log_probs.detach() - old_log_probs, mask).sum(1))
     w = torch.exp(log_w).clamp(max=max_weight)
     seq = w * delta**2
     return zero_masked(seq.unsqueeze(-1).expand_as(log_probs), mask)
@@ -251,8 +242,7 @@ def dph_anchor_loss(log_probs, ref_log_probs, mask, divergence: str = "forward_k
         raise unknown_name_error("DPH anchor divergence", divergence, DPH_ANCHOR_DIVERGENCES)
     if divergence == "alpha":
         check_alpha(alpha)
-    log_probs, ref_log_probs = _clean(mask, log_probs, ref_log_probs.detach())
-    log_u = log_probs - ref_log_probs
+    log_u = fill_masked(log_probs - ref_log_probs.detach(), mask)
     return zero_masked(f_divergence(name, log_u, alpha=alpha), mask)
 
 
@@ -265,12 +255,13 @@ def dph_js_def_loss(log_probs, ref_log_probs, mask, on: str = "anchor"):
     (estimates ``KL(pi_theta || M)``).
     """
     check_same_shape("log_probs", log_probs, ref_log_probs=ref_log_probs, mask=mask)
-    log_probs, ref = _clean(mask, log_probs, ref_log_probs.detach())
-    log_m = torch.logaddexp(ref, log_probs) - LOG2
+    # log m - ref = log((1 + u)/2) = softplus(log u) - log 2 and log m - lp = softplus(-log u)
+    # - log 2 with log u = lp - ref: the same numbers as logsumexp, one pass cheaper
+    log_u = fill_masked(log_probs - ref_log_probs.detach(), mask)
     if on == "anchor":
-        d = clamp_log(log_m - ref)
+        d = clamp_log(F.softplus(log_u, threshold=40.0) - LOG2)
     elif on == "online":
-        d = clamp_log(log_m - log_probs)
+        d = clamp_log(F.softplus(-log_u, threshold=40.0) - LOG2)
     else:
         raise unknown_name_error("dph_js_def side", on, ("anchor", "online"))
     return zero_masked(torch.expm1(d) - d, mask)
@@ -301,12 +292,11 @@ def lad_loss(
     if not eta > 0:
         raise ValueError(f"eta must be > 0, got {eta}")
     A = _adv(advantages, log_probs, mask)
-    log_probs, old_log_probs = _clean(mask, log_probs, old_log_probs)
     if granularity == "token":
-        log_r = log_probs - old_log_probs
+        log_r = fill_masked(log_probs - old_log_probs, mask)
     elif granularity == "sequence":
         m = mask.to(log_probs.dtype)
-        log_r = (log_probs - old_log_probs).sum(1, keepdim=True).expand_as(log_probs)
+        log_r = fill_masked(log_probs - old_log_probs, mask).sum(1, keepdim=True).expand_as(log_probs)
         A = A.sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1.0)
         A = A.expand_as(log_probs)
     else:
