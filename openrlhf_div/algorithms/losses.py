@@ -61,8 +61,12 @@ def aggregate_loss(
 
 # ---------------------------------------------------------------- helpers
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Full-vocabulary entropy ``H = logsumexp(z) - sum softmax(z) z`` over the last dim."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    """Full-vocabulary entropy ``H = logsumexp(z) - sum softmax(z) z`` over the last dim.
+
+    Half-precision logits are upcast to float32; float32/float64 keep their dtype."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
     return -(logp.exp() * logp).sum(dim=-1)
 
 
@@ -85,7 +89,7 @@ def ppo_clip_mask(ratio, adv, eps_low, eps_high):
 def ppo_clip_loss(
     log_probs, old_log_probs, advantages, mask,
     eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: Optional[float] = 3.0,
-) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+) -> torch.Tensor:
     """PPO-clip with dual clip (GRPO ``eps = 0.2/0.2``; DAPO clip-higher ``eps_high = 0.28``).
 
     ``l = max(-A r, -A clip(r, 1-eps_low, 1+eps_high))``; for ``A < 0``,
