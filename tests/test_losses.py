@@ -9,6 +9,8 @@ import math
 import pytest
 import torch
 
+import typing
+
 from openrlhf_div.algorithms import (
     aggregate_loss,
     cispo_loss,
@@ -328,7 +330,9 @@ def test_entropy_from_logits():
             s = sum(math.exp(v - mx) for v in z)
             p = [math.exp(v - mx) / s for v in z]
             want = -sum(q * math.log(q) for q in p if q > 0)
-            assert float(got[b, t]) == pytest.approx(want, rel=1e-5, abs=1e-6)
+            assert float(got[b, t]) == pytest.approx(want, rel=1e-12, abs=1e-14)
+    assert got.dtype == F64
+    assert entropy_from_logits(logits.to(torch.bfloat16)).dtype == torch.float32  # upcast
 
 
 # ------------------------------------------------------------------ FlowRL
@@ -654,6 +658,14 @@ def test_loss_shape_errors_name_the_tensor():
         diff_entropy_loss(lp, torch.tensor([True]), one, 1e-3, 1e-3)
     with pytest.raises(ValueError, match="log_probs"):
         ppo_clip_loss(torch.zeros(3, dtype=F64), torch.zeros(3, dtype=F64), A, torch.ones(3))
+
+
+def test_public_functions_have_resolvable_annotations():
+    for fn in (ppo_clip_loss, cispo_loss, clip_cov_loss, kl_cov_loss, lad_loss, flowrl_loss,
+               dph_anchor_loss, dph_js_def_loss, aggregate_loss, entropy_from_logits):
+        hints = typing.get_type_hints(fn)
+        if "return" in hints:
+            assert hints["return"] is torch.Tensor, fn.__name__  # a per-token tensor, not a tuple
 
 
 def test_lad_bad_names_list_valid_ones():
