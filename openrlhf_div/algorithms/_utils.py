@@ -58,16 +58,23 @@ def broadcast_seq(name: str, x: torch.Tensor, like: torch.Tensor) -> torch.Tenso
     return x.to(like.dtype)
 
 
+def fill_masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` with 0 where the mask is 0, selected (not multiplied) so that inf/nan held at
+    padding positions cannot turn into NaN (``0 * inf``) in values or gradients."""
+    return torch.where(mask.bool(), x, 0.0)
+
+
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
-    m = mask.to(x.dtype)
-    return (x * m).sum() if dim is None else (x * m).sum(dim=dim)
+    xm = fill_masked(x, mask)
+    return xm.sum() if dim is None else xm.sum(dim=dim)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     m = mask.to(x.dtype)
+    xm = fill_masked(x, mask)
     if dim is None:
-        return (x * m).sum() / m.sum().clamp(min=1.0)
-    return (x * m).sum(dim=dim) / m.sum(dim=dim).clamp(min=1.0)
+        return xm.sum() / m.sum().clamp(min=1.0)
+    return xm.sum(dim=dim) / m.sum(dim=dim).clamp(min=1.0)
 
 
 def zero_masked(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

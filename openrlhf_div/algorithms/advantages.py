@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ._utils import check_same_shape, unknown_name_error
+from ._utils import check_same_shape, fill_masked, unknown_name_error
 
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 DS_GRANULARITIES = ("token", "seq_mean", "seq_sum")
@@ -84,11 +84,11 @@ def ds_reshape_advantages(
     if correct.dim() != 1 or correct.shape[0] != B:
         raise ValueError(f"correct must be [B] = [{B}], got shape {tuple(correct.shape)}")
     m = mask.to(old_log_probs.dtype)
-    old = old_log_probs.detach()
+    old = fill_masked(old_log_probs.detach(), mask)
     if granularity == "token":
         lp = old
     else:
-        s = (old * m).sum(dim=1, keepdim=True)
+        s = old.sum(dim=1, keepdim=True)
         if granularity == "seq_mean":
             s = s / m.sum(dim=1, keepdim=True).clamp(min=1.0)
         lp = s.expand_as(old)
@@ -101,7 +101,7 @@ def ds_reshape_advantages(
         adv = advantages.to(old.dtype)
     c = correct.to(torch.bool).unsqueeze(-1)
     out = torch.where(c, adv - gamma_p * lp, adv + gamma_n * lp)
-    return out * m
+    return fill_masked(out, mask)
 
 
 # ---------------------------------------------------------------- Unlikeliness reward
@@ -190,8 +190,8 @@ def entropy_advantages(
     if adv.dim() == 1:
         adv = adv.unsqueeze(-1).expand_as(entropy)
     check_same_shape("entropy", entropy, advantages=adv)
-    bonus = torch.minimum(alpha * entropy.detach(), adv.abs() / kappa)
-    return (adv + bonus) * mask.to(adv.dtype)
+    bonus = torch.minimum(alpha * fill_masked(entropy.detach(), mask), adv.abs() / kappa)
+    return fill_masked(adv + bonus, mask)
 
 
 # ---------------------------------------------------------------- DAPO pieces

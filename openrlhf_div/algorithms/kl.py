@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import check_same_shape, clamp_log, unknown_name_error, zero_masked
+from ._utils import check_same_shape, clamp_log, fill_masked, unknown_name_error, zero_masked
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -22,7 +22,8 @@ def kl_estimate(log_probs, ref_log_probs, mask=None, estimator: str = "k3", clam
     ``k3`` values are clamped to ``[-clamp, clamp]`` as OpenRLHF and verl do.
     """
     check_same_shape("log_probs", log_probs, ref_log_probs=ref_log_probs, mask=mask)
-    lr = clamp_log(log_probs - ref_log_probs)
+    lr = log_probs - ref_log_probs
+    lr = clamp_log(lr if mask is None else fill_masked(lr, mask))
     if estimator == "k1":
         kl = lr
     elif estimator == "k2":

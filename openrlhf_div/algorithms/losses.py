@@ -16,6 +16,7 @@ from ._utils import (
     broadcast_seq,
     check_same_shape,
     clamp_log,
+    fill_masked,
     masked_mean,
     unknown_name_error,
     zero_masked,
@@ -45,11 +46,12 @@ def aggregate_loss(
     """
     check_same_shape("loss", loss, mask=mask)
     m = mask.to(loss.dtype)
+    lm = fill_masked(loss, mask)
     if mode == "token-mean":
         denom = m.sum().clamp(min=1.0) if num_tokens is None else float(max(num_tokens, 1))
-        return (loss * m).sum() / denom
+        return lm.sum() / denom
     if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
-        per_seq = (loss * m).sum(dim=1)
+        per_seq = lm.sum(dim=1)
         if mode == "seq-mean-token-mean":
             per_seq = per_seq / m.sum(dim=1).clamp(min=1.0)
         denom = float(loss.shape[0]) if num_seqs is None else float(max(num_seqs, 1))
@@ -59,18 +61,23 @@ def aggregate_loss(
 
 # ---------------------------------------------------------------- helpers
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Full-vocabulary entropy ``H = logsumexp(z) - sum softmax(z) z`` over the last dim."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    """Full-vocabulary entropy ``H = logsumexp(z) - sum softmax(z) z`` over the last dim.
+
+    Half-precision logits are upcast to float32; float32/float64 keep their dtype."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
     return -(logp.exp() * logp).sum(dim=-1)
 
 
-def _ratio(log_probs, old_log_probs):
-    log_ratio = clamp_log(log_probs - old_log_probs)
+def _ratio(log_probs, old_log_probs, mask):
+    """``r = exp(clamp(lp - old, -20, 20))``, with the log-ratio set to 0 at masked tokens."""
+    log_ratio = clamp_log(fill_masked(log_probs - old_log_probs, mask))
     return torch.exp(log_ratio), log_ratio
 
 
-def _adv(advantages, like):
-    return broadcast_seq("advantages", advantages, like).detach()
+def _adv(advantages, like, mask):
+    return fill_masked(broadcast_seq("advantages", advantages, like).detach(), mask)
 
 
 def ppo_clip_mask(ratio, adv, eps_low, eps_high):
@@ -90,8 +97,8 @@ def ppo_clip_loss(
     The fraction of tokens on the clipped branch is :func:`ppo_clip_mask`'s mean.
     """
     check_same_shape("log_probs", log_probs, old_log_probs=old_log_probs, mask=mask)
-    A = _adv(advantages, log_probs)
-    r, _ = _ratio(log_probs, old_log_probs)
+    A = _adv(advantages, log_probs, mask)
+    r, _ = _ratio(log_probs, old_log_probs, mask)
     l1 = -A * r
     l2 = -A * r.clamp(1.0 - eps_low, 1.0 + eps_high)
     loss = torch.maximum(l1, l2)
@@ -109,8 +116,8 @@ def cispo_loss(log_probs, old_log_probs, advantages, mask, eps_low: float = 1.0,
     Default ``eps_low = 1.0`` (no lower bound, as MiniMax-M1), ``eps_high = 0.28``.
     """
     check_same_shape("log_probs", log_probs, old_log_probs=old_log_probs, mask=mask)
-    A = _adv(advantages, log_probs)
-    r, _ = _ratio(log_probs, old_log_probs)
+    A = _adv(advantages, log_probs, mask)  # 0 at masked tokens: no 0 * inf there
+    r, _ = _ratio(log_probs, old_log_probs, mask)
     w = r.clamp(1.0 - eps_low, 1.0 + eps_high).detach()
     return zero_masked(-w * A * log_probs, mask)
 
@@ -137,8 +144,8 @@ def clip_cov_loss(
     their value stays, their gradient is zero.
     """
     loss = ppo_clip_loss(log_probs, old_log_probs, advantages, mask, eps_low, eps_high, dual_clip)
-    A = _adv(advantages, log_probs)
-    r, _ = _ratio(log_probs.detach(), old_log_probs)
+    A = _adv(advantages, log_probs, mask)
+    r, _ = _ratio(log_probs.detach(), old_log_probs, mask)
     cov = _covariance(A, log_probs, mask)
     valid = mask.bool()
     n_valid = int(valid.sum().item())
@@ -157,8 +164,8 @@ def kl_cov_loss(log_probs, old_log_probs, advantages, mask, ratio: float = 2e-3,
     """KL-Cov (Cui et al. 2025): the top ``floor(ratio * N)`` tokens by ``Cov_t`` get
     ``-A r + k |log r|``, all others ``-A r`` (no ratio clipping)."""
     check_same_shape("log_probs", log_probs, old_log_probs=old_log_probs, mask=mask)
-    A = _adv(advantages, log_probs)
-    r, log_r = _ratio(log_probs, old_log_probs)
+    A = _adv(advantages, log_probs, mask)
+    r, log_r = _ratio(log_probs, old_log_probs, mask)
     loss = -A * r
     valid = mask.bool()
     n_valid = int(valid.sum().item())
@@ -211,10 +218,10 @@ def flowrl_loss(
             raise ValueError(f"{nm} must be [B] = [{B}] for FlowRL, got shape {tuple(t.shape)}")
     m = mask.to(log_probs.dtype)
     n = m.sum(dim=1).clamp(min=1.0)
-    mean_lp = (log_probs * m).sum(1) / n
-    mean_ref = (ref_log_probs.detach() * m).sum(1) / n
-    delta = log_z + mean_lp - beta * advantages.detach().to(log_probs.dtype) - mean_ref
-    log_w = clamp_log(((log_probs - old_log_probs) * m).sum(1)).detach()
+    # mean_t lp_t - mean_t ref_t as one masked mean of lp - ref (selected, not multiplied)
+    mean_lp_minus_ref = fill_masked(log_probs - ref_log_probs.detach(), mask).sum(1) / n
+    delta = log_z + mean_lp_minus_ref - beta * advantages.detach().to(log_probs.dtype)
+    log_w = clamp_log(fill_masked(log_probs.detach() - old_log_probs, mask).sum(1))
     w = torch.exp(log_w).clamp(max=max_weight)
     seq = w * delta**2
     return zero_masked(seq.unsqueeze(-1).expand_as(log_probs), mask)
@@ -239,7 +246,7 @@ def dph_anchor_loss(log_probs, ref_log_probs, mask, divergence: str = "forward_k
         raise unknown_name_error("DPH anchor divergence", divergence, DPH_ANCHOR_DIVERGENCES)
     if divergence == "alpha":
         check_alpha(alpha)
-    log_u = log_probs - ref_log_probs.detach()
+    log_u = fill_masked(log_probs - ref_log_probs.detach(), mask)
     return zero_masked(f_divergence(name, log_u, alpha=alpha), mask)
 
 
@@ -252,12 +259,13 @@ def dph_js_def_loss(log_probs, ref_log_probs, mask, on: str = "anchor"):
     (estimates ``KL(pi_theta || M)``).
     """
     check_same_shape("log_probs", log_probs, ref_log_probs=ref_log_probs, mask=mask)
-    ref = ref_log_probs.detach()
-    log_m = torch.logaddexp(ref, log_probs) - LOG2
+    # log m - ref = log((1 + u)/2) = softplus(log u) - log 2 and log m - lp = softplus(-log u)
+    # - log 2 with log u = lp - ref: the same numbers as logsumexp, one pass cheaper
+    log_u = fill_masked(log_probs - ref_log_probs.detach(), mask)
     if on == "anchor":
-        d = clamp_log(log_m - ref)
+        d = clamp_log(F.softplus(log_u, threshold=40.0) - LOG2)
     elif on == "online":
-        d = clamp_log(log_m - log_probs)
+        d = clamp_log(F.softplus(-log_u, threshold=40.0) - LOG2)
     else:
         raise unknown_name_error("dph_js_def side", on, ("anchor", "online"))
     return zero_masked(torch.expm1(d) - d, mask)
@@ -287,13 +295,13 @@ def lad_loss(
         raise unknown_name_error("LAD divergence", divergence, LAD_DIVERGENCES)
     if not eta > 0:
         raise ValueError(f"eta must be > 0, got {eta}")
-    A = _adv(advantages, log_probs)
+    A = _adv(advantages, log_probs, mask)
     if granularity == "token":
-        log_r = log_probs - old_log_probs
+        log_r = fill_masked(log_probs - old_log_probs, mask)
     elif granularity == "sequence":
         m = mask.to(log_probs.dtype)
-        log_r = ((log_probs - old_log_probs) * m).sum(1, keepdim=True).expand_as(log_probs)
-        A = (A * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1.0)
+        log_r = fill_masked(log_probs - old_log_probs, mask).sum(1, keepdim=True).expand_as(log_probs)
+        A = A.sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1.0)
         A = A.expand_as(log_probs)
     else:
         raise unknown_name_error("LAD granularity", granularity, ("token", "sequence"))

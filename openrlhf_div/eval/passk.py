@@ -4,6 +4,18 @@ from __future__ import annotations
 import numpy as np
 
 
+def _as_counts(name, arr, orig):
+    """``arr`` as int64 counts; refuses fractional, non-finite or non-numeric values."""
+    a = np.atleast_1d(arr)
+    if a.dtype.kind in "iu":
+        return a.astype(np.int64)
+    if a.dtype.kind in "bf":
+        af = a.astype(np.float64)
+        if np.all(np.isfinite(af)) and np.all(af == np.floor(af)):
+            return af.astype(np.int64)
+    raise ValueError(f"pass_at_k: {name} must hold whole numbers (sample counts), got {name}={orig!r}")
+
+
 def pass_at_k(n, c, k):
     """Unbiased pass@k estimate ``1 - C(n-c, k) / C(n, k)`` (Chen et al. 2021).
 
@@ -11,13 +23,12 @@ def pass_at_k(n, c, k):
     for ``n`` up to 1e5. ``n``, ``c`` and ``k`` may be Python ints or numpy arrays that
     broadcast together; a scalar input returns a Python float, an array input an array.
 
-    Raises ``ValueError`` unless ``0 <= c <= n`` and ``1 <= k <= n``.
+    Raises ``ValueError`` unless ``0 <= c <= n`` and ``1 <= k <= n`` are whole numbers.
     """
     n_a, c_a, k_a = np.broadcast_arrays(np.asarray(n), np.asarray(c), np.asarray(k))
     scalar = n_a.ndim == 0
-    n_a = np.atleast_1d(n_a).astype(np.int64)
-    c_a = np.atleast_1d(c_a).astype(np.int64)
-    k_a = np.atleast_1d(k_a).astype(np.int64)
+    n_a, c_a, k_a = (_as_counts(nm, v, orig) for nm, v, orig in
+                     (("n", n_a, n), ("c", c_a, c), ("k", k_a, k)))
     if np.any(c_a < 0) or np.any(c_a > n_a):
         raise ValueError(f"pass_at_k: need 0 <= c <= n, got n={n!r}, c={c!r}")
     if np.any(k_a < 1) or np.any(k_a > n_a):
