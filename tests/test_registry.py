@@ -379,3 +379,30 @@ def test_method_loss_input_errors():
         m.loss(online=LossInputs(lp, torch.zeros(2, 4, dtype=F64), torch.zeros(2, dtype=F64), torch.ones(2, 3)))
     with pytest.raises(ValueError, match="mask"):
         m.advantages(torch.zeros(2), 2, old_log_probs=lp, mask=torch.ones(2, 4))
+
+
+def test_lad_sequence_granularity_averages_per_sequence():
+    """A sequence-level LAD loss sits on every token of its response; the method then
+    aggregates seq-mean-token-mean so the batch loss is the mean over sequences."""
+    import torch
+    from openrlhf_div.algorithms import LossInputs, get_method
+
+    m = get_method("lad_js", lad_granularity="sequence")
+    assert m.aggregation == "seq-mean-token-mean"
+    assert get_method("lad_js", lad_granularity="sequence", aggregation="token-mean").aggregation == "token-mean"
+    torch.manual_seed(0)
+    lp = torch.randn(3, 5, dtype=torch.float64) * 0.1 - 1
+    old = lp + 0.05 * torch.randn(3, 5, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.float64)
+    adv = torch.tensor([0.5, -0.3, 1.0], dtype=torch.float64)
+    loss, _ = m.loss(LossInputs(lp, old, adv, mask))
+    # independent: one value per sequence, mean over sequences
+    import math
+    vals = []
+    for i in range(3):
+        n = int(mask[i].sum())
+        log_x = sum(float(lp[i, t] - old[i, t]) for t in range(n)) - float(adv[i]) / 0.25
+        x = math.exp(log_x)
+        f = 0.5 * (x * math.log(x) - (x + 1) * math.log((x + 1) / 2))
+        vals.append(math.exp(float(adv[i]) / 0.25) * f)
+    assert abs(float(loss) - sum(vals) / 3) < 1e-10

@@ -209,6 +209,10 @@ class Method:
     def with_overrides(self, **overrides) -> "Method":
         """A copy with hyperparameters (or ``aggregation`` / ``dynamic_sampling``) replaced."""
         m = copy.deepcopy(self)
+        if overrides.get("lad_granularity") == "sequence" and "aggregation" not in overrides:
+            # a sequence-level LAD loss is broadcast to every token of its response: averaging
+            # per sequence first keeps long responses from weighing more (mean over sequences)
+            overrides["aggregation"] = "seq-mean-token-mean"
         for key in ("aggregation", "dynamic_sampling"):
             if key in overrides:
                 setattr(m, key, overrides.pop(key))
