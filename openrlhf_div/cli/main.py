@@ -17,6 +17,7 @@ from openrlhf_div import __version__
 SUBCOMMANDS = [
     ("methods", "list the registered methods, their defaults and what they need"),
     ("bandit", "the controlled 50-arm bandit: LAD / GRPO / DS against their analytic optima"),
+    ("eval", "evaluate a model on a task: pass@k, mean@k, greedy, diversity, keep/explore"),
 ]
 
 
