@@ -109,15 +109,23 @@ def run(args) -> int:
     if not examples:
         print("error: no examples loaded", file=sys.stderr)
         return 2
-    base = load_results(args.base_results) if args.base_results else None
+    try:
+        base = load_results(args.base_results) if args.base_results else None
+    except (OSError, ValueError) as exc:
+        print(f"error: --base-results: {exc}", file=sys.stderr)
+        return 2
 
     t0 = time.time()
     gen_fn, tokenizer, engine = make_generate_fn(args.model, engine=args.engine, device=args.device,
                                                  dtype=args.dtype, batch_size=args.batch_size, seed=args.seed)
-    result = evaluate(task, examples, gen_fn, n=args.n, ks=ks, greedy=args.greedy, temperature=args.temperature,
-                      top_p=args.top_p, max_new_tokens=args.max_new_tokens, tokenizer=tokenizer,
-                      base_results=base, keep_k=args.keep_k, batch_size=args.batch_size,
-                      progress=not args.no_progress)
+    try:
+        result = evaluate(task, examples, gen_fn, n=args.n, ks=ks, greedy=args.greedy,
+                          temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                          tokenizer=tokenizer, base_results=base, keep_k=args.keep_k, batch_size=args.batch_size,
+                          progress=not args.no_progress)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     out = args.out or os.path.join("runs", "eval", f"{os.path.basename(os.path.normpath(args.model))}-{args.task}")
     extra = {"model": os.path.abspath(args.model), "engine": engine, "data": summaries, "seed": args.seed,
              "task_options": dict(args.task_opt), "base_results": args.base_results,

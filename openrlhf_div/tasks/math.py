@@ -236,12 +236,14 @@ def mv_equal(pred: str, gold: str) -> bool:
     return bool(verify(g, p, timeout_seconds=None))
 
 
-def mv_equal_many(pairs: Sequence[Tuple[str, str]]) -> List[bool]:
-    return [mv_equal(p, g) for p, g in pairs]
+def warmup() -> None:
+    """Run a few checks so math-verify's lazy grammar and caches are built (worker start-up)."""
+    for p, g in (("\\frac{1}{2}", "0.5"), ("(0,1]", "(0,1]"), ("x+1", "1+x"), ("\\sqrt{2}", "2^{1/2}")):
+        mv_equal(p, g)
 
 
 # --------------------------------------------------------------------------- verifier (parent side)
-_PRELOAD = ["openrlhf_div.tasks._pool", "openrlhf_div.tasks.math", "math_verify", "sqlite3"]
+_PRELOAD = ["openrlhf_div.tasks._preload"]
 
 
 class MathVerifier:
@@ -267,7 +269,10 @@ class MathVerifier:
     def pool(self):
         from ._pool import shared_pool
 
-        return shared_pool("math-verify", self.num_workers, preload=_PRELOAD)
+        # the initializer warms workers when the fork server could not preload (spawn, or a
+        # server started earlier by other code); with the preload it is a no-op in effect
+        return shared_pool("math-verify", self.num_workers, preload=_PRELOAD,
+                           initializer="openrlhf_div.tasks.math:warmup")
 
     def check_many(self, pairs: Sequence[Tuple[str, str]]) -> List[Tuple[bool, str]]:
         """``[(equal, reason)]``; reason ``"ok"``, ``"timeout"``, ``"crash"`` or an error."""

@@ -199,8 +199,7 @@ def execute_and_compare_many(jobs: Sequence[tuple]) -> List[Dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------- parent side
-_PRELOAD = ["openrlhf_div.tasks._pool", "openrlhf_div.tasks.sqlite_sandbox", "openrlhf_div.tasks.math",
-            "math_verify", "sqlite3"]
+_PRELOAD = ["openrlhf_div.tasks._preload"]  # the same list as the math pool: one fork server serves both
 
 
 class SQLExecutor:
