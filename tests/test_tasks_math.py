@@ -160,3 +160,21 @@ def test_prompt_templates():
 
 def test_registered():
     assert {"math", "sql", "countdown"} <= set(list_tasks())
+
+
+def test_verifier_dedupes_and_caches_definite_results():
+    v = MathVerifier(timeout=2.0, num_workers=2)
+    seen = []
+    outcomes = {("a", "g"): (True, "ok"), ("b", "g"): (False, "ok"), ("c", "g"): (False, "timeout")}
+
+    def fake(pairs):
+        seen.append(list(pairs))
+        return [outcomes[p] for p in pairs]
+
+    v._check_uncached = fake
+    pairs = [("a", "g"), ("b", "g"), ("a", "g"), ("c", "g"), ("c", "g")]
+    expected = [(True, "ok"), (False, "ok"), (True, "ok"), (False, "timeout"), (False, "timeout")]
+    assert v.check_many(pairs) == expected
+    assert seen == [[("a", "g"), ("b", "g"), ("c", "g")]]  # each distinct pair once
+    assert v.check_many(pairs) == expected
+    assert seen[1] == [("c", "g")]  # definite results cached; the timeout is retried

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from collections import OrderedDict
 from fractions import Fraction
 from functools import lru_cache
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -256,7 +257,8 @@ class MathVerifier:
     the pool, since signals only reach the main thread.
     """
 
-    def __init__(self, timeout: float = 5.0, num_workers: Optional[int] = None, mode: str = "process"):
+    def __init__(self, timeout: float = 5.0, num_workers: Optional[int] = None, mode: str = "process",
+                 cache_size: int = 100_000):
         if mode not in ("process", "inline"):
             raise ValueError(f"MathVerifier mode must be 'process' or 'inline', got {mode!r}")
         if not timeout or timeout <= 0:
@@ -264,6 +266,10 @@ class MathVerifier:
         self.timeout = float(timeout)
         self.num_workers = num_workers
         self.mode = mode
+        self.cache_size = int(cache_size)
+        self._cache: "OrderedDict[Tuple[str, str], bool]" = OrderedDict()
+        self._lock = threading.Lock()
+        self._warm = False
 
     @property
     def pool(self):
@@ -275,12 +281,42 @@ class MathVerifier:
                            initializer="openrlhf_div.tasks.math:warmup")
 
     def check_many(self, pairs: Sequence[Tuple[str, str]]) -> List[Tuple[bool, str]]:
-        """``[(equal, reason)]``; reason ``"ok"``, ``"timeout"``, ``"crash"`` or an error."""
+        """``[(equal, reason)]``; reason ``"ok"``, ``"timeout"``, ``"crash"`` or an error.
+
+        Identical pairs in one call are checked once (the samples of a prompt often share an
+        answer), and definite outcomes are remembered in an LRU cache across calls (timeouts
+        and errors are not: they may depend on the machine's load)."""
         if not pairs:
             return []
+        todo: List[Tuple[str, str]] = []
+        with self._lock:
+            for pair in dict.fromkeys(pairs):
+                if pair in self._cache:
+                    self._cache.move_to_end(pair)
+                else:
+                    todo.append(pair)
+        fresh = dict(zip(todo, self._check_uncached(todo))) if todo else {}
+        out = []
+        with self._lock:
+            for pair in pairs:
+                if pair in fresh:
+                    res = fresh[pair]
+                    if res[1] == "ok":
+                        self._cache[pair] = res[0]
+                        while len(self._cache) > self.cache_size:
+                            self._cache.popitem(last=False)
+                    out.append(res)
+                else:
+                    out.append((self._cache.get(pair, False), "ok"))
+        return out
+
+    def _check_uncached(self, pairs: Sequence[Tuple[str, str]]) -> List[Tuple[bool, str]]:
         if self.mode == "inline" and threading.current_thread() is threading.main_thread():
             from ._pool import SoftTimeout, soft_time_limit
 
+            if not self._warm:  # import + build math-verify's grammar outside any time limit
+                warmup()
+                self._warm = True
             out = []
             for p, g in pairs:
                 try:
