@@ -158,8 +158,9 @@ def test_vllm_path_same_schema(model_dir, monkeypatch):
 
         def generate(self, prompts, params, use_tqdm=True):
             seen.setdefault("params", []).append(params)
+            seen.setdefault("inputs", []).append(prompts)
             out = types.SimpleNamespace
-            return [out(outputs=[out(text=f"{p}#{j}") for j in range(params.n)]) for p in prompts]
+            return [out(outputs=[out(text=f"{i}#{j}") for j in range(params.n)]) for i, _ in enumerate(prompts)]
 
     fake = types.ModuleType("vllm")
     fake.LLM, fake.SamplingParams = LLM, SamplingParams
@@ -167,9 +168,12 @@ def test_vllm_path_same_schema(model_dir, monkeypatch):
     monkeypatch.setattr("openrlhf_div.eval.generate.vllm_available", lambda: True)
     fn, tok, engine = make_generate_fn(model_dir, engine="auto", seed=3)
     assert engine == "vllm" and seen["model"] == model_dir and tok.eos_token == "<eos>"
-    assert fn(["a", "b"], n=3, temperature=0.6, top_p=0.95, max_new_tokens=7) == [["a#0", "a#1", "a#2"],
-                                                                                  ["b#0", "b#1", "b#2"]]
+    assert fn(["What is", "SELECT"], n=3, temperature=0.6, top_p=0.95, max_new_tokens=7) == [
+        ["0#0", "0#1", "0#2"], ["1#0", "1#1", "1#2"]]
     p = seen["params"][-1]
     assert (p.n, p.temperature, p.top_p, p.max_tokens, p.seed) == (3, 0.6, 0.95, 7, 3)
-    assert fn(["a"], n=2, greedy=True) == [["a#0", "a#0"]]
+    # prompts go in as token ids, tokenized like the HF path
+    assert seen["inputs"][-1] == [{"prompt_token_ids": tok("What is")["input_ids"]},
+                                  {"prompt_token_ids": tok("SELECT")["input_ids"]}]
+    assert fn(["a"], n=2, greedy=True) == [["0#0", "0#0"]]
     assert seen["params"][-1].temperature == 0.0 and seen["params"][-1].n == 1

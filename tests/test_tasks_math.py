@@ -50,6 +50,7 @@ def test_gold_answer_forms():
     ("1,000", "1000", True), ("0.5", r"\frac{1}{2}", True), (r"\dfrac{1}{2}", "1/2", True),
     ("3/4", "0.75", True), ("-3", "3", False), (r"90^\circ", "90", True),
     (r"x+1", r"1+x", None),  # not plain numbers: needs math-verify
+    ("1100", "1, 100", None),  # a two-answer list, not a thousands separator
 ])
 def test_quick_equal(pred, gold, expected):
     assert quick_equal(pred, gold) is expected

@@ -19,6 +19,13 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def _needs_special_tokens(tokenizer, prompts) -> bool:
+    """Add the tokenizer's special tokens (a BOS) unless the prompts already start with it,
+    as a chat template's output does -- no missing and no doubled BOS."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return not (bos and all(p.startswith(bos) for p in prompts))
+
+
 def generate(model, tokenizer, prompts: Sequence[str], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
              max_new_tokens: int = 512, greedy: bool = False, batch_size: int = 8) -> List[List[str]]:
     """Sample ``n`` completions per prompt with ``model.generate`` (left padding, ``top_k``
@@ -42,7 +49,8 @@ def generate(model, tokenizer, prompts: Sequence[str], n: int = 1, temperature: 
     try:
         for start in range(0, len(prompts), batch_size):
             chunk = list(prompts[start:start + batch_size])
-            enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+            enc = tokenizer(chunk, return_tensors="pt", padding=True,
+                            add_special_tokens=_needs_special_tokens(tokenizer, chunk)).to(device)
             kw = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
             if tokenizer.eos_token_id is not None:
                 kw["eos_token_id"] = tokenizer.eos_token_id
@@ -68,16 +76,24 @@ def generate(model, tokenizer, prompts: Sequence[str], n: int = 1, temperature: 
 
 
 def generate_vllm(llm, prompts: Sequence[str], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
-                  max_new_tokens: int = 512, greedy: bool = False, seed: Optional[int] = None) -> List[List[str]]:
+                  max_new_tokens: int = 512, greedy: bool = False, seed: Optional[int] = None,
+                  tokenizer=None) -> List[List[str]]:
     """The same contract on a ``vllm.LLM``: ``SamplingParams(n, temperature, top_p,
-    max_tokens)``; greedy is temperature 0 with one sample repeated ``n`` times."""
+    max_tokens)``; greedy is temperature 0 with one sample repeated ``n`` times. With a
+    ``tokenizer`` the prompts are tokenized here with the same BOS rule as :func:`generate`
+    and passed as token ids (vLLM would otherwise add a second BOS after a chat template's)."""
     from vllm import SamplingParams
 
     if greedy:
         params = SamplingParams(n=1, temperature=0.0, top_p=1.0, max_tokens=max_new_tokens)
     else:
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=seed)
-    results = llm.generate(list(prompts), params, use_tqdm=False)
+    if tokenizer is not None:
+        add = _needs_special_tokens(tokenizer, prompts)
+        inputs = [{"prompt_token_ids": tokenizer(p, add_special_tokens=add)["input_ids"]} for p in prompts]
+    else:
+        inputs = list(prompts)
+    results = llm.generate(inputs, params, use_tqdm=False)
     out = []
     for r in results:
         texts = [o.text for o in r.outputs]
@@ -109,7 +125,8 @@ def make_generate_fn(model_path: str, engine: str = "auto", device: str = "auto"
                   trust_remote_code=trust_remote_code)
 
         def fn(prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=512, greedy=False):
-            return generate_vllm(llm, prompts, n, temperature, top_p, max_new_tokens, greedy, seed=seed)
+            return generate_vllm(llm, prompts, n, temperature, top_p, max_new_tokens, greedy, seed=seed,
+                                 tokenizer=tokenizer)
 
         return fn, tokenizer, "vllm"
 

@@ -15,7 +15,10 @@ on them, and puts them back.
 Jobs name their function as ``"package.module:function"`` so nothing but plain data crosses
 the pipe. Workers are started from a ``forkserver`` (safe in processes that hold threads or
 CUDA state, unlike ``fork``) that preloads the verifier modules, so a restart costs
-milliseconds, not a fresh interpreter.
+milliseconds, not a fresh interpreter. Set ``OPENRLHF_DIV_MP_CONTEXT`` (``fork``,
+``forkserver``, ``spawn``) to choose another start method. As with any ``spawn``/
+``forkserver`` pool, a worker imports the main script as ``__mp_main__``: keep a script's
+top-level work under ``if __name__ == "__main__":``.
 """
 from __future__ import annotations
 
@@ -192,7 +195,11 @@ class WorkerPool:
         if num_workers < 1:
             raise ValueError(f"WorkerPool needs num_workers >= 1, got {num_workers}")
         if context is None:
-            context = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+            context = os.environ.get("OPENRLHF_DIV_MP_CONTEXT") or (
+                "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
+        if context not in mp.get_all_start_methods():
+            raise ValueError(f"multiprocessing start method {context!r} is not available here; "
+                             f"choose one of {mp.get_all_start_methods()}")
         self._ctx = mp.get_context(context)
         if context == "forkserver" and preload:
             # Only takes effect if the fork server has not started yet; harmless otherwise.

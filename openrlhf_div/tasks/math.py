@@ -194,7 +194,10 @@ def quick_equal(pred: str, gold: str) -> Optional[bool]:
     p, g = normalize_answer(pred), normalize_answer(gold)
     if p == g and p:
         return True
-    a, b = _as_number(p), _as_number(g)
+    # "1, 100" is a list of two answers, never the number 1100: only a comma with no space
+    # after it may be a thousands separator
+    a = _as_number(p) if ", " not in pred else None
+    b = _as_number(g) if ", " not in gold else None
     if a is not None and b is not None:
         return abs(a - b) <= Fraction(1, 10**9) * max(1, abs(b))
     return None

@@ -80,7 +80,7 @@ def open_readonly(db_path: str, *, max_value_bytes: int = 10_000_000,
     conn.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
     conn.set_authorizer(_authorizer)
     deadline = _Deadline()
-    conn.set_progress_handler(deadline, 1000)
+    conn.set_progress_handler(deadline, 10_000)  # ~every 10k VM steps: <1 ms late, ~2% overhead
     return conn, deadline
 
 
