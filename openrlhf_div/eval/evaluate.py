@@ -24,7 +24,7 @@ import tempfile
 from collections import Counter, defaultdict
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
-from .diversity import keep_explore_rates, mean_distinct_n, solution_diversity
+from .diversity import keep_explore_rates, mean_distinct_n
 from .passk import mean_at_k, pass_at_k
 
 __all__ = ["evaluate", "summarize", "results_markdown", "load_results", "write_results"]

@@ -25,7 +25,7 @@ import threading
 from collections import OrderedDict
 from fractions import Fraction
 from functools import lru_cache
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .base import RewardResult, Task, register_task
 

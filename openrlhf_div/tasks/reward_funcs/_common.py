@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Sequence, Tuple
 
 _END_MARKERS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<｜end▁of▁sentence｜>",
                 "<|end|>", "<eos>", "<pad>", "<|finetune_right_pad_id|>")
