@@ -20,6 +20,7 @@ SUBCOMMANDS = [
     ("bandit", "the controlled 50-arm bandit: LAD / GRPO / DS against their analytic optima"),
     ("presample", "DPH-RL pre-sampling: split training prompts into D_pef / D_exp"),
     ("train", "RL training with the local engine (any registered method)"),
+    ("eval", "evaluate a model on a task: pass@k, mean@k, greedy, diversity, keep/explore"),
 ]
 
 

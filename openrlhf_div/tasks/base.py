@@ -4,7 +4,7 @@ from __future__ import annotations
 import difflib
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Union
 
 
 @dataclass
@@ -43,6 +43,54 @@ class Task:
     def reward(self, response: str, label: Any) -> float:
         """The scalar reward; never raises (failures are 0)."""
         return float(self.reward_result(response, label).reward)
+
+    # ---- extensions (defaults work for every task; verifiers override for speed) ----
+    def score_batch(self, responses: Sequence[str], labels: Sequence[Any]) -> List[RewardResult]:
+        """Score many responses (verifiers with worker pools override this to run them in
+        parallel). Subclass versions may raise; :meth:`reward_results` never does."""
+        return [self.score(r, lab) for r, lab in zip(responses, labels)]
+
+    def reward_results(self, responses: Sequence[str], labels: Sequence[Any]) -> List[RewardResult]:
+        """Batch form of :meth:`reward_result`: one result per response, never raises."""
+        if len(responses) != len(labels):
+            raise ValueError(f"reward_results: {len(responses)} responses but {len(labels)} labels")
+        try:
+            out = list(self.score_batch(responses, labels))
+            if len(out) == len(responses):
+                return out
+        except Exception:  # noqa: BLE001 - fall back to one at a time, each guarded
+            pass
+        return [self.reward_result(r, lab) for r, lab in zip(responses, labels)]
+
+    def render_prompt(self, example: Dict[str, Any], tokenizer=None) -> str:
+        """The prompt as text: chat messages go through the tokenizer's chat template when it
+        has one (with the generation prompt appended), else a plain-text fallback."""
+        return render_prompt(self.prompt(example), tokenizer)
+
+    def solution_key(self, response: str, result: RewardResult) -> Hashable:
+        """What identifies a *solution* for distinct-correct counts (ALGORITHMS.md section 6):
+        ``result.info["style"]`` when the task reports one (the demo), else the response with
+        whitespace collapsed. Tasks override it (SQL: the normalised query; Countdown: the
+        equation)."""
+        style = result.info.get("style") if result.info else None
+        if style is not None:
+            return style
+        return " ".join(response.split())
+
+    def close(self) -> None:
+        """Release worker processes, if the task holds any (pools are shared and also closed
+        at exit, so calling this is optional)."""
+
+
+def render_prompt(prompt: Union[str, List[Dict[str, str]]], tokenizer=None) -> str:
+    """Text for a model: a string is returned as is; chat messages use
+    ``tokenizer.apply_chat_template(..., add_generation_prompt=True)`` when the tokenizer has a
+    chat template, else their contents joined by blank lines and a trailing newline."""
+    if isinstance(prompt, str):
+        return prompt
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return "\n\n".join(m["content"] for m in prompt) + "\n"
 
 
 # name -> factory(**options) -> Task; modules imported lazily on first use

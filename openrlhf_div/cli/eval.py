@@ -1,0 +1,136 @@
+"""``openrlhf-div eval``: pass@k (unbiased), mean@n, greedy accuracy, diversity and keep /
+exploration rates of a model on one or more dataset files.
+
+    openrlhf-div eval --model PATH --task math --data aime24.jsonl --data math500.jsonl \\
+        --n 16 --k 1,8,16 --temperature 0.6 --top-p 0.95 --greedy --out runs/eval/qwen
+
+Writes ``results.json``, ``results.md`` and ``samples.jsonl`` into ``--out``. Generation uses
+vLLM when it is installed (``--engine auto``), else the Hugging Face model in-process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def _parse_ks(text: str):
+    try:
+        ks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--k must be comma-separated integers like 1,8,16, got {text!r}") from None
+    if not ks or any(k < 1 for k in ks):
+        raise argparse.ArgumentTypeError(f"--k needs positive integers, got {text!r}")
+    return ks
+
+
+def _parse_opt(text: str):
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"--task-opt takes KEY=VALUE, got {text!r}")
+    key, val = text.split("=", 1)
+    try:
+        val = json.loads(val)  # numbers, true/false, null
+    except json.JSONDecodeError:
+        pass  # keep as a string (paths, names)
+    return key.strip().replace("-", "_"), val
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("eval", help="evaluate a model: pass@k, mean@k, greedy, diversity, keep/explore",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="model folder (Hugging Face format)")
+    p.add_argument("--task", required=True, help="task name (math, sql, countdown, ...)")
+    p.add_argument("--data", required=True, action="append",
+                   help="dataset file or folder (.jsonl/.json/.parquet/saved HF dataset); repeat for several")
+    p.add_argument("--n", type=int, default=16, help="samples per problem (default 16)")
+    p.add_argument("--k", type=_parse_ks, default=None, help="pass@k values, comma-separated (default 1,8,16 up to n)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--greedy", action="store_true", help="also decode greedily and report greedy accuracy")
+    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call")
+    p.add_argument("--out", default=None, help="output folder (default runs/eval/<model>-<task>)")
+    p.add_argument("--base-results", default=None,
+                   help="a base model's results.json: adds keep / exploration rates")
+    p.add_argument("--keep-k", type=int, default=8, help="pass@k that counts as solved for keep/explore (default 8)")
+    p.add_argument("--task-opt", type=_parse_opt, action="append", default=[], metavar="KEY=VALUE",
+                   help="task option, e.g. db_root=/data/bird/dev_databases or template=llama3 (repeatable)")
+    p.add_argument("--source", default=None, help="dataset name to report (default: from the file name)")
+    p.add_argument("--prompt-field", default=None, help="question field name, if not a usual one")
+    p.add_argument("--label-field", default=None, help="answer/label field name (dotted for nested)")
+    p.add_argument("--id-field", default=None, help="id field name")
+    p.add_argument("--split", default=None, help="split of a saved Hugging Face DatasetDict")
+    p.add_argument("--on-error", choices=["raise", "skip"], default="raise",
+                   help="malformed dataset rows: stop with an error (default) or skip and count them")
+    p.add_argument("--limit", type=int, default=None, help="first N problems per dataset")
+    p.add_argument("--engine", choices=["auto", "hf", "vllm"], default="auto")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda (Hugging Face engine)")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from openrlhf_div.eval.evaluate import evaluate, load_results, results_markdown, write_results
+    from openrlhf_div.eval.generate import make_generate_fn
+    from openrlhf_div.tasks import get_task
+    from openrlhf_div.tasks.datasets import DatasetError, load_examples
+
+    ks = args.k if args.k is not None else [k for k in (1, 8, 16) if k <= args.n]
+    bad = [k for k in ks if k > args.n]
+    if bad:
+        print(f"error: --k {bad} exceed --n {args.n}; pass@k needs k <= n", file=sys.stderr)
+        return 2
+    if not os.path.exists(args.model):
+        print(f"error: --model {args.model} does not exist (a local Hugging Face model folder)", file=sys.stderr)
+        return 2
+    try:
+        task = get_task(args.task, **dict(args.task_opt))
+    except (ValueError, TypeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    examples, summaries = [], []
+    for path in args.data:
+        try:
+            ex, summary = load_examples(path, args.task, source=args.source, prompt_field=args.prompt_field,
+                                        label_field=args.label_field, id_field=args.id_field, split=args.split,
+                                        on_error=args.on_error, limit=args.limit)
+        except DatasetError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(summary, file=sys.stderr)
+        examples.extend(ex)
+        summaries.append({"path": path, "loaded": summary.loaded, "skipped": summary.skipped,
+                          "errors": summary.errors[:10], "renamed_ids": summary.renamed_ids})
+    if not examples:
+        print("error: no examples loaded", file=sys.stderr)
+        return 2
+    try:
+        base = load_results(args.base_results) if args.base_results else None
+    except (OSError, ValueError) as exc:
+        print(f"error: --base-results: {exc}", file=sys.stderr)
+        return 2
+
+    t0 = time.time()
+    gen_fn, tokenizer, engine = make_generate_fn(args.model, engine=args.engine, device=args.device,
+                                                 dtype=args.dtype, batch_size=args.batch_size, seed=args.seed)
+    try:
+        result = evaluate(task, examples, gen_fn, n=args.n, ks=ks, greedy=args.greedy,
+                          temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                          tokenizer=tokenizer, base_results=base, keep_k=args.keep_k, batch_size=args.batch_size,
+                          progress=not args.no_progress)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out = args.out or os.path.join("runs", "eval", f"{os.path.basename(os.path.normpath(args.model))}-{args.task}")
+    extra = {"model": os.path.abspath(args.model), "engine": engine, "data": summaries, "seed": args.seed,
+             "task_options": dict(args.task_opt), "base_results": args.base_results,
+             "seconds": round(time.time() - t0, 2)}
+    paths = write_results(result, out, extra)
+    print(results_markdown(result))
+    print(f"wrote {paths['json']}, {paths['markdown']}, {paths['samples']}", file=sys.stderr)
+    return 0

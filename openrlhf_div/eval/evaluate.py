@@ -1,0 +1,255 @@
+"""The evaluation runner: sample, score, and summarise per dataset (ALGORITHMS.md section 6).
+
+:func:`evaluate` takes any ``generate_fn(prompts, n=, temperature=, top_p=, max_new_tokens=,
+greedy=) -> list[list[str]]`` (Hugging Face, vLLM, the local engine, or a fake in tests), so
+the demo and the CLI share it. Per dataset (the examples' ``source``) it reports:
+
+* ``pass@k`` -- unbiased, ``1 - C(n-c, k) / C(n, k)`` averaged over problems, for each ``k``;
+* ``mean@n`` -- the mean accuracy of the ``n`` samples (averaged over problems);
+* ``greedy`` -- temperature-0 accuracy (when ``greedy=True``);
+* ``mean_reward`` -- the mean task reward (differs from accuracy for Countdown's 0.1);
+* ``dist-m`` -- distinct m-grams / total m-grams over a problem's samples, averaged;
+* ``distinct_correct`` -- distinct correct solutions per problem (``task.solution_key``) and
+  the share of problems with at least 3;
+* ``keep_rate`` / ``explore_rate`` against a base model's results (DPH 6.2): among problems
+  the base solved at pass@``keep_k`` (any of its first ``keep_k`` samples correct), the share
+  this model still solves; among those it did not, the share this model now solves.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections import Counter, defaultdict
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+
+from .diversity import keep_explore_rates, mean_distinct_n
+from .passk import mean_at_k, pass_at_k
+
+__all__ = ["evaluate", "summarize", "results_markdown", "load_results", "write_results"]
+
+
+def _check_outputs(outs, prompts, n, where):
+    if not isinstance(outs, (list, tuple)) or len(outs) != len(prompts):
+        got = len(outs) if isinstance(outs, (list, tuple)) else type(outs).__name__
+        raise ValueError(f"generate_fn returned {got} groups for {len(prompts)} prompts ({where})")
+    for i, g in enumerate(outs):
+        if not isinstance(g, (list, tuple)) or len(g) != n or not all(isinstance(s, str) for s in g):
+            raise ValueError(f"generate_fn must return {n} strings per prompt; prompt {i} got "
+                             f"{len(g) if isinstance(g, (list, tuple)) else type(g).__name__} ({where})")
+
+
+def evaluate(task, examples: Sequence[Mapping[str, Any]], generate_fn: Callable[..., List[List[str]]],
+             n: int = 16, ks: Sequence[int] = (1, 8, 16), *, greedy: bool = False, temperature: float = 1.0,
+             top_p: float = 1.0, max_new_tokens: int = 1024, tokenizer=None,
+             base_results: Optional[Mapping[str, Any]] = None, keep_k: int = 8, dist_ns: Sequence[int] = (1, 2),
+             batch_size: int = 16, progress: bool = True, keep_responses: bool = True) -> Dict[str, Any]:
+    """Generate ``n`` samples per example, score them with ``task``, and summarise.
+
+    ``examples``: normalised ``{"prompt", "label", "source", "id"}`` dicts (see
+    :func:`openrlhf_div.tasks.datasets.load_examples`). ``ks`` must lie in ``[1, n]``.
+    Prompts are rendered with ``task.render_prompt(example, tokenizer)``. ``base_results``:
+    a previous result of this function (or its JSON) for keep/exploration rates.
+
+    Returns ``{"task", "n", "ks", "greedy", "sampling", "metrics": {source: {...}, "all": {...}},
+    "problems": [...]}`` where each problem holds its per-sample ``correct``, ``rewards``,
+    ``reasons`` (and ``responses`` when ``keep_responses``).
+    """
+    ks = sorted({int(k) for k in ks})
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    bad = [k for k in ks if k < 1 or k > n]
+    if bad:
+        raise ValueError(f"every k must be in [1, n={n}]; got {bad}. Lower --k or raise --n")
+    if not examples:
+        raise ValueError("evaluate: no examples")
+    prompts = []
+    for ex in examples:
+        try:
+            prompts.append(task.render_prompt(ex, tokenizer))
+        except Exception as exc:
+            raise ValueError(f"cannot build the prompt of example {ex.get('id')!r} ({ex.get('source')}): "
+                             f"{type(exc).__name__}: {exc}") from exc
+
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(examples) * (2 if greedy else 1), desc=f"eval {task.name}", unit="prob")
+    problems: List[Dict[str, Any]] = []
+    try:
+        for start in range(0, len(examples), batch_size):
+            chunk = examples[start:start + batch_size]
+            cprompts = prompts[start:start + batch_size]
+            outs = generate_fn(cprompts, n=n, temperature=temperature, top_p=top_p,
+                               max_new_tokens=max_new_tokens, greedy=False)
+            _check_outputs(outs, cprompts, n, "sampling")
+            flat = [r for g in outs for r in g]
+            labels = [ex["label"] for ex in chunk for _ in range(n)]
+            results = task.reward_results(flat, labels)
+            for j, ex in enumerate(chunk):
+                rs = results[j * n:(j + 1) * n]
+                resps = outs[j]
+                correct = [bool(r.correct) for r in rs]
+                keys = [str(task.solution_key(s, r)) for s, r in zip(resps, rs) if r.correct]
+                rec = {"id": str(ex["id"]), "source": str(ex.get("source", "data")), "n_correct": sum(correct),
+                       "correct": correct, "rewards": [float(r.reward) for r in rs], "reasons": [r.reason for r in rs],
+                       "distinct_correct": len(set(keys)), "greedy_correct": None}
+                rec["_responses"] = list(resps)
+                if keep_responses:
+                    rec["responses"] = list(resps)
+                problems.append(rec)
+            if bar is not None:
+                bar.update(len(chunk))
+        if greedy:
+            for start in range(0, len(examples), batch_size):
+                chunk = examples[start:start + batch_size]
+                cprompts = prompts[start:start + batch_size]
+                outs = generate_fn(cprompts, n=1, temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens,
+                                   greedy=True)
+                _check_outputs(outs, cprompts, 1, "greedy")
+                results = task.reward_results([g[0] for g in outs], [ex["label"] for ex in chunk])
+                for j, r in enumerate(results):
+                    rec = problems[start + j]
+                    rec["greedy_correct"] = bool(r.correct)
+                    rec["greedy_reason"] = r.reason
+                    if keep_responses:
+                        rec["greedy_response"] = outs[j][0]
+                if bar is not None:
+                    bar.update(len(chunk))
+    finally:
+        if bar is not None:
+            bar.close()
+
+    metrics = summarize(problems, n, ks, base_results=base_results, keep_k=keep_k, dist_ns=dist_ns)
+    for rec in problems:
+        rec.pop("_responses", None)
+    return {"task": task.name, "n": n, "ks": ks, "greedy": bool(greedy), "keep_k": keep_k,
+            "sampling": {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens},
+            "metrics": metrics, "problems": problems}
+
+
+def _nan_to_none(x):
+    return None if isinstance(x, float) and math.isnan(x) else x
+
+
+def _base_solved(base_results: Mapping[str, Any], keep_k: int) -> Dict[tuple, bool]:
+    out = {}
+    for p in base_results.get("problems", []):
+        out[(str(p.get("source")), str(p["id"]))] = any(p["correct"][:keep_k])
+    return out
+
+
+def summarize(problems: Sequence[Mapping[str, Any]], n: int, ks: Sequence[int], *,
+              base_results: Optional[Mapping[str, Any]] = None, keep_k: int = 8,
+              dist_ns: Sequence[int] = (1, 2)) -> Dict[str, Dict[str, Any]]:
+    """Metrics per source (and ``"all"`` when there are several) from per-problem records
+    (``correct``, ``rewards``, ``reasons``, ``distinct_correct``, ``greedy_correct`` and the
+    responses under ``_responses`` or ``responses`` for dist-n)."""
+    groups: Dict[str, List[Mapping[str, Any]]] = defaultdict(list)
+    for p in problems:
+        groups[p["source"]].append(p)
+    if len(groups) > 1:
+        groups["all"] = list(problems)
+    base = _base_solved(base_results, keep_k) if base_results else None
+    out: Dict[str, Dict[str, Any]] = {}
+    for src, ps in groups.items():
+        m: Dict[str, Any] = {"problems": len(ps)}
+        for k in ks:
+            m[f"pass@{k}"] = float(sum(pass_at_k(n, p["n_correct"], k) for p in ps) / len(ps))
+        m[f"mean@{n}"] = mean_at_k([[float(c) for c in p["correct"]] for p in ps])
+        m["mean_reward"] = float(sum(sum(p["rewards"]) for p in ps) / (n * len(ps)))
+        g = [p["greedy_correct"] for p in ps if p.get("greedy_correct") is not None]
+        m["greedy"] = float(sum(g) / len(g)) if g else None
+        texts = [p.get("_responses") or p.get("responses") for p in ps]
+        if all(t is not None for t in texts):
+            for dn in dist_ns:
+                m[f"dist-{dn}"] = mean_distinct_n(texts, dn)
+        counts = [p["distinct_correct"] for p in ps]
+        m["distinct_correct"] = float(sum(counts) / len(counts))
+        m["share_ge_3_distinct_correct"] = float(sum(c >= 3 for c in counts) / len(counts))
+        if base is not None:
+            keys = [(str(p["source"]), str(p["id"])) for p in ps]
+            common = [k for k in keys if k in base]
+            mine = {(str(p["source"]), str(p["id"])): any(p["correct"][:keep_k]) for p in ps}
+            if common:
+                keep, explore = keep_explore_rates({k: base[k] for k in common}, mine)
+                m["keep_rate"], m["explore_rate"] = _nan_to_none(keep), _nan_to_none(explore)
+            else:
+                m["keep_rate"] = m["explore_rate"] = None
+            m["keep_explore_problems"] = len(common)
+        m["reasons"] = dict(Counter(r for p in ps for r in p["reasons"]).most_common(10))
+        out[src] = m
+    return out
+
+
+def results_markdown(result: Mapping[str, Any]) -> str:
+    """A Markdown table: one row per dataset, columns pass@k, mean@n, greedy, dist-2, keep /
+    explore (when present), all in percent."""
+    n, ks = result["n"], result["ks"]
+    metrics = result["metrics"]
+    cols = [f"pass@{k}" for k in ks] + [f"mean@{n}"]
+    if result.get("greedy"):
+        cols.append("greedy")
+    any_m = next(iter(metrics.values()))
+    for extra in ("dist-2", "distinct_correct", "keep_rate", "explore_rate"):
+        if extra in any_m:
+            cols.append(extra)
+
+    def fmt(c, v):
+        if v is None:
+            return "-"
+        if c == "distinct_correct":
+            return f"{v:.2f}"
+        return f"{100 * v:.1f}"
+
+    lines = [f"Task `{result['task']}`, n={n}, temperature={result['sampling']['temperature']}, "
+             f"top_p={result['sampling']['top_p']} (percent; distinct_correct is a count)", "",
+             "| dataset | problems | " + " | ".join(cols) + " |",
+             "|---|---:|" + "---:|" * len(cols)]
+    for src, m in metrics.items():
+        lines.append(f"| {src} | {m['problems']} | " + " | ".join(fmt(c, m.get(c)) for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def load_results(path: str) -> Dict[str, Any]:
+    """A results JSON written by :func:`write_results` (for ``base_results``)."""
+    with open(path, encoding="utf-8") as fh:
+        data = json.load(fh)
+    if not isinstance(data, dict) or "problems" not in data:
+        raise ValueError(f"{path} is not an evaluation results file (no 'problems' list)")
+    return data
+
+
+def _atomic_write(path: str, text: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_results(result: Mapping[str, Any], out_dir: str, extra: Optional[Mapping[str, Any]] = None) -> Dict[str, str]:
+    """Write ``results.json`` (metrics + per-problem correctness), ``results.md`` (the table)
+    and ``samples.jsonl`` (responses, one problem per line) atomically into ``out_dir``."""
+    problems = [{k: v for k, v in p.items() if k not in ("responses", "greedy_response")} for p in result["problems"]]
+    data = {**{k: v for k, v in result.items() if k != "problems"}, **(dict(extra) if extra else {}),
+            "problems": problems}
+    paths = {"json": os.path.join(out_dir, "results.json"), "markdown": os.path.join(out_dir, "results.md"),
+             "samples": os.path.join(out_dir, "samples.jsonl")}
+    _atomic_write(paths["json"], json.dumps(data, indent=1, allow_nan=False) + "\n")
+    _atomic_write(paths["markdown"], results_markdown(result))
+    lines = []
+    for p in result["problems"]:
+        if "responses" in p:
+            lines.append(json.dumps({"id": p["id"], "source": p["source"], "responses": p["responses"],
+                                     "correct": p["correct"], "greedy_response": p.get("greedy_response")}))
+    _atomic_write(paths["samples"], "\n".join(lines) + ("\n" if lines else ""))
+    return paths

@@ -1,0 +1,179 @@
+"""`openrlhf-div eval` end to end with a tiny Hugging Face model built offline, plus the HF and
+(faked) vLLM samplers."""
+import json
+import os
+import sys
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from openrlhf_div.cli.main import main  # noqa: E402
+from openrlhf_div.eval.generate import generate, make_generate_fn  # noqa: E402
+
+FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def build_tiny_model(path):
+    """A 2-layer Qwen2 (hidden 64) with a byte-level BPE tokenizer trained on a few lines."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<eos>", "<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = ["The answer is \\boxed{42}.", "Please reason step by step", "What is 1 + 1? 2", "SELECT * FROM t"] * 5
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      pad_token_id=fast.pad_token_id, eos_token_id=fast.eos_token_id,
+                      bos_token_id=fast.eos_token_id, tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(cfg)
+    model.save_pretrained(path)
+    fast.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+
+
+def manual_greedy(model, tok, prompt, steps):
+    ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    new = []
+    with torch.no_grad():
+        for _ in range(steps):
+            nxt = int(model(ids).logits[0, -1].argmax())
+            if nxt == tok.eos_token_id:
+                break
+            new.append(nxt)
+            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    return tok.decode(new, skip_special_tokens=True)
+
+
+def test_hf_greedy_matches_a_manual_argmax_decode_and_padding_is_harmless(loaded):
+    model, tok = loaded
+    prompts = ["What is 1 + 1?", "The answer is"]  # different lengths: left padding in the batch
+    out = generate(model, tok, prompts, n=3, max_new_tokens=6, greedy=True, batch_size=2)
+    assert [len(g) for g in out] == [3, 3] and all(len(set(g)) == 1 for g in out)
+    assert [g[0] for g in out] == [manual_greedy(model, tok, p, 6) for p in prompts]
+
+
+def test_hf_sampling_shape_and_seed(loaded):
+    model, tok = loaded
+    torch.manual_seed(1)
+    a = generate(model, tok, ["What is", "SELECT"], n=4, temperature=1.0, top_p=0.9, max_new_tokens=4, batch_size=2)
+    torch.manual_seed(1)
+    b = generate(model, tok, ["What is", "SELECT"], n=4, temperature=1.0, top_p=0.9, max_new_tokens=4, batch_size=2)
+    assert a == b and [len(g) for g in a] == [4, 4] and all(isinstance(s, str) for g in a for s in g)
+    assert len(set(a[0])) > 1  # a random tiny model samples different strings
+    with pytest.raises(ValueError, match="temperature"):
+        generate(model, tok, ["x"], n=2, temperature=0.0)
+
+
+def test_eval_command_end_to_end(model_dir, tmp_path, capsys):
+    out = tmp_path / "run1"
+    rc = main(["eval", "--model", model_dir, "--task", "math", "--data", os.path.join(FIX, "math", "math500.jsonl"),
+               "--data", os.path.join(FIX, "math", "aime24.jsonl"), "--n", "4", "--k", "1,2,4", "--temperature", "1.0",
+               "--top-p", "0.95", "--greedy", "--max-new-tokens", "6", "--batch-size", "4", "--engine", "hf",
+               "--limit", "2",
+               "--out", str(out), "--no-progress", "--task-opt", "timeout=2", "--task-opt", "num_workers=2"])
+    assert rc == 0
+    data = json.load(open(out / "results.json"))
+    assert set(data["metrics"]) == {"math500", "aime24", "all"}
+    assert data["metrics"]["math500"]["problems"] == 2 and data["metrics"]["aime24"]["problems"] == 2
+    for m in data["metrics"].values():
+        for key in ("pass@1", "pass@2", "pass@4", "mean@4", "greedy", "dist-1", "dist-2", "distinct_correct"):
+            assert 0.0 <= m[key] <= (4 if key == "distinct_correct" else 1.0), key
+    # per-problem records are consistent with the reported numbers
+    probs = data["problems"]
+    assert len(probs) == 4 and all(len(p["correct"]) == 4 and p["n_correct"] == sum(p["correct"]) for p in probs)
+    mean4 = sum(sum(p["correct"]) for p in probs if p["source"] == "aime24") / 8
+    assert data["metrics"]["aime24"]["mean@4"] == pytest.approx(mean4)
+    assert data["engine"] == "hf" and data["task_options"] == {"timeout": 2, "num_workers": 2}
+    assert [d["loaded"] for d in data["data"]] == [2, 2]
+    samples = [json.loads(line) for line in open(out / "samples.jsonl")]
+    assert len(samples) == 4 and all(len(s["responses"]) == 4 for s in samples)
+    md = open(out / "results.md").read()
+    assert "| math500 | 2 |" in md and "| aime24 | 2 |" in md and "pass@4" in md and "greedy" in md
+    assert "| math500 | 2 |" in capsys.readouterr().out
+
+    # a second run against the first as the "base model": keep / exploration rates appear
+    out2 = tmp_path / "run2"
+    rc = main(["eval", "--model", model_dir, "--task", "math", "--data", os.path.join(FIX, "math", "aime24.jsonl"),
+               "--n", "2", "--k", "1", "--max-new-tokens", "4", "--engine", "hf", "--out", str(out2),
+               "--no-progress", "--base-results", str(out / "results.json"), "--keep-k", "2"])
+    assert rc == 0
+    m = json.load(open(out2 / "results.json"))["metrics"]["aime24"]
+    assert m["problems"] == 3 and m["keep_explore_problems"] == 2  # the base run saw 2 of the 3
+    assert "keep_rate" in m and "explore_rate" in m
+
+
+def test_eval_command_errors(model_dir, tmp_path, capsys):
+    data = os.path.join(FIX, "math", "aime24.jsonl")
+    assert main(["eval", "--model", model_dir, "--task", "math", "--data", data, "--n", "4", "--k", "1,8"]) == 2
+    assert "exceed --n 4" in capsys.readouterr().err
+    assert main(["eval", "--model", model_dir, "--task", "maths", "--data", data]) == 2
+    assert "Did you mean 'math'" in capsys.readouterr().err
+    assert main(["eval", "--model", model_dir, "--task", "math", "--data",
+                 os.path.join(FIX, "math", "malformed.jsonl")]) == 2
+    assert "malformed.jsonl:2: invalid JSON" in capsys.readouterr().err
+    assert main(["eval", "--model", str(tmp_path / "nope"), "--task", "math", "--data", data]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    # sql without db_root: a clear error before any generation
+    assert main(["eval", "--model", model_dir, "--task", "sql", "--data", os.path.join(FIX, "sql", "spider_dev.json"),
+                 "--engine", "hf", "--n", "1", "--k", "1", "--no-progress"]) == 2
+    assert "db_root" in capsys.readouterr().err
+
+
+def test_vllm_path_same_schema(model_dir, monkeypatch):
+    """With vllm importable, make_generate_fn uses it and returns the same schema (a stand-in
+    module with vLLM's LLM / SamplingParams surface; the real one needs a GPU)."""
+    seen = {}
+
+    class SamplingParams:
+        def __init__(self, n=1, temperature=1.0, top_p=1.0, max_tokens=16, seed=None):
+            self.n, self.temperature, self.top_p, self.max_tokens, self.seed = n, temperature, top_p, max_tokens, seed
+
+    class LLM:
+        def __init__(self, model, **kw):
+            seen["model"] = model
+
+        def generate(self, prompts, params, use_tqdm=True):
+            seen.setdefault("params", []).append(params)
+            seen.setdefault("inputs", []).append(prompts)
+            out = types.SimpleNamespace
+            return [out(outputs=[out(text=f"{i}#{j}") for j in range(params.n)]) for i, _ in enumerate(prompts)]
+
+    fake = types.ModuleType("vllm")
+    fake.LLM, fake.SamplingParams = LLM, SamplingParams
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setattr("openrlhf_div.eval.generate.vllm_available", lambda: True)
+    fn, tok, engine = make_generate_fn(model_dir, engine="auto", seed=3)
+    assert engine == "vllm" and seen["model"] == model_dir and tok.eos_token == "<eos>"
+    assert fn(["What is", "SELECT"], n=3, temperature=0.6, top_p=0.95, max_new_tokens=7) == [
+        ["0#0", "0#1", "0#2"], ["1#0", "1#1", "1#2"]]
+    p = seen["params"][-1]
+    assert (p.n, p.temperature, p.top_p, p.max_tokens, p.seed) == (3, 0.6, 0.95, 7, 3)
+    # prompts go in as token ids, tokenized like the HF path
+    assert seen["inputs"][-1] == [{"prompt_token_ids": tok("What is")["input_ids"]},
+                                  {"prompt_token_ids": tok("SELECT")["input_ids"]}]
+    assert fn(["a"], n=2, greedy=True) == [["0#0", "0#0"]]
+    assert seen["params"][-1].temperature == 0.0 and seen["params"][-1].n == 1
