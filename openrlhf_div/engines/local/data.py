@@ -107,15 +107,9 @@ class Cursor:
 
 
 def render_prompt(task, tokenizer, example: Dict[str, Any]) -> str:
-    """The prompt text of an example: ``task.prompt(example)``; chat messages go through the
-    tokenizer's chat template (with the generation prompt)."""
-    p = task.prompt(example)
-    if isinstance(p, str):
-        return p
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(f"task {getattr(task, 'name', task)!r} returned chat messages but the tokenizer has no "
-                         "chat template; return a plain string prompt or use a chat model")
-    return tokenizer.apply_chat_template(list(p), tokenize=False, add_generation_prompt=True)
+    """The prompt text of an example: the task's own rendering (chat messages go through the
+    tokenizer's chat template), see :meth:`openrlhf_div.tasks.Task.render_prompt`."""
+    return task.render_prompt(example, tokenizer)
 
 
 def load_anchor_samples(path: str) -> List[Dict[str, Any]]:

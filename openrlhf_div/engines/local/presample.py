@@ -77,7 +77,8 @@ def _process_chunk(model, tokenizer, task, examples: List[Dict[str, Any]], chunk
     chosen = []  # (example index, sample row) of each near-perfect prompt's kept response
     for i, ex in enumerate(examples):
         rows = range(i * n_pre, (i + 1) * n_pre)
-        correct = [bool(task.reward_result(out.texts[j], ex.get("label")).correct) for j in rows]
+        correct = [bool(r.correct) for r in task.reward_results([out.texts[j] for j in rows],
+                                                                 [ex.get("label")] * len(rows))]
         c = int(sum(correct))
         n_correct_all.append(c)
         if c >= tau and c > 0:

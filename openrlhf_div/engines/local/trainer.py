@@ -5,7 +5,7 @@ One RL step, top to bottom (:meth:`Trainer.train_step`)::
     experience = make_experience()      # rollouts -> rewards -> shaping -> keep -> old/ref lp -> advantages
       B prompts x G samples (generation.generate, KV cache, temperature T)
       old_t  = sequence_log_probs(policy)     no_grad, the behaviour policy at rollout time
-      R_i    = task.reward_result(text, label).reward
+      R_i    = task.reward_results(texts, labels)[i].reward  (batched; never raises)
       R'_i   = method.shape_rewards(R, G, seq_mean_old_log_probs, lengths)
       keep   = method.keep_groups(R', G)      dynamic sampling: refill with new prompts
       ref_t  = sequence_log_probs(reference)  only if method.needs.ref_log_probs
@@ -185,7 +185,7 @@ def evaluate_pass_at_k(model, tokenizer, task, examples: Sequence[Dict[str, Any]
     per_prompt, samples, rewards = [], [], []
     for i, ex in enumerate(examples):
         texts = out.texts[i * n_samples:(i + 1) * n_samples]
-        res = [task.reward_result(t, ex.get("label")) for t in texts]
+        res = task.reward_results(texts, [ex.get("label")] * len(texts))
         rewards += [r.reward for r in res]
         per_prompt.append({"id": ex.get("id"), "n": n_samples, "c": int(sum(r.correct for r in res))})
         if return_samples:
@@ -365,7 +365,8 @@ class Trainer:
             old = (self._no_grad_log_probs(self.model, gen.input_ids, gen.attention_mask, gen.response_mask)
                    if r.recompute_old_log_probs else gen.log_probs)
             self.model.train()
-            results = [self.task.reward_result(text, examples[i // G].get("label")) for i, text in enumerate(gen.texts)]
+            results = self.task.reward_results(list(gen.texts), [examples[i // G].get("label")
+                                                                 for i in range(len(gen.texts))])
             rewards = torch.tensor([float(x.reward) for x in results], dtype=torch.float32)
             shaped = method.shape_rewards(rewards, G, seq_mean_old_log_probs=masked_mean(old, mask, dim=1).cpu(),
                                           lengths=gen.response_lengths.cpu())
