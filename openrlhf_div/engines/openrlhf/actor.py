@@ -55,7 +55,7 @@ class DivActorPPOTrainer(ActorPPOTrainer):
     def __init__(self, strategy, *args, method=None, **kwargs):
         super().__init__(strategy, *args, **kwargs)
         self.div_method = method if method is not None else method_from_args(strategy.args)
-        check_supported(self.div_method, strategy.args)
+        check_supported(self.div_method, strategy.args, need_data=False)
         self._div_generator = torch.Generator().manual_seed(int(getattr(self.args.train, "seed", 0)))
         self.last_loss: Optional[torch.Tensor] = None  # the loss handed to backward (for checks)
 

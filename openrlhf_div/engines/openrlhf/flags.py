@@ -265,8 +265,9 @@ def derive_upstream_flags(method: Method, argv: Sequence[str], div) -> Derived:
     return Derived(out, reference_actor=needs.ref_log_probs, critic=False, notes=notes)
 
 
-def check_supported(method: Method, args) -> None:
-    """Refuse combinations the OpenRLHF engine does not implement (clear message each)."""
+def check_supported(method: Method, args, need_data: bool = True) -> None:
+    """Refuse combinations the OpenRLHF engine does not implement (clear message each).
+    ``need_data=False`` skips the ``--div.anchor_data`` checks (the policy actor never reads it)."""
     div = div_namespace(args)
     train = getattr(args, "train", None)
     if method.needs.prompt_hidden:
@@ -281,7 +282,7 @@ def check_supported(method: Method, args) -> None:
             "builds its own training actor); run synchronously"
         )
     if method.needs.anchor_batch:
-        if not getattr(div, "anchor_data", None):
+        if need_data and not getattr(div, "anchor_data", None):
             raise ValueError(
                 f"method {method.name!r} trains an anchor loss on D_pef: pass --div.anchor_data "
                 "PATH (written by `python -m openrlhf_div.cli.presample_ray`)"
@@ -292,7 +293,7 @@ def check_supported(method: Method, args) -> None:
                 "dynamic batches normalise by all action tokens, but L_exp and L_pef are each a "
                 "token mean over their own tokens"
             )
-    elif getattr(div, "anchor_data", None):
+    elif need_data and getattr(div, "anchor_data", None):
         raise ValueError(
             f"--div.anchor_data is set but method {method.name!r} has no anchor loss; "
             "use a dph_* method or drop the flag"
