@@ -109,7 +109,7 @@ def add_div_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
                    help="reward through openrlhf_div/tasks/reward_funcs/<task>.py "
                         "(sets --reward.remote_url unless given)")
     g.add_argument("--div.anchor_data", default=None, metavar="PATH",
-                   help="D_pef from presample_ray (a pef.jsonl file or its shard directory); "
+                   help="D_pef from presample_ray (a presample output directory or its d_pef.jsonl); "
                         "required by anchor methods (dph_*)")
     g.add_argument("--div.anchor_batch_size", type=int, default=None, metavar="N",
                    help="D_pef anchor samples added per rollout step (default: online samples / "

@@ -150,8 +150,12 @@ def expand_env(value: str) -> str:
     return _ENV.sub(sub, value)
 
 
-def _flag_values(prefix: str, key: str, value) -> List[str]:
+def _flag_values(prefix: str, key: str, value, bool_values: bool = False) -> List[str]:
+    """One config entry as flags. OpenRLHF's booleans are store_true switches (``true`` -> the
+    bare flag, ``false`` -> nothing); ours take a value (``bool_values``)."""
     flag = f"--{prefix}{key}"
+    if isinstance(value, bool) and bool_values:
+        return [flag, "true" if value else "false"]
     if value is None or value is False:
         return []
     if value is True:
@@ -183,7 +187,7 @@ def config_argv(cfg: Dict[str, Any]) -> List[str]:
     """The flags a config stands for: ``div:`` -> ``--div.*``, ``openrlhf:`` -> ``--<key>``."""
     argv: List[str] = []
     for k, v in (cfg.get("div") or {}).items():
-        argv += _flag_values("div.", k, v)
+        argv += _flag_values("div.", k, v, bool_values=True)
     for k, v in (cfg.get("openrlhf") or {}).items():
         argv += _flag_values("", k, v)
     return argv

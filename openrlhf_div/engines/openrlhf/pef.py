@@ -1,26 +1,27 @@
 """The on-disk format of DPH-RL's pre-sampling split, and the anchor sampler.
 
-Plain JSON Lines, one object per line, readable by any engine (no torch, Ray or OpenRLHF here).
+The same layout as the local engine's ``openrlhf-div presample`` (so either engine reads the
+other's output). Plain JSON Lines; no torch, Ray or OpenRLHF import here. An output directory::
 
-``D_pef`` (near-perfect prompts), ``pef-NNNNN.jsonl`` shards or one ``pef.jsonl``::
+    d_pef.jsonl    near-perfect prompts, one correct response each (the anchors)
+    d_exp.jsonl    the other prompts (an OpenRLHF --data.prompt_dataset as is)
+    summary.json   counts, the #correct histogram and the settings
+    shards/settings.json, shards/chunk_NNNNNN.json   resumable progress
 
-    {"id": "bird-17", "prompt": "<the prompt text as sampled>", "label": <task label>,
+A ``d_pef.jsonl`` row is the original dataset row plus::
+
+    {"prompt_text": "<the prompt exactly as sampled (template applied)>",
      "response": "<one correct response>",
      "prompt_ids": [int, ...], "response_ids": [int, ...],
-     "ref_log_probs": [float, ...],      # log pi_ref(y_t | x, y_<t), one per response id,
-                                         # from the *training* forward (temperature-scaled
-                                         # exactly like the trainer's), not the sampler's
-     "n_correct": 8, "n_samples": 8, "reward": 1.0}
+     "ref_log_probs": [float, ...],   # log pi_ref(y_t | x, y_<t), one per response id, from
+                                      # the *training* forward at the rollout temperature
+     "n_correct": 8, "n_pre": 8}
 
-``D_exp`` (the other prompts), ``exp-NNNNN.jsonl`` / ``exp.jsonl``: the original dataset row
-plus ``"n_correct"`` and ``"n_samples"``; it is directly an OpenRLHF ``--data.prompt_dataset``.
-
-A shard directory also holds ``manifest.json`` (the stage's settings and the finished
-shards), which is what makes the stage resumable.
+A ``d_exp.jsonl`` row is the original row plus ``"n_correct"`` and ``"n_pre"``.
+A chunk file is ``{"chunk": c, "pef": [rows], "exp": [rows], "n_correct": [int per prompt]}``.
 """
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
@@ -48,7 +49,8 @@ class AnchorRecord:
         if missing:
             raise ValueError(f"{where}: D_pef record lacks {', '.join(missing)} (write it with presample_ray)")
         rec = cls(prompt_ids=[int(t) for t in d["prompt_ids"]], response_ids=[int(t) for t in d["response_ids"]],
-                  ref_log_probs=[float(x) for x in d["ref_log_probs"]], prompt=d.get("prompt", ""),
+                  ref_log_probs=[float(x) for x in d["ref_log_probs"]],
+                  prompt=d.get("prompt_text", d.get("prompt", "")),
                   response=d.get("response", ""), label=d.get("label"), id=str(d.get("id", "")))
         rec.validate(where)
         return rec
@@ -66,7 +68,7 @@ class AnchorRecord:
             raise ValueError(f"{where}: ref_log_probs must be finite log-probabilities <= 0, got {bad[:3]}")
 
     def to_json(self) -> Dict[str, Any]:
-        return {"id": self.id, "prompt": self.prompt, "label": self.label, "response": self.response,
+        return {"id": self.id, "prompt_text": self.prompt, "label": self.label, "response": self.response,
                 "prompt_ids": self.prompt_ids, "response_ids": self.response_ids,
                 "ref_log_probs": self.ref_log_probs}
 
@@ -99,17 +101,20 @@ def write_json_atomic(path: str, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def _files(path: str, kind: str) -> List[str]:
+def _file(path: str, kind: str) -> str:
+    """``path`` itself, or ``path/d_<kind>.jsonl`` for an output directory."""
     if os.path.isdir(path):
-        shards = sorted(glob.glob(os.path.join(path, f"{kind}-*.jsonl")))
-        if shards:
-            return shards
-        merged = os.path.join(path, f"{kind}.jsonl")
-        if os.path.exists(merged):
-            return [merged]
-        raise FileNotFoundError(f"{path} holds no {kind}-*.jsonl shards nor {kind}.jsonl; run presample_ray first")
+        f = os.path.join(path, f"d_{kind}.jsonl")
+        if os.path.exists(f):
+            return f
+        if os.path.isdir(os.path.join(path, "shards")):
+            raise FileNotFoundError(
+                f"{path} holds an unfinished pre-sampling run (no d_{kind}.jsonl yet); rerun the same "
+                "presample command to finish it"
+            )
+        raise FileNotFoundError(f"{path} holds no d_{kind}.jsonl; run presample_ray (or openrlhf-div presample) first")
     if os.path.exists(path):
-        return [path]
+        return path
     raise FileNotFoundError(f"D_{kind} not found at {path!r}")
 
 
@@ -128,18 +133,16 @@ def read_jsonl(path: str) -> List[Dict[str, Any]]:
 
 
 def read_pef(path: str) -> List[AnchorRecord]:
-    """All ``D_pef`` records under ``path`` (a shard directory or one JSONL file)."""
-    recs: List[AnchorRecord] = []
-    for f in _files(path, "pef"):
-        for i, d in enumerate(read_jsonl(f), 1):
-            recs.append(AnchorRecord.from_json(d, where=f"{f}:{i}"))
+    """All ``D_pef`` records at ``path`` (an output directory or a ``d_pef.jsonl`` file)."""
+    f = _file(path, "pef")
+    recs = [AnchorRecord.from_json(d, where=f"{f}:{i}") for i, d in enumerate(read_jsonl(f), 1)]
     if not recs:
         raise ValueError(f"D_pef at {path!r} is empty: no prompt reached the near-perfect threshold")
     return recs
 
 
 def read_exp(path: str) -> List[Dict[str, Any]]:
-    return [d for f in _files(path, "exp") for d in read_jsonl(f)]
+    return read_jsonl(_file(path, "exp"))
 
 
 class AnchorPool:
