@@ -78,28 +78,29 @@ def _rows(e: Experience) -> int:
     return int(e.sequences.shape[0])
 
 
-def _cat_step(a: Optional[torch.Tensor], b: Optional[torch.Tensor], na: int, nb: int, pad_value) -> Optional[torch.Tensor]:
+def _cat_step(a: Optional[torch.Tensor], b: Optional[torch.Tensor], na: int, nb: int, width: int,
+              pad_value) -> Optional[torch.Tensor]:
+    """Rows of ``a`` then ``b``, right-padded to ``width``; a missing side is zero-filled."""
     if a is None and b is None:
         return None
     like = a if a is not None else b
-    if a is None:
-        a = torch.zeros((na, like.shape[1]), dtype=like.dtype)
-    if b is None:
-        b = torch.zeros((nb, like.shape[1]), dtype=like.dtype)
-    b = b.to(a.dtype)
-    return zero_pad_sequences([a, b.to(a.device)], side="right", value=pad_value, stack=False) \
-        if a.shape[1] != b.shape[1] else torch.cat([a, b.to(a.device)], dim=0)
+    a = torch.zeros((na, width), dtype=like.dtype) if a is None else a
+    b = torch.zeros((nb, width), dtype=like.dtype) if b is None else b.to(a.dtype)
+    return zero_pad_sequences([a, b.to(a.device)], side="right", value=pad_value, stack=False)
 
 
 def append_rows(exp: Experience, extra: Experience, pad_token_id: int) -> Experience:
     """``exp`` with the rows of ``extra`` appended (step fields right-padded to a common width;
     a field missing on one side is zero-filled; ``info`` keys of both kept, zero-filled)."""
     na, nb = _rows(exp), _rows(extra)
+    seq_w = max(exp.sequences.shape[1], extra.sequences.shape[1])
+    act_w = max(exp.action_mask.shape[1], extra.action_mask.shape[1])
     out = {}
     for f in fields(Experience):
         a, b = getattr(exp, f.name), getattr(extra, f.name)
         if Experience.is_step_tensor_field(f.name):
-            out[f.name] = _cat_step(a, b, na, nb, pad_token_id if f.name == "sequences" else 0)
+            width = seq_w if f.name in ("sequences", "attention_mask") else act_w
+            out[f.name] = _cat_step(a, b, na, nb, width, pad_token_id if f.name == "sequences" else 0)
         elif Experience.is_episode_tensor_field(f.name):
             if a is None and b is None:
                 out[f.name] = None

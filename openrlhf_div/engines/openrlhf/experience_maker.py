@@ -47,6 +47,8 @@ class DivExperienceMaker(RemoteExperienceMaker):
         self.anchor_batch_size = getattr(div, "anchor_batch_size", None)
         self.anchor_ratio = float(getattr(div, "anchor_ratio", 8.0) or 8.0)
         if anchor_pool is None and self.method.needs.anchor_batch:
+            if not getattr(div, "anchor_data", None):
+                raise ValueError(f"method {self.method.name!r} needs D_pef anchors: pass --div.anchor_data PATH")
             seed = getattr(div, "anchor_seed", None)
             if seed is None:
                 seed = getattr(getattr(self.args, "train", None), "seed", 0)

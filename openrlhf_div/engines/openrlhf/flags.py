@@ -223,22 +223,27 @@ class Derived:
     notes: List[str]
 
 
+def _flag_groups(argv: Sequence[str]) -> Dict[str, List[str]]:
+    """``{--flag: [values...]}`` of an argv (values: the tokens up to the next option)."""
+    out: Dict[str, List[str]] = {}
+    cur = None
+    for tok in argv:
+        if tok.startswith("--"):
+            name, _, val = tok.partition("=")
+            cur = name
+            out[cur] = [val] if val else []
+        elif cur is not None:
+            out[cur].append(tok)
+    return out
+
+
 def derive_upstream_flags(method: Method, argv: Sequence[str], div) -> Derived:
-    """OpenRLHF flags implied by ``method`` (appended to the user's); raises ``ValueError``
-    on an explicit flag that conflicts with the method or that our actor would ignore."""
-    given = set(given_flags(argv))
-    for flag, instead in IGNORED_UPSTREAM.items():
-        if flag in given:
-            raise ValueError(
-                f"{flag} is an OpenRLHF loss option that the openrlhf-div actor does not read "
-                f"(the loss comes from --div.method {method.name}); use {instead} instead"
-            )
-    for flag in DERIVED_UPSTREAM:
-        if flag in given:
-            raise ValueError(
-                f"{flag} is set by openrlhf-div from the method ({method.name}); remove it. "
-                f"Choose the behaviour with --div.method / --div.* hyperparameters instead"
-            )
+    """OpenRLHF flags implied by ``method`` (to append to the user's argv).
+
+    Raises ``ValueError`` for an explicit flag that our actor would ignore or that conflicts
+    with the method; a derived flag given with exactly the derived value (a printed command
+    run again) is accepted and not repeated.
+    """
     needs = method.needs
     out = ["--algo.advantage.estimator", ESTIMATOR_FLAG[method.estimator]]
     notes = [f"advantages: registry estimator {method.estimator!r}"
@@ -255,6 +260,7 @@ def derive_upstream_flags(method: Method, argv: Sequence[str], div) -> Derived:
     if method.dynamic_sampling:
         out += ["--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range", "0", "1"]
         notes.append("dynamic sampling: drop groups with all-equal 0/1 rewards at generation, refill")
+    given = _flag_groups(argv)
     task = getattr(div, "task", None)
     if task and "--reward.remote_url" not in given:
         out += ["--reward.remote_url", reward_func_path(task)]
@@ -262,7 +268,39 @@ def derive_upstream_flags(method: Method, argv: Sequence[str], div) -> Derived:
         notes.append(f"anchors: D_pef at {getattr(div, 'anchor_data', None)}, eta={method.anchor_weight}")
     if needs.entropy:
         notes.append("entropy: full-vocabulary entropy computed in the training forward")
-    return Derived(out, reference_actor=needs.ref_log_probs, critic=False, notes=notes)
+
+    derived = _flag_groups(out)
+    for flag, values in given.items():
+        if flag in derived:
+            if [float(v) for v in values if _is_num(v)] != [float(v) for v in derived[flag] if _is_num(v)] \
+                    or [v for v in values if not _is_num(v)] != [v for v in derived[flag] if not _is_num(v)]:
+                raise ValueError(
+                    f"{flag} {' '.join(values)} conflicts with method {method.name!r}, which implies "
+                    f"{flag} {' '.join(derived[flag])}; remove it (openrlhf-div sets it from the method)"
+                )
+        elif flag in IGNORED_UPSTREAM:
+            raise ValueError(
+                f"{flag} is an OpenRLHF loss option that the openrlhf-div actor does not read "
+                f"(the loss comes from --div.method {method.name}); use {IGNORED_UPSTREAM[flag]} instead"
+            )
+        elif flag in DERIVED_UPSTREAM:
+            raise ValueError(
+                f"{flag} is set by openrlhf-div from the method ({method.name}), which does not use it; "
+                "remove it and choose the behaviour with --div.method / --div.* hyperparameters"
+            )
+    keep: List[str] = []
+    for flag, values in derived.items():
+        if flag not in given:
+            keep += [flag, *values]
+    return Derived(keep, reference_actor=needs.ref_log_probs, critic=False, notes=notes)
+
+
+def _is_num(v: str) -> bool:
+    try:
+        float(v)
+        return True
+    except ValueError:
+        return False
 
 
 def check_supported(method: Method, args, need_data: bool = True) -> None:
