@@ -65,7 +65,7 @@ def _args(micro: int, train_batch: int, method_name: str):
         train=NS(dynamic_batch_enable=False, max_epochs=1, seed=0, colocate_all=False, async_enable=False,
                  micro_batch_size=micro, batch_size=train_batch),
         actor=NS(eps_clip_low_high=(0.2, 0.2), dual_clip=None, loss_agg_mode="token-mean",
-                 policy_loss_type="ppo", aux_loss_coef=0, entropy_coef=None),
+                 policy_loss_type="ppo", aux_loss_coef=0, entropy_coef=None, adam=NS(lr=1e-2)),
         algo=NS(advantage=NS(is_correction_level="off", is_correction_mode="mask", is_correction_gating="ratio",
                              is_correction_threshold=(0.5, 5.0)), kl=NS(use_loss=False)),
         vllm=NS(sync_backend="gloo"), local_rank=-1,
@@ -202,8 +202,12 @@ def _rollout(trainer, method, rewards, seed=0, prompt_len=3, resp_lens=(5, 3, 4,
     res = rollout_advantages(method, r, old, action_mask, group_size=len(rewards),
                              lengths=torch.tensor(resp_lens, dtype=torch.float32))
     n = len(resp_lens)
+    ref = None
+    if method.needs.ref_log_probs:  # what the reference actor would ship with --algo.kl.use_loss
+        ref = (lp - 0.2 * torch.rand(lp.shape, generator=g)) * action_mask
     return Experience(
         sequences=sequences, attention_mask=attention, action_mask=res.mask.long(), action_log_probs=old,
+        base_action_log_probs=ref,
         advantages=res.advantages, returns=res.advantages.clone(), rewards=r,
         response_length=torch.tensor(resp_lens, dtype=torch.float32),
         total_length=attention.sum(-1).float(), truncated=torch.zeros(n, dtype=torch.bool),
@@ -228,6 +232,18 @@ def _anchor_rows(trainer, n=2, seed=1):
     return anchor_experience(recs, pad_token_id=0, info_keys=("reward",))
 
 
+def _plain_log_z(trainer, exp):
+    """FlowRL's log Z from the trainer's head on prompt states of a plain forward."""
+    from openrlhf_div.engines.openrlhf.actor import mean_prompt_hidden
+
+    model = trainer.actor.model.module
+    pos = (exp.attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        h = model(input_ids=exp.sequences, attention_mask=exp.attention_mask, position_ids=pos,
+                  output_hidden_states=True).hidden_states[-1]
+        return trainer.log_z_head(mean_prompt_hidden(h, exp.attention_mask, exp.action_mask))
+
+
 def _registry_loss(trainer, method, exp, norm=None):
     """``Method.loss`` on the experience's rows, log-probs from the plain forward."""
     from openrlhf_div.algorithms import AnchorInputs, LossInputs
@@ -239,14 +255,16 @@ def _registry_loss(trainer, method, exp, norm=None):
     on, an = ~is_anchor, is_anchor
     online = anchor = None
     if on.any():
+        ref = exp.base_action_log_probs[on].float() if method.needs.ref_log_probs else None
+        log_z = _plain_log_z(trainer, exp)[on] if method.needs.prompt_hidden else None
         online = LossInputs(log_probs=lp[on], old_log_probs=exp.action_log_probs[on].float(),
                             advantages=exp.advantages[on].float(), mask=m[on],
-                            correct=exp.info["div_correct"][on] > 0.5)
+                            correct=exp.info["div_correct"][on] > 0.5, ref_log_probs=ref, log_z=log_z)
     if an.any():
         anchor = AnchorInputs(log_probs=lp[an], ref_log_probs=exp.base_action_log_probs[an].float(), mask=m[an])
     norm = norm or {}
     loss, _ = method.loss(online=online, anchor=anchor, num_online_tokens=norm.get("online"),
-                          num_anchor_tokens=norm.get("anchor"))
+                          num_anchor_tokens=norm.get("anchor"), num_online_seqs=norm.get("online_seqs"))
     return float(loss)
 
 
@@ -259,7 +277,7 @@ def _norm_info(exp):
             "global_batch_size": torch.tensor(float((m[~a].sum(-1) > 0).sum())),
             "anchor": {"dp_size": 1, "batch_num_tokens": torch.tensor(an_tok),
                        "global_batch_size": torch.tensor(float((m[a].sum(-1) > 0).sum()))}}
-    return info, {"online": on_tok, "anchor": an_tok}
+    return info, {"online": on_tok, "anchor": an_tok, "online_seqs": float((m[~a].sum(-1) > 0).sum())}
 
 
 def _params(trainer):
@@ -281,6 +299,7 @@ def _step(trainer, method, exp):
     ("grpo", [1.0, 0.0, 1.0, 0.0]),       # PPO-clip
     ("ds_grpo", [1.0, 0.0, 0.0, 1.0]),    # Differential Smoothing reshaping
     ("lad_js", [0.0, 1.0, 1.0, 0.0]),     # LAD
+    ("rkl", [1.0, 1.0, 0.0, 0.0]),        # PPO-clip + k3 KL to the shipped reference log-probs
 ])
 def test_online_step_applies_registry_loss(trainer, name, rewards):
     from openrlhf_div.algorithms import get_method
@@ -292,6 +311,24 @@ def test_online_step_applies_registry_loss(trainer, name, rewards):
     assert abs(expected) > 1e-4  # a real loss, not a trivially zero one
     assert moved > 0, "DeepSpeed's optimizer step did not change the weights"
     assert status["metrics"]["actor_grad_norm"] > 0
+
+
+def test_flowrl_step_trains_the_log_z_head(trainer):
+    """FlowRL: seq-mean-token-mean through OpenRLHF's per-sample aggregate_loss, log Z from the
+    head on the pooled prompt states, and the head's own optimizer steps with DeepSpeed's."""
+    from openrlhf_div.algorithms import get_method
+
+    method = get_method("flowrl")
+    exp = _rollout(trainer, method, [1.0, 0.0, 0.0, 1.0], seed=21)
+    trainer.div_method = method
+    trainer._ensure_log_z_head()
+    head_before = torch.cat([p.detach().reshape(-1).clone() for p in trainer.log_z_head.parameters()])
+    expected, applied, _, moved = _step(trainer, method, exp)
+    assert applied == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert expected > 1e-3 and moved > 0
+    head_after = torch.cat([p.detach().reshape(-1) for p in trainer.log_z_head.parameters()])
+    assert (head_after - head_before).abs().max() > 0, "the log Z head was not trained"
+    assert all(p.grad is None for p in trainer.log_z_head.parameters())  # stepped and zeroed
 
 
 def test_ds_reshaping_changes_the_loss(trainer):

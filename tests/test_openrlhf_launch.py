@@ -55,10 +55,9 @@ def test_each_method_maps_to_a_valid_openrlhf_command(parser, name):
     m = get_method(name)
     if m.needs.anchor_batch:
         argv += ["--div.anchor_data", "/nonexistent/pef", "--div.anchor_batch_size", "0"]
-    if m.needs.prompt_hidden:
-        with pytest.raises(NotImplementedError, match="log Z"):
-            L.plan(argv, parser)
-        return
+    if m.needs.prompt_hidden:  # FlowRL pools prompt states: refused on packed batches
+        with pytest.raises(NotImplementedError, match="packing_samples"):
+            L.plan(argv + ["--ds.packing_samples", "--vllm.num_engines", "1"], parser)
     p = L.plan(argv, parser)
     a = p.args
     # topology follows the method's needs, never its name

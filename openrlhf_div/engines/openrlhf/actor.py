@@ -49,6 +49,30 @@ def _swapped(module, name: str, value):
         setattr(module, name, old)
 
 
+class LogZHead(torch.nn.Module):
+    """FlowRL's learned log-partition ``log Z_phi(x)``: ``Linear -> GELU -> Linear`` on the
+    detached mean-pooled last-layer hidden states of the prompt (as the local engine's)."""
+
+    def __init__(self, hidden_size: int, width: int = 64):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(hidden_size, width), torch.nn.GELU(),
+                                       torch.nn.Linear(width, 1))
+
+    def forward(self, prompt_hidden: torch.Tensor) -> torch.Tensor:
+        return self.net(prompt_hidden.detach().float()).squeeze(-1)
+
+
+def mean_prompt_hidden(hidden: torch.Tensor, attention_mask: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``hidden [B, T, H]`` over each row's prompt tokens: the attended tokens before the
+    first response token (``action_mask`` position ``j`` marks token ``j + 1``)."""
+    B, T = attention_mask.shape
+    resp = torch.zeros(B, T, device=hidden.device)
+    resp[:, T - action_mask.shape[1]:] = action_mask.float()
+    prompt = attention_mask.float() * (resp.cumsum(-1) == 0).float()
+    pm = prompt.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * pm).sum(1).float() / pm.sum(1).float().clamp(min=1.0)
+
+
 class DivActorPPOTrainer(ActorPPOTrainer):
     """``ActorPPOTrainer`` with the registry's loss (see the module docstring)."""
 
@@ -58,6 +82,21 @@ class DivActorPPOTrainer(ActorPPOTrainer):
         check_supported(self.div_method, strategy.args, need_data=False)
         self._div_generator = torch.Generator().manual_seed(int(getattr(self.args.train, "seed", 0)))
         self.last_loss: Optional[torch.Tensor] = None  # the loss handed to backward (for checks)
+        self.log_z_head = self.log_z_optim = None
+        self._ensure_log_z_head()
+
+    def _ensure_log_z_head(self) -> None:
+        """FlowRL (``needs.prompt_hidden``): a small log Z head outside DeepSpeed, own AdamW."""
+        if not self.div_method.needs.prompt_hidden or self.log_z_head is not None:
+            return
+        model = self.actor.model.module if hasattr(self.actor.model, "module") else self.actor.model
+        device = next(model.parameters()).device
+        torch.manual_seed(int(getattr(self.args.train, "seed", 0)))
+        self.log_z_head = LogZHead(model.config.hidden_size).to(device)
+        lr = getattr(getattr(self.args, "div", None), "log_z_lr", None)
+        if lr is None:
+            lr = self.args.actor.adam.lr
+        self.log_z_optim = torch.optim.AdamW(self.log_z_head.parameters(), lr=float(lr))
 
     def ppo_train(self, kl_ctl: float):
         """OpenRLHF's epoch loop, with online and anchor tokens normalised separately."""
@@ -89,18 +128,25 @@ class DivActorPPOTrainer(ActorPPOTrainer):
         if getattr(experience, "mm_train_inputs", None) and getattr(self.actor, "is_vlm", False):
             mm_inputs = merge_mm_train_inputs(experience.mm_train_inputs, experience.sequences.device)
 
+        if needs.prompt_hidden:
+            self._ensure_log_z_head()
+            mm_inputs["output_hidden_states"] = True
         log_probs, output = self.actor(
             experience.sequences, experience.action_mask, attention_mask=experience.attention_mask,
             return_output=True, ring_attn_group=self.strategy.ring_attn_group, packed_seq_lens=None,
             return_entropy=needs.entropy, **mm_inputs)
         A = experience.action_mask.shape[1]
         entropy = output.entropy[:, -A:] if needs.entropy else None
+        log_z = None
+        if needs.prompt_hidden:
+            pooled = mean_prompt_hidden(output.hidden_states[-1], experience.attention_mask, experience.action_mask)
+            log_z = self.log_z_head(pooled)
 
         loss, metrics = div_actor_loss(
             method, log_probs=log_probs, action_mask=experience.action_mask, is_anchor=is_anchor,
             old_log_probs=experience.action_log_probs, advantages=experience.advantages,
             ref_log_probs=experience.base_action_log_probs, entropy=entropy, correct=correct,
-            loss_batch_info=loss_batch_info, generator=self._div_generator)
+            loss_batch_info=loss_batch_info, generator=self._div_generator, log_z=log_z)
         policy_loss = loss.detach()
         if self.aux_loss:  # Mixtral-style router balancing, as OpenRLHF adds it
             aux = output.aux_loss * self.args.actor.aux_loss_coef
@@ -112,12 +158,37 @@ class DivActorPPOTrainer(ActorPPOTrainer):
         self.strategy.backward(loss, self.actor, self.actor_optim)
         optimizer_step = (not self.args.train.dynamic_batch_enable
                           or self.replay_buffer.dynamic_optimizer_step[step])
+        boundary = self._ds_boundary() if optimizer_step else False
         if optimizer_step:
             self.strategy.optimizer_step(self.actor_optim, self.actor, self.actor_scheduler, name="actor")
+            if self.log_z_head is not None and boundary:
+                self._log_z_step()
             if self.ema_model:
                 self.strategy.moving_average(self.actor, self.ema_model, self.ema_beta, "cuda")
 
         return self._status(experience, policy_loss, metrics, is_anchor, optimizer_step)
+
+    def _ds_boundary(self) -> bool:
+        """Whether the coming DeepSpeed ``step()`` applies the update (gradient-accumulation boundary)."""
+        engine = self.actor.model
+        fn = getattr(engine, "is_gradient_accumulation_boundary", None)
+        return bool(fn()) if fn is not None else True
+
+    def _log_z_step(self) -> None:
+        """Step FlowRL's head with DeepSpeed's semantics: gradients averaged over the
+        data-parallel ranks (``aggregate_loss`` multiplied the loss by ``dp_size`` for exactly
+        that average), then AdamW, then zeroed."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            group = self.strategy.ds_device_mesh["dp"].get_group()
+            n = dist.get_world_size(group=group)
+            for p in self.log_z_head.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
+                    p.grad.div_(n)
+        self.log_z_optim.step()
+        self.log_z_optim.zero_grad(set_to_none=True)
 
     def _status(self, experience, policy_loss, metrics, is_anchor, optimizer_step) -> Dict:
         """Metrics in the shape OpenRLHF's ``ppo_train`` reduces: 0-d tensors are

@@ -119,6 +119,8 @@ def add_div_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
                         "(default 8, DPH-RL's 128x16 : 256)")
     g.add_argument("--div.anchor_seed", type=int, default=None, metavar="SEED",
                    help="seed of the anchor sampler (default: --train.seed)")
+    g.add_argument("--div.log_z_lr", type=float, default=None, metavar="LR",
+                   help="FlowRL's log Z head learning rate (default: --actor.adam.lr)")
     g.add_argument("--div.aggregation", default=None, choices=sorted(TOKEN_LEVEL),
                    help="override the method's loss aggregation")
     g.add_argument("--div.dynamic_sampling", type=_bool, default=None, metavar="BOOL",
@@ -308,11 +310,12 @@ def check_supported(method: Method, args, need_data: bool = True) -> None:
     ``need_data=False`` skips the ``--div.anchor_data`` checks (the policy actor never reads it)."""
     div = div_namespace(args)
     train = getattr(args, "train", None)
-    if method.needs.prompt_hidden:
+    ds = getattr(args, "ds", None)
+    if method.needs.prompt_hidden and ds is not None and (
+            getattr(ds, "packing_samples", False) or getattr(ds, "ring_attn_size", 1) > 1):
         raise NotImplementedError(
-            f"method {method.name!r} needs a learned log Z head on prompt hidden states "
-            "(needs.prompt_hidden); the OpenRLHF engine does not provide it yet. Use the local "
-            "engine (`openrlhf-div train`) for FlowRL."
+            f"method {method.name!r} pools the prompt's hidden states for its log Z head, which needs "
+            "unpacked batches: drop --ds.packing_samples / --ds.ring_attn_size"
         )
     if train is not None and getattr(train, "async_enable", False):
         raise NotImplementedError(

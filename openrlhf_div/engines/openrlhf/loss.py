@@ -126,11 +126,12 @@ def div_actor_loss(
     correct: Optional[torch.Tensor] = None,
     loss_batch_info: Optional[Dict] = None,
     generator: Optional[torch.Generator] = None,
+    log_z: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Dict[str, float]]:
     """The micro-batch loss applied by the policy actor (formula in the module docstring).
 
     ``ref_log_probs`` carries the reference-model log-probs on online rows (methods that need
-    them) and the *stored* base log-probs on anchor rows. ``loss_batch_info`` is OpenRLHF's
+    them) and the *stored* base log-probs on anchor rows; ``log_z`` ``[B]`` is FlowRL's head output. ``loss_batch_info`` is OpenRLHF's
     normaliser for the online tokens, with the anchor tokens' under ``"anchor"``; ``None``
     means "this micro-batch is the whole step on one rank" (plain token means).
     """
@@ -152,7 +153,8 @@ def div_actor_loss(
             advantages=advantages[on].to(log_probs.dtype), mask=mask_on[on],
             correct=None if correct is None else correct[on].bool(),
             ref_log_probs=_sub(ref_log_probs, on) if needs.ref_log_probs else None,
-            entropy=_sub(entropy, on) if needs.entropy else None, generator=generator)
+            entropy=_sub(entropy, on) if needs.entropy else None, generator=generator,
+            log_z=_sub(log_z, on) if needs.prompt_hidden else None)
         per_tok, m = method.online_loss(online)
         l_exp = aggregate_loss(per_tok, online.mask, token_level_loss=token_level, **info)
         total = total + l_exp
