@@ -183,10 +183,11 @@ class DivActorPPOTrainer(ActorPPOTrainer):
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             group = self.strategy.ds_device_mesh["dp"].get_group()
             n = dist.get_world_size(group=group)
-            for p in self.log_z_head.parameters():
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
-                    p.grad.div_(n)
+            for p in self.log_z_head.parameters():  # every rank joins, even without online rows
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
+                p.grad.div_(n)
         self.log_z_optim.step()
         self.log_z_optim.zero_grad(set_to_none=True)
 
