@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 from openrlhf_div.algorithms.registry import (
     ADV_RESHAPING,
