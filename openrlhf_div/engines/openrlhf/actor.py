@@ -1,0 +1,233 @@
+"""The policy actor: OpenRLHF's ``PolicyModelActor`` whose training step takes its loss from the
+method registry.
+
+* :class:`DivActorPPOTrainer` subclasses OpenRLHF's ``ActorPPOTrainer``. Its
+  :meth:`~DivActorPPOTrainer.training_step` runs the same forward, backward, optimizer and
+  EMA steps as OpenRLHF's, but the loss is :func:`~openrlhf_div.engines.openrlhf.loss.div_actor_loss`:
+  the registry's per-token online and anchor losses, each reduced by OpenRLHF's
+  ``aggregate_loss`` with the ``loss_batch_info`` it receives. Its
+  :meth:`~DivActorPPOTrainer.ppo_train` is OpenRLHF's, with the per-optimizer-step normaliser
+  extended to count online and anchor tokens separately (:func:`split_window_norms`).
+* :data:`DivPolicyModelActor` is ``ray.remote`` of a subclass of
+  ``PolicyModelActor.__ray_actor_class__`` (Ray refuses to subclass an actor class directly)
+  that builds :class:`DivActorPPOTrainer` instead of ``ActorPPOTrainer``.
+
+OpenRLHF hard-codes both classes by module-level name; we swap each name only for the
+duration of one call *inside the actor's own process* (:func:`_swapped`), so nothing leaks
+into other actors or the driver.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Optional
+
+import torch
+
+from openrlhf_div.compat.flash_attn_standin import install as _install_flash_attn_standin
+
+_install_flash_attn_standin()
+
+import ray  # noqa: E402
+from openrlhf.trainer.ppo_utils.experience import Experience  # noqa: E402
+from openrlhf.trainer.ray import ppo_actor as _ppo_actor  # noqa: E402
+from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer, PolicyModelActor  # noqa: E402
+from openrlhf.utils.loss_utils import get_loss_batch_info  # noqa: E402
+from openrlhf.utils.vlm_utils import merge_mm_train_inputs  # noqa: E402
+
+from .flags import ANCHOR_FLAG, CORRECT_FLAG, check_supported, method_from_args  # noqa: E402
+from .loss import div_actor_loss, row_values, split_masks, split_window_norms  # noqa: E402
+
+
+@contextlib.contextmanager
+def _swapped(module, name: str, value):
+    """Temporarily rebind ``module.name`` (restored even on error)."""
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
+
+
+class LogZHead(torch.nn.Module):
+    """FlowRL's learned log-partition ``log Z_phi(x)``: ``Linear -> GELU -> Linear`` on the
+    detached mean-pooled last-layer hidden states of the prompt (as the local engine's)."""
+
+    def __init__(self, hidden_size: int, width: int = 64):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(hidden_size, width), torch.nn.GELU(),
+                                       torch.nn.Linear(width, 1))
+
+    def forward(self, prompt_hidden: torch.Tensor) -> torch.Tensor:
+        return self.net(prompt_hidden.detach().float()).squeeze(-1)
+
+
+def mean_prompt_hidden(hidden: torch.Tensor, attention_mask: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``hidden [B, T, H]`` over each row's prompt tokens: the attended tokens before the
+    first response token (``action_mask`` position ``j`` marks token ``j + 1``)."""
+    B, T = attention_mask.shape
+    resp = torch.zeros(B, T, device=hidden.device)
+    resp[:, T - action_mask.shape[1]:] = action_mask.float()
+    prompt = attention_mask.float() * (resp.cumsum(-1) == 0).float()
+    pm = prompt.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * pm).sum(1).float() / pm.sum(1).float().clamp(min=1.0)
+
+
+class DivActorPPOTrainer(ActorPPOTrainer):
+    """``ActorPPOTrainer`` with the registry's loss (see the module docstring)."""
+
+    def __init__(self, strategy, *args, method=None, **kwargs):
+        super().__init__(strategy, *args, **kwargs)
+        self.div_method = method if method is not None else method_from_args(strategy.args)
+        check_supported(self.div_method, strategy.args, need_data=False)
+        self._div_generator = torch.Generator().manual_seed(int(getattr(self.args.train, "seed", 0)))
+        self.last_loss: Optional[torch.Tensor] = None  # the loss handed to backward (for checks)
+        self.log_z_head = self.log_z_optim = None
+        self._ensure_log_z_head()
+
+    def _ensure_log_z_head(self) -> None:
+        """FlowRL (``needs.prompt_hidden``): a small log Z head outside DeepSpeed, own AdamW."""
+        if not self.div_method.needs.prompt_hidden or self.log_z_head is not None:
+            return
+        model = self.actor.model.module if hasattr(self.actor.model, "module") else self.actor.model
+        device = next(model.parameters()).device
+        torch.manual_seed(int(getattr(self.args.train, "seed", 0)))
+        self.log_z_head = LogZHead(model.config.hidden_size).to(device)
+        lr = getattr(getattr(self.args, "div", None), "log_z_lr", None)
+        if lr is None:
+            lr = self.args.actor.adam.lr
+        self.log_z_optim = torch.optim.AdamW(self.log_z_head.parameters(), lr=float(lr))
+
+    def ppo_train(self, kl_ctl: float):
+        """OpenRLHF's epoch loop, with online and anchor tokens normalised separately."""
+
+        def per_step_norms(data_iter, strategy, accumulated_gradient, mask_fn):
+            return split_window_norms(
+                data_iter, strategy, accumulated_gradient, mask_fn,
+                lambda e: row_values(e.info, ANCHOR_FLAG, e.action_mask.shape[0], e.action_mask.device) > 0.5)
+
+        with _swapped(_ppo_actor, "iter_grad_accum_global_norm", per_step_norms):
+            return super().ppo_train(kl_ctl)
+
+    def training_step(self, experience: Experience, kl_ctl: float, step: int,
+                      loss_batch_info: Optional[Dict] = None) -> Dict:
+        self.actor.train()
+        method = self.div_method
+        needs = method.needs
+        B = experience.action_mask.shape[0]
+        device = experience.action_mask.device
+        is_anchor = row_values(experience.info, ANCHOR_FLAG, B, device) > 0.5
+        correct = row_values(experience.info, CORRECT_FLAG, B, device) > 0.5
+        if loss_batch_info is None:  # OpenRLHF's dynamic-batch path (no anchors: see check_supported)
+            online_mask, _ = split_masks(experience.action_mask, is_anchor)
+            loss_batch_info = get_loss_batch_info(
+                self.strategy, online_mask, replay_buffer=self.replay_buffer, step=step,
+                dynamic_batch=self.args.train.dynamic_batch_enable)
+
+        mm_inputs = {}
+        if getattr(experience, "mm_train_inputs", None) and getattr(self.actor, "is_vlm", False):
+            mm_inputs = merge_mm_train_inputs(experience.mm_train_inputs, experience.sequences.device)
+
+        if needs.prompt_hidden:
+            self._ensure_log_z_head()
+            mm_inputs["output_hidden_states"] = True
+        log_probs, output = self.actor(
+            experience.sequences, experience.action_mask, attention_mask=experience.attention_mask,
+            return_output=True, ring_attn_group=self.strategy.ring_attn_group, packed_seq_lens=None,
+            return_entropy=needs.entropy, **mm_inputs)
+        A = experience.action_mask.shape[1]
+        entropy = output.entropy[:, -A:] if needs.entropy else None
+        log_z = None
+        if needs.prompt_hidden:
+            pooled = mean_prompt_hidden(output.hidden_states[-1], experience.attention_mask, experience.action_mask)
+            log_z = self.log_z_head(pooled)
+
+        loss, metrics = div_actor_loss(
+            method, log_probs=log_probs, action_mask=experience.action_mask, is_anchor=is_anchor,
+            old_log_probs=experience.action_log_probs, advantages=experience.advantages,
+            ref_log_probs=experience.base_action_log_probs, entropy=entropy, correct=correct,
+            loss_batch_info=loss_batch_info, generator=self._div_generator, log_z=log_z)
+        policy_loss = loss.detach()
+        if self.aux_loss:  # Mixtral-style router balancing, as OpenRLHF adds it
+            aux = output.aux_loss * self.args.actor.aux_loss_coef
+            if self.args.train.dynamic_batch_enable:
+                aux = aux * self.replay_buffer.dynamic_sample_loss_scale[step]
+            loss = loss + aux
+        self.last_loss = loss.detach()
+
+        self.strategy.backward(loss, self.actor, self.actor_optim)
+        optimizer_step = (not self.args.train.dynamic_batch_enable
+                          or self.replay_buffer.dynamic_optimizer_step[step])
+        boundary = self._ds_boundary() if optimizer_step else False
+        if optimizer_step:
+            self.strategy.optimizer_step(self.actor_optim, self.actor, self.actor_scheduler, name="actor")
+            if self.log_z_head is not None and boundary:
+                self._log_z_step()
+            if self.ema_model:
+                self.strategy.moving_average(self.actor, self.ema_model, self.ema_beta, "cuda")
+
+        return self._status(experience, policy_loss, metrics, is_anchor, optimizer_step)
+
+    def _ds_boundary(self) -> bool:
+        """Whether the coming DeepSpeed ``step()`` applies the update (gradient-accumulation boundary)."""
+        engine = self.actor.model
+        fn = getattr(engine, "is_gradient_accumulation_boundary", None)
+        return bool(fn()) if fn is not None else True
+
+    def _log_z_step(self) -> None:
+        """Step FlowRL's head with DeepSpeed's semantics: gradients averaged over the
+        data-parallel ranks (``aggregate_loss`` multiplied the loss by ``dp_size`` for exactly
+        that average), then AdamW, then zeroed."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            group = self.strategy.ds_device_mesh["dp"].get_group()
+            n = dist.get_world_size(group=group)
+            for p in self.log_z_head.parameters():  # every rank joins, even without online rows
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
+                p.grad.div_(n)
+        self.log_z_optim.step()
+        self.log_z_optim.zero_grad(set_to_none=True)
+
+    def _status(self, experience, policy_loss, metrics, is_anchor, optimizer_step) -> Dict:
+        """Metrics in the shape OpenRLHF's ``ppo_train`` reduces: 0-d tensors are
+        token-weighted, ``[B]`` tensors sample-weighted, ``None`` weights are kept as is."""
+        out = {"policy_loss": policy_loss}
+        weights = {"policy_loss": "token"}
+        for k, v in metrics.items():
+            out[k] = torch.tensor(float(v))
+            weights[k] = "token"
+        out["div/anchor_frac"] = is_anchor.float()
+        weights["div/anchor_frac"] = "sample"
+        out["actor_lr"] = self.actor_scheduler.get_last_lr()[0]
+        weights["actor_lr"] = None
+        if optimizer_step:
+            out["actor_grad_norm"] = self.strategy.get_grad_norm(self.actor)
+            weights["actor_grad_norm"] = None
+        B = experience.action_mask.shape[0]
+        for k, v in (experience.info or {}).items():
+            if k in out:
+                continue
+            if isinstance(v, torch.Tensor):
+                out[k], weights[k] = v, ("token" if v.dim() == 0 else "sample")
+            elif isinstance(v, list) and len(v) == B:
+                out[k], weights[k] = row_values(experience.info, k, B), "sample"
+        return {
+            "metrics": out,
+            "weights": weights,
+            "num_samples": float(B),
+            "num_action_tokens": float(experience.action_mask.sum().item()),
+        }
+
+
+class _DivPolicyModelActor(PolicyModelActor.__ray_actor_class__):
+    """``PolicyModelActor`` that trains with :class:`DivActorPPOTrainer`."""
+
+    def init_model_from_pretrained(self, *args, **kwargs):
+        with _swapped(_ppo_actor, "ActorPPOTrainer", DivActorPPOTrainer):
+            return super().init_model_from_pretrained(*args, **kwargs)
+
+
+DivPolicyModelActor = ray.remote(num_gpus=1)(_DivPolicyModelActor)

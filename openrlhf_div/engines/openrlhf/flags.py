@@ -1,0 +1,341 @@
+"""The ``--div.*`` flag group and how a registered method maps onto OpenRLHF's flags.
+
+No OpenRLHF, Ray or vLLM import here: the dry run, ``--help`` and the config tests use it on
+any machine.
+
+The method is the single source of truth for the algorithm. OpenRLHF flags are only set
+where they change the *topology* or the *data flow*:
+
+===========================  ===========================================================
+method declares              OpenRLHF flags the driver sets
+===========================  ===========================================================
+any estimator                ``--algo.advantage.estimator`` (group_norm / dr_grpo / rloo):
+                             critic-free topology; the advantages themselves come from
+                             the registry inside our experience maker
+``needs.ref_log_probs``      ``--algo.kl.init_coef <c> --algo.kl.use_loss --algo.kl.estimator k3``
+                             (creates the reference actor and ships its log-probs to the
+                             policy actor; the KL *value* is computed by the method)
+no reference needed          ``--algo.kl.init_coef 0`` (OpenRLHF's default 0.01 would
+                             create a reference actor)
+``dynamic_sampling``         ``--algo.dynamic_filtering_enable --algo.dynamic_filtering_range 0 1``
+                             (drop all-0/all-1 groups at generation and refill)
+``--div.task NAME``          ``--reward.remote_url <package>/tasks/reward_funcs/NAME.py``
+===========================  ===========================================================
+
+OpenRLHF flags that our training step would silently ignore (clip range, KL coefficient,
+entropy coefficient, loss aggregation, length penalties, IS correction, ...) are refused
+when given explicitly, with the ``--div.*`` flag to use instead.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Sequence, Tuple
+
+from openrlhf_div.algorithms.registry import (
+    ADV_RESHAPING,
+    ANCHORS,
+    COMMON_HPARAMS,
+    ESTIMATORS,
+    POLICY_LOSSES,
+    REGULARIZERS,
+    REWARD_SHAPING,
+    Method,
+    get_method,
+    list_methods,
+)
+
+TASKS = ("math", "sql", "countdown")
+ANCHOR_FLAG = "div_anchor"    # Experience.info key: 1.0 for D_pef anchor rows, 0.0 for rollouts
+CORRECT_FLAG = "div_correct"  # Experience.info key: 1.0 when the task reward counts as correct
+DEFAULT_ANCHOR_RATIO = 8.0  # DPH-RL: 128 prompts x 16 rollouts : 256 anchors
+
+# registry estimator -> OpenRLHF estimator flag (topology only: all are critic-free)
+ESTIMATOR_FLAG = {"grpo": "group_norm", "dr_grpo": "dr_grpo", "rloo": "rloo",
+                  "passk": "group_norm", "pkpo": "rloo"}
+# registry aggregation -> OpenRLHF aggregate_loss(token_level_loss=...)
+TOKEN_LEVEL = {"token-mean": True, "seq-mean-token-mean": False}
+
+# Hyperparameters whose registry default is None need an explicit type.
+_NONE_DEFAULT_TYPES = {"overlong_max_len": int, "overlong_cache_len": int}
+
+
+def hparam_table() -> Dict[str, Tuple[Any, str]]:
+    """Every method hyperparameter -> (a default, the component that owns it)."""
+    table: Dict[str, Tuple[Any, str]] = {}
+    for comp, tab in (("common", {"": COMMON_HPARAMS}), ("estimator", ESTIMATORS),
+                      ("reward shaping", REWARD_SHAPING), ("advantage reshaping", ADV_RESHAPING),
+                      ("policy loss", POLICY_LOSSES), ("regularizer", REGULARIZERS),
+                      ("anchor", ANCHORS)):
+        for part, params in tab.items():
+            for k, v in params.items():
+                where = f"{comp} {part}".strip()
+                if k in table:
+                    table[k] = (table[k][0], table[k][1] + f", {where}")
+                else:
+                    table[k] = (v, where)
+    return table
+
+
+def _none_or(conv):
+    def parse(s: str):
+        if str(s).lower() in ("none", "null", "off"):
+            return None
+        return conv(s)
+    parse.__name__ = getattr(conv, "__name__", "value")
+    return parse
+
+
+def _bool(s: str) -> bool:
+    v = str(s).lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
+
+
+def add_div_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Add the ``--div.*`` group (method, its hyperparameters, anchors, task) to ``parser``."""
+    g = parser.add_argument_group(
+        "openrlhf-div (--div.*)",
+        "The training method comes from openrlhf_div's registry (`openrlhf-div methods`). "
+        "Hyperparameters left unset take the method's paper default.",
+    )
+    g.add_argument("--div.method", default="grpo", choices=list(list_methods()), metavar="NAME",
+                   help="registered method: " + ", ".join(list_methods()) + " (default: grpo)")
+    g.add_argument("--div.task", default=None, choices=TASKS,
+                   help="reward through openrlhf_div/tasks/reward_funcs/<task>.py "
+                        "(sets --reward.remote_url unless given)")
+    g.add_argument("--div.anchor_data", default=None, metavar="PATH",
+                   help="D_pef from presample_ray (a presample output directory or its d_pef.jsonl); "
+                        "required by anchor methods (dph_*)")
+    g.add_argument("--div.anchor_batch_size", type=int, default=None, metavar="N",
+                   help="D_pef anchor samples added per rollout step (default: online samples / "
+                        "--div.anchor_ratio)")
+    g.add_argument("--div.anchor_ratio", type=float, default=DEFAULT_ANCHOR_RATIO, metavar="R",
+                   help="online samples per anchor sample when --div.anchor_batch_size is unset "
+                        "(default 8, DPH-RL's 128x16 : 256)")
+    g.add_argument("--div.anchor_seed", type=int, default=None, metavar="SEED",
+                   help="seed of the anchor sampler (default: --train.seed)")
+    g.add_argument("--div.log_z_lr", type=float, default=None, metavar="LR",
+                   help="FlowRL's log Z head learning rate (default: --actor.adam.lr)")
+    g.add_argument("--div.aggregation", default=None, choices=sorted(TOKEN_LEVEL),
+                   help="override the method's loss aggregation")
+    g.add_argument("--div.dynamic_sampling", type=_bool, default=None, metavar="BOOL",
+                   help="override the method's dynamic sampling (DAPO)")
+    for name, (default, owner) in sorted(hparam_table().items()):
+        shown = "none" if default is None else default
+        kw: Dict[str, Any] = {"default": None, "metavar": "V",
+                              "help": f"{owner} hyperparameter (unset: the method's default, e.g. {shown})"}
+        if name == "lad_clip":
+            kw.update(type=float, nargs=2, metavar=("LOW", "HIGH"))
+        elif default is None:
+            kw.update(type=_none_or(_NONE_DEFAULT_TYPES.get(name, float)))
+        elif isinstance(default, bool):
+            kw.update(type=_bool)
+        elif isinstance(default, int):
+            kw.update(type=_none_or(int))
+        elif isinstance(default, float):
+            kw.update(type=_none_or(float))
+        else:
+            kw.update(type=str)
+        g.add_argument(f"--div.{name}", **kw)
+    return g
+
+
+def div_namespace(args) -> Any:
+    """``args.div`` of a hierarchized namespace, or the flat ``div.*`` keys of a parsed one."""
+    div = getattr(args, "div", None)
+    if div is not None:
+        return div
+    flat = {k[4:]: v for k, v in vars(args).items() if k.startswith("div.")}
+    return argparse.Namespace(**flat)
+
+
+def method_from_args(args) -> Method:
+    """The :class:`Method` selected by ``--div.method`` with every ``--div.<hparam>`` applied."""
+    div = div_namespace(args)
+    overrides: Dict[str, Any] = {}
+    for name in hparam_table():
+        v = getattr(div, name, None)
+        if v is not None:
+            overrides[name] = tuple(v) if isinstance(v, list) else v
+    if getattr(div, "aggregation", None) is not None:
+        overrides["aggregation"] = div.aggregation
+    if getattr(div, "dynamic_sampling", None) is not None:
+        overrides["dynamic_sampling"] = div.dynamic_sampling
+    method = get_method(div.method, **overrides)
+    if method.aggregation not in TOKEN_LEVEL:
+        raise ValueError(
+            f"method {method.name!r} aggregates with {method.aggregation!r}, which OpenRLHF's "
+            f"aggregate_loss cannot express; use --div.aggregation token-mean or seq-mean-token-mean"
+        )
+    return method
+
+
+# ------------------------------------------------------------------ OpenRLHF flags
+# OpenRLHF flag -> what to use instead. Refused when given explicitly together with --div.*:
+# our training step takes these from the method, so they would be silently ignored.
+IGNORED_UPSTREAM = {
+    "--actor.eps_clip": "--div.eps_low / --div.eps_high",
+    "--actor.eps_clip_low_high": "--div.eps_low / --div.eps_high",
+    "--actor.dual_clip": "--div.dual_clip",
+    "--actor.loss_agg_mode": "--div.aggregation",
+    "--actor.policy_loss_type": "--div.method (e.g. cispo, lad_js)",
+    "--actor.entropy_coef": "--div.method entropy_bonus|entropy_penalty and --div.entropy_coef",
+    "--algo.kl.estimator": "--div.kl_estimator (method rkl)",
+    "--algo.kl.unbiased_gradient": "--div.method rkl with --div.kl_estimator",
+    "--algo.kl.target": "--div.kl_coef (fixed coefficient)",
+    "--algo.advantage.no_std_norm": "--div.method dr_grpo",
+    "--algo.advantage.gamma": "(outcome rewards: the registry's estimators)",
+    "--algo.advantage.lambd": "(outcome rewards: the registry's estimators)",
+    "--algo.advantage.is_correction_level": "(not supported with --div methods)",
+    "--reward.overlong_buffer_len": "--div.overlong_max_len / --div.overlong_cache_len",
+    "--reward.overlong_penalty_factor": "--div.overlong_max_len / --div.overlong_cache_len",
+    "--reward.stop_properly_penalty_coef": "(not supported with --div methods)",
+    "--reward.normalize_enable": "(reward-model option; rewards come from the task verifier)",
+}
+# flags the driver derives from the method (a conflicting explicit value is an error)
+DERIVED_UPSTREAM = ("--algo.advantage.estimator", "--algo.kl.init_coef", "--algo.kl.use_loss",
+                    "--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range")
+
+
+def given_flags(argv: Sequence[str]) -> List[str]:
+    """Option names present in ``argv`` (``--a.b=1`` and ``--a.b 1`` both give ``--a.b``)."""
+    return [tok.split("=", 1)[0] for tok in argv if tok.startswith("--")]
+
+
+def reward_func_path(task: str) -> str:
+    """Absolute path of our reward-function file for ``task`` (the tasks branch provides it)."""
+    import openrlhf_div
+
+    root = os.path.dirname(os.path.abspath(openrlhf_div.__file__))
+    return os.path.join(root, "tasks", "reward_funcs", f"{task}.py")
+
+
+@dataclass
+class Derived:
+    """The OpenRLHF flags a method implies, plus a human summary of the topology."""
+
+    argv: List[str]
+    reference_actor: bool
+    critic: bool
+    notes: List[str]
+
+
+def _flag_groups(argv: Sequence[str]) -> Dict[str, List[str]]:
+    """``{--flag: [values...]}`` of an argv (values: the tokens up to the next option)."""
+    out: Dict[str, List[str]] = {}
+    cur = None
+    for tok in argv:
+        if tok.startswith("--"):
+            name, _, val = tok.partition("=")
+            cur = name
+            out[cur] = [val] if val else []
+        elif cur is not None:
+            out[cur].append(tok)
+    return out
+
+
+def derive_upstream_flags(method: Method, argv: Sequence[str], div) -> Derived:
+    """OpenRLHF flags implied by ``method`` (to append to the user's argv).
+
+    Raises ``ValueError`` for an explicit flag that our actor would ignore or that conflicts
+    with the method; a derived flag given with exactly the derived value (a printed command
+    run again) is accepted and not repeated.
+    """
+    needs = method.needs
+    out = ["--algo.advantage.estimator", ESTIMATOR_FLAG[method.estimator]]
+    notes = [f"advantages: registry estimator {method.estimator!r}"
+             + (f" + reshaping {', '.join(method.adv_reshaping)}" if method.adv_reshaping else "")
+             + (f" + reward shaping {', '.join(method.reward_shaping)}" if method.reward_shaping else "")]
+    if needs.ref_log_probs:
+        coef = float(method.hparams.get("kl_coef", 1.0))
+        out += ["--algo.kl.init_coef", repr(coef if coef > 0 else 1.0), "--algo.kl.use_loss",
+                "--algo.kl.estimator", "k3"]
+        notes.append("reference actor: yes (the method reads pi_ref log-probs online)")
+    else:
+        out += ["--algo.kl.init_coef", "0"]
+        notes.append("reference actor: no")
+    if method.dynamic_sampling:
+        out += ["--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range", "0", "1"]
+        notes.append("dynamic sampling: drop groups with all-equal 0/1 rewards at generation, refill")
+    given = _flag_groups(argv)
+    task = getattr(div, "task", None)
+    if task and "--reward.remote_url" not in given:
+        out += ["--reward.remote_url", reward_func_path(task)]
+    if needs.anchor_batch:
+        notes.append(f"anchors: D_pef at {getattr(div, 'anchor_data', None)}, eta={method.anchor_weight}")
+    if needs.entropy:
+        notes.append("entropy: full-vocabulary entropy computed in the training forward")
+
+    derived = _flag_groups(out)
+    for flag, values in given.items():
+        if flag in derived:
+            if [float(v) for v in values if _is_num(v)] != [float(v) for v in derived[flag] if _is_num(v)] \
+                    or [v for v in values if not _is_num(v)] != [v for v in derived[flag] if not _is_num(v)]:
+                raise ValueError(
+                    f"{flag} {' '.join(values)} conflicts with method {method.name!r}, which implies "
+                    f"{flag} {' '.join(derived[flag])}; remove it (openrlhf-div sets it from the method)"
+                )
+        elif flag in IGNORED_UPSTREAM:
+            raise ValueError(
+                f"{flag} is an OpenRLHF loss option that the openrlhf-div actor does not read "
+                f"(the loss comes from --div.method {method.name}); use {IGNORED_UPSTREAM[flag]} instead"
+            )
+        elif flag in DERIVED_UPSTREAM:
+            raise ValueError(
+                f"{flag} is set by openrlhf-div from the method ({method.name}), which does not use it; "
+                "remove it and choose the behaviour with --div.method / --div.* hyperparameters"
+            )
+    keep: List[str] = []
+    for flag, values in derived.items():
+        if flag not in given:
+            keep += [flag, *values]
+    return Derived(keep, reference_actor=needs.ref_log_probs, critic=False, notes=notes)
+
+
+def _is_num(v: str) -> bool:
+    try:
+        float(v)
+        return True
+    except ValueError:
+        return False
+
+
+def check_supported(method: Method, args, need_data: bool = True) -> None:
+    """Refuse combinations the OpenRLHF engine does not implement (clear message each).
+    ``need_data=False`` skips the ``--div.anchor_data`` checks (the policy actor never reads it)."""
+    div = div_namespace(args)
+    train = getattr(args, "train", None)
+    ds = getattr(args, "ds", None)
+    if method.needs.prompt_hidden and ds is not None and (
+            getattr(ds, "packing_samples", False) or getattr(ds, "ring_attn_size", 1) > 1):
+        raise NotImplementedError(
+            f"method {method.name!r} pools the prompt's hidden states for its log Z head, which needs "
+            "unpacked batches: drop --ds.packing_samples / --ds.ring_attn_size"
+        )
+    if train is not None and getattr(train, "async_enable", False):
+        raise NotImplementedError(
+            "--train.async_enable is not supported by openrlhf-div yet (OpenRLHF's async trainer "
+            "builds its own training actor); run synchronously"
+        )
+    if method.needs.anchor_batch:
+        if need_data and not getattr(div, "anchor_data", None):
+            raise ValueError(
+                f"method {method.name!r} trains an anchor loss on D_pef: pass --div.anchor_data "
+                "PATH (written by `python -m openrlhf_div.cli.presample_ray`)"
+            )
+        if train is not None and getattr(train, "dynamic_batch_enable", False):
+            raise NotImplementedError(
+                "--train.dynamic_batch_enable with an anchor method is not supported: OpenRLHF's "
+                "dynamic batches normalise by all action tokens, but L_exp and L_pef are each a "
+                "token mean over their own tokens"
+            )
+    elif need_data and getattr(div, "anchor_data", None):
+        raise ValueError(
+            f"--div.anchor_data is set but method {method.name!r} has no anchor loss; "
+            "use a dph_* method or drop the flag"
+        )

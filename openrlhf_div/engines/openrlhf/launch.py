@@ -1,0 +1,350 @@
+"""Build, check and launch an OpenRLHF 0.11.2 run with an openrlhf-div method.
+
+* **Flags.** OpenRLHF builds its argument parser inside ``if __name__ == "__main__":`` of
+  ``openrlhf/cli/train_ppo_ray.py``, so it cannot be imported. :func:`build_parser` reads that
+  file and executes its parser-building statements (everything before
+  ``args = parser.parse_args()``), then adds our ``--div.*`` group: every OpenRLHF flag is
+  accepted, with OpenRLHF's own defaults and help. :func:`finalize` executes the file's
+  post-parse statements (``hierarchize`` and its validation), i.e. everything after
+  ``parse_args`` except the final ``train(args)``. Nothing is copied from OpenRLHF.
+* **Configs.** A YAML file (``configs/openrlhf/*.yaml``) holds ``div:`` (``--div.*``),
+  ``openrlhf:`` (OpenRLHF flags by dotted name) and ``cluster:`` (nodes x GPUs it must fit).
+* **Plan.** :func:`plan` merges config + command line + the flags the method implies
+  (:mod:`.flags`), validates them with OpenRLHF's own checks, counts GPUs and renders the
+  final command. ``--dry-run`` prints it and exits without importing Ray or vLLM.
+* **Run.** :func:`run` calls OpenRLHF's own ``train(args)`` with two classes swapped for the
+  duration of the call, in the driver process only: ``PolicyModelActor`` ->
+  :data:`~.actor.DivPolicyModelActor` and ``PPOTrainer`` -> :data:`~.trainer.DivPPOTrainer`.
+  OpenRLHF then creates the reference actor only when ``--algo.kl.init_coef > 0`` (which
+  the driver sets only for methods that need it) and no critic (no registered method uses GAE).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import copy
+import datetime
+import importlib.util
+import os
+import re
+import shlex
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+from .flags import (
+    Derived,
+    add_div_arguments,
+    check_supported,
+    derive_upstream_flags,
+    div_namespace,
+    method_from_args,
+)
+from .pef import anchor_count
+
+PROG = "python -m openrlhf_div.cli.train_ppo_ray"
+_OUR_OPTIONS = ("config", "dry_run")
+
+
+# ------------------------------------------------------------------ OpenRLHF's CLI source
+def upstream_cli_path(module: str = "openrlhf.cli.train_ppo_ray") -> str:
+    spec = importlib.util.find_spec("openrlhf")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("openrlhf is not installed: pip install openrlhf==0.11.2 (see requirements/)")
+    rel = module.split(".")[1:]
+    return os.path.join(list(spec.submodule_search_locations)[0], *rel) + ".py"
+
+
+@dataclass
+class _UpstreamMain:
+    parser_code: Any   # statements before `args = parser.parse_args()`
+    post_code: Any     # statements after it, without the final `train(args)`
+
+
+_MAIN_CACHE: Dict[str, _UpstreamMain] = {}
+
+
+def _is_parse_args(stmt: ast.stmt) -> bool:
+    return (isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call)
+            and isinstance(stmt.value.func, ast.Attribute) and stmt.value.func.attr == "parse_args")
+
+
+def _is_call_of(stmt: ast.stmt, name: str) -> bool:
+    return (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)
+            and isinstance(stmt.value.func, ast.Name) and stmt.value.func.id == name)
+
+
+def upstream_main(path: Optional[str] = None) -> _UpstreamMain:
+    """The two halves of OpenRLHF's ``__main__`` block, compiled (cached)."""
+    path = path or upstream_cli_path()
+    if path in _MAIN_CACHE:
+        return _MAIN_CACHE[path]
+    with open(path) as fh:
+        tree = ast.parse(fh.read(), filename=path)
+    main = next((n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.dump(n.test)), None)
+    if main is None:
+        raise RuntimeError(f"{path}: no `if __name__ == '__main__':` block; is this OpenRLHF 0.11.2?")
+    body = main.body
+    cut = next((i for i, s in enumerate(body) if _is_parse_args(s)), None)
+    if cut is None or not _is_call_of(body[-1], "train"):
+        raise RuntimeError(
+            f"{path}: expected `args = parser.parse_args()` and a final `train(args)` in the "
+            "__main__ block (OpenRLHF 0.11.2 layout); this OpenRLHF version is not supported"
+        )
+    compile_part = lambda stmts, tag: compile(  # noqa: E731
+        ast.fix_missing_locations(ast.Module(body=stmts, type_ignores=[])), f"{path}:{tag}", "exec")
+    out = _UpstreamMain(compile_part(body[:cut], "parser"), compile_part(body[cut + 1:-1], "validate"))
+    _MAIN_CACHE[path] = out
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """OpenRLHF 0.11.2's ``train_ppo_ray`` parser plus ``--div.*``, ``--config`` and ``--dry-run``."""
+    ns: Dict[str, Any] = {"argparse": argparse, "datetime": datetime.datetime, "os": os,
+                          "__name__": "openrlhf_div_upstream_parser"}
+    exec(upstream_main().parser_code, ns)  # noqa: S102 - OpenRLHF's own parser statements
+    parser: argparse.ArgumentParser = ns["parser"]
+    parser.prog = PROG
+    parser.description = (
+        "Train with an openrlhf-div method on OpenRLHF 0.11.2's Ray topology (vLLM rollouts, "
+        "DeepSpeed policy actor, reference actor only when the method needs one). Accepts every "
+        "OpenRLHF train_ppo_ray flag plus the --div.* group below."
+    )
+    add_div_arguments(parser)
+    ours = parser.add_argument_group("launcher")
+    ours.add_argument("--config", default=None, metavar="YAML",
+                      help="experiment config (configs/openrlhf/*.yaml); command-line flags override it")
+    ours.add_argument("--dry-run", dest="dry_run", action="store_true",
+                      help="print the final command and the topology, then exit (no Ray, no GPU)")
+    return parser
+
+
+def finalize(parsed: argparse.Namespace):
+    """OpenRLHF's post-parse statements (hierarchize + validation) on a copy of ``parsed``."""
+    flat = copy.deepcopy(parsed)
+    for k in _OUR_OPTIONS:
+        if hasattr(flat, k):
+            delattr(flat, k)
+    ns: Dict[str, Any] = {"args": flat, "__name__": "openrlhf_div_upstream_validate"}
+    try:
+        exec(upstream_main().post_code, ns)  # noqa: S102 - OpenRLHF's own validation
+    except AssertionError as exc:
+        raise ValueError(f"OpenRLHF rejects this configuration: {exc}") from None
+    return ns["args"]
+
+
+# ------------------------------------------------------------------ YAML configs
+_ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def expand_env(value: str) -> str:
+    """``${VAR}`` and ``${VAR:-default}``; an unset variable without a default is an error."""
+    def sub(m):
+        name, default = m.group(1), m.group(2)
+        if name in os.environ:
+            return os.environ[name]
+        if default is not None:
+            return default
+        raise ValueError(f"config refers to ${{{name}}}, which is not set (export it or write ${{{name}:-default}})")
+    return _ENV.sub(sub, value)
+
+
+def _flag_values(prefix: str, key: str, value, bool_values: bool = False) -> List[str]:
+    """One config entry as flags. OpenRLHF's booleans are store_true switches (``true`` -> the
+    bare flag, ``false`` -> nothing); ours take a value (``bool_values``)."""
+    flag = f"--{prefix}{key}"
+    if isinstance(value, bool) and bool_values:
+        return [flag, "true" if value else "false"]
+    if value is None or value is False:
+        return []
+    if value is True:
+        return [flag]
+    if isinstance(value, (list, tuple)):
+        return [flag] + [expand_env(str(v)) for v in value]
+    if isinstance(value, dict):
+        raise ValueError(f"config key {prefix}{key}: nested mappings are not flags; use dotted keys")
+    return [flag, expand_env(str(value))]
+
+
+CONFIG_SECTIONS = ("experiment", "description", "paper", "div", "openrlhf", "cluster", "presample", "notes")
+
+
+def load_config(path: str) -> Dict[str, Any]:
+    import yaml
+
+    with open(path) as fh:
+        cfg = yaml.safe_load(fh) or {}
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: a config is a mapping with sections {', '.join(CONFIG_SECTIONS)}")
+    unknown = sorted(set(cfg) - set(CONFIG_SECTIONS))
+    if unknown:
+        raise ValueError(f"{path}: unknown section(s) {unknown}; valid: {', '.join(CONFIG_SECTIONS)}")
+    return cfg
+
+
+def config_argv(cfg: Dict[str, Any]) -> List[str]:
+    """The flags a config stands for: ``div:`` -> ``--div.*``, ``openrlhf:`` -> ``--<key>``."""
+    argv: List[str] = []
+    for k, v in (cfg.get("div") or {}).items():
+        argv += _flag_values("div.", k, v, bool_values=True)
+    for k, v in (cfg.get("openrlhf") or {}).items():
+        argv += _flag_values("", k, v)
+    return argv
+
+
+def _split_config(argv: Sequence[str]):
+    """Pull ``--config PATH`` / ``--config=PATH`` out of argv."""
+    rest, path = [], None
+    it = iter(range(len(argv)))
+    for i in it:
+        tok = argv[i]
+        if tok == "--config":
+            if i + 1 >= len(argv):
+                raise ValueError("--config needs a path")
+            path = argv[i + 1]
+            next(it, None)
+        elif tok.startswith("--config="):
+            path = tok.split("=", 1)[1]
+        else:
+            rest.append(tok)
+    return path, rest
+
+
+# ------------------------------------------------------------------ the plan
+@dataclass
+class Plan:
+    argv: List[str]                    # final flags (config + user + derived), no launcher flags
+    args: Any                          # OpenRLHF's hierarchized, validated namespace
+    method: Any
+    derived: Derived
+    gpus: Dict[str, int] = field(default_factory=dict)
+    cluster_gpus: Optional[int] = None
+    config: Optional[str] = None
+    dry_run: bool = False
+
+    @property
+    def command(self) -> str:
+        return " ".join([PROG] + [shlex.quote(a) for a in self.argv])
+
+    def summary(self) -> str:
+        a = self.args
+        lines = [f"method      : {self.method.name} ({self.method.summary})"]
+        lines += [f"  {n}" for n in self.derived.notes]
+        lines.append(f"policy actor: {a.actor.num_nodes} node(s) x {a.actor.num_gpus_per_node} GPU(s), "
+                     f"ZeRO-{a.ds.zero_stage}, DeepSpeed TP {a.ds.tensor_parallel_size}")
+        if self.derived.reference_actor:
+            shared = " (colocated with the policy actor)" if (a.train.colocate_actor_ref or a.train.colocate_all) else ""
+            lines.append(f"reference   : {a.ref.num_nodes} node(s) x {a.ref.num_gpus_per_node} GPU(s){shared}")
+        else:
+            lines.append("reference   : none (generator-form or reference-free method)")
+        lines.append("critic      : none")
+        if a.vllm.num_engines:
+            lines.append(f"vLLM        : {a.vllm.num_engines} engine(s) x TP {a.vllm.tensor_parallel_size}"
+                         + (" (colocated)" if a.train.colocate_all else ""))
+        lines.append(f"reward      : {a.reward.remote_url}")
+        lines.append(f"GPUs needed : {self.gpus.get('total', 0)} = " + " + ".join(
+            f"{k} {v}" for k, v in self.gpus.items() if k != "total")
+            + (f" (cluster has {self.cluster_gpus})" if self.cluster_gpus else ""))
+        return "\n".join(lines)
+
+
+def count_gpus(args, reference: bool) -> Dict[str, int]:
+    actor = args.actor.num_nodes * args.actor.num_gpus_per_node
+    out = {"actor": actor}
+    if reference and not (args.train.colocate_actor_ref or args.train.colocate_all):
+        out["reference"] = args.ref.num_nodes * args.ref.num_gpus_per_node
+    if args.vllm.num_engines and not args.train.colocate_all:
+        out["vllm"] = args.vllm.num_engines * args.vllm.tensor_parallel_size
+    out["total"] = sum(out.values())
+    return out
+
+
+def plan(argv: Sequence[str], parser: Optional[argparse.ArgumentParser] = None) -> Plan:
+    """Merge config + command line + method-implied flags; validate; count GPUs."""
+    parser = parser or build_parser()
+    cfg_path, rest = _split_config(list(argv))
+    cfg = load_config(cfg_path) if cfg_path else {}
+    user_argv = config_argv(cfg) + rest
+    first = parser.parse_args(user_argv)
+    dry_run = bool(first.dry_run)
+    user_argv = [a for a in user_argv if a != "--dry-run"]
+    method = method_from_args(first)
+    derived = derive_upstream_flags(method, user_argv, div_namespace(first))
+    final_argv = user_argv + derived.argv
+    parsed = parser.parse_args(final_argv)
+    if getattr(parsed, "actor.model_name_or_path", None) is None:
+        raise ValueError("--actor.model_name_or_path is required (the policy to train)")
+    if not getattr(parsed, "reward.remote_url", None):
+        raise ValueError("no reward: pass --div.task math|sql|countdown or --reward.remote_url FILE.py")
+    args = finalize(parsed)
+    check_supported(method, args)
+    _check_batches(method, args)
+    gpus = count_gpus(args, derived.reference_actor)
+    cluster = cfg.get("cluster") or {}
+    cluster_gpus = None
+    if cluster:
+        cluster_gpus = int(cluster.get("nodes", 1)) * int(cluster.get("gpus_per_node", 8))
+        if gpus["total"] > cluster_gpus:
+            raise ValueError(
+                f"{cfg_path}: the topology needs {gpus['total']} GPUs ({gpus}) but the cluster "
+                f"section declares {cluster_gpus}"
+            )
+    return Plan(final_argv, args, method, derived, gpus, cluster_gpus, cfg_path, dry_run)
+
+
+def _check_batches(method, args) -> None:
+    """With anchors, online + anchor rows per rollout step must fill whole optimizer steps
+    (DeepSpeed only steps at gradient-accumulation boundaries)."""
+    if not method.needs.anchor_batch:
+        return
+    online = args.rollout.batch_size * args.rollout.n_samples_per_prompt
+    div = div_namespace(args)
+    n_anchor = anchor_count(online, div.anchor_batch_size, div.anchor_ratio)
+    rows = online + n_anchor
+    if rows % args.train.batch_size:
+        raise ValueError(
+            f"each rollout step yields {online} online + {n_anchor} anchor = {rows} samples, not a "
+            f"multiple of --train.batch_size {args.train.batch_size}: the last optimizer step would be "
+            "partial. Adjust --div.anchor_batch_size / --div.anchor_ratio or --train.batch_size"
+        )
+
+
+# ------------------------------------------------------------------ running
+@contextlib.contextmanager
+def div_classes():
+    """OpenRLHF's ``train()`` builds our policy actor and controller while this is active."""
+    from openrlhf.cli import train_ppo_ray as upstream_cli
+    from openrlhf.trainer import ppo_trainer
+
+    from .actor import DivPolicyModelActor, _swapped
+    from .trainer import DivPPOTrainer
+
+    with _swapped(upstream_cli, "PolicyModelActor", DivPolicyModelActor), \
+            _swapped(ppo_trainer, "PPOTrainer", DivPPOTrainer):
+        yield upstream_cli
+
+
+def run(p: Plan) -> None:
+    with div_classes() as upstream_cli:
+        upstream_cli.train(p.args)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if any(a in ("-h", "--help") for a in argv):
+        parser.print_help()
+        return 0
+    try:
+        p = plan(argv, parser)
+    except (ValueError, NotImplementedError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(p.summary())
+    print("command:")
+    print(p.command)
+    if p.dry_run:
+        return 0
+    run(p)
+    return 0

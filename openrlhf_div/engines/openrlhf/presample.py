@@ -1,0 +1,357 @@
+"""DPH-RL's pre-sampling stage at scale (ALGORITHMS.md section 4): vLLM samples, OpenRLHF's
+DeepSpeed forward scores.
+
+For every training prompt, ``n_pre`` responses are sampled from the base policy by vLLM
+engines (``--vllm.num_engines`` x ``--vllm.tensor_parallel_size``) at the rollout temperature and
+scored by the task's reward-function file inside the vLLM actors (as in training). A prompt
+is near-perfect when ``#correct >= tau``; for each, the first correct response is kept and
+its per-token base log-probs ``ref_t`` are computed by the **training** forward (OpenRLHF's
+``Actor`` in a ``ReferenceModelActor`` group, ``--ref.num_nodes`` x ``--ref.num_gpus_per_node``,
+temperature-scaled exactly like the trainer's), not taken from the sampler.
+
+Prompts are rendered with OpenRLHF's own ``PromptDataset`` (same ``--data.*`` flags as
+training), processed in chunks of ``--presample.chunk_size``; each finished chunk is written
+atomically to ``shards/chunk_NNNNNN.json`` and skipped when the command is rerun, so the stage
+can be interrupted and resumed. When all chunks are done, ``d_pef.jsonl``, ``d_exp.jsonl`` and
+``summary.json`` are assembled: the layout of the local engine's ``openrlhf-div presample``
+(see :mod:`.pef`), so either engine reads the other's output.
+
+The selection and file handling are pure functions (:func:`split_chunk`, :class:`ShardStore`),
+tested on CPU; :func:`run` is the Ray/vLLM driver.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .pef import write_json_atomic, write_jsonl_atomic
+
+
+@dataclass
+class Sample:
+    """One sampled response: token ids, text and the task reward."""
+
+    response_ids: List[int]
+    text: str
+    reward: float
+
+
+def split_chunk(rows: Sequence[Dict[str, Any]], prompt_texts: Sequence[str], prompt_ids: Sequence[List[int]],
+                samples: Sequence[Sequence[Sample]], *, n_pre: int, tau: int, drop_unsolved: bool,
+                correct_threshold: float = 1.0) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]], List[int]]:
+    """Split one chunk of prompts.
+
+    Returns ``(pef, exp, n_correct)``: ``pef`` rows (without ``ref_log_probs`` yet) for prompts
+    with ``#correct >= tau`` (and at least one correct), each keeping its *first* correct
+    sample; ``exp`` rows for the others (prompts with 0 correct left out when
+    ``drop_unsolved``); ``n_correct`` per prompt. ``correct = reward >= correct_threshold``.
+    """
+    if not 1 <= tau <= n_pre:
+        raise ValueError(f"tau must be in [1, n_pre={n_pre}], got {tau}")
+    pef, exp, counts = [], [], []
+    for row, text, pids, group in zip(rows, prompt_texts, prompt_ids, samples):
+        if len(group) != n_pre:
+            raise ValueError(f"prompt {row.get('id', text[:40])!r}: {len(group)} samples, expected n_pre={n_pre}")
+        correct = [s.reward >= correct_threshold for s in group]
+        c = int(sum(correct))
+        counts.append(c)
+        if c >= tau and c > 0:
+            s = group[correct.index(True)]
+            pef.append({**row, "prompt_text": text, "response": s.text, "prompt_ids": list(pids),
+                        "response_ids": list(s.response_ids), "n_correct": c, "n_pre": n_pre})
+        elif not (drop_unsolved and c == 0):
+            exp.append({**row, "n_correct": c, "n_pre": n_pre})
+    return pef, exp, counts
+
+
+def response_log_probs(action_log_probs: Sequence[float], prompt_len: int, response_len: int) -> List[float]:
+    """The response tokens' log-probs from one row of OpenRLHF's ``Actor`` output.
+
+    For ``sequences = prompt + response`` (length ``T``) the actor returns ``T - 1`` values where
+    position ``j`` scores token ``j + 1``: the response is ``[P - 1, P - 1 + R)``.
+    """
+    out = list(action_log_probs)[prompt_len - 1:prompt_len - 1 + response_len]
+    if len(out) != response_len:
+        raise ValueError(f"log-prob row of {len(action_log_probs)} values has no {response_len} response "
+                         f"positions after a {prompt_len}-token prompt")
+    return [float(x) for x in out]
+
+
+class ShardStore:
+    """Resumable chunk files under ``out_dir/shards`` and the final assembled files."""
+
+    def __init__(self, out_dir: str, settings: Dict[str, Any], n_prompts: int, overwrite: bool = False):
+        self.out_dir = os.path.abspath(out_dir)
+        self.shard_dir = os.path.join(self.out_dir, "shards")
+        self.settings = json.loads(json.dumps(settings))
+        self.n_prompts = int(n_prompts)
+        self.chunk_size = int(settings["chunk_size"])
+        if overwrite and os.path.isdir(self.out_dir):
+            shutil.rmtree(self.out_dir)
+        os.makedirs(self.shard_dir, exist_ok=True)
+        path = os.path.join(self.shard_dir, "settings.json")
+        if os.path.exists(path):
+            with open(path) as fh:
+                old = json.load(fh)
+            if old != self.settings:
+                diff = sorted(k for k in set(old) | set(self.settings) if old.get(k) != self.settings.get(k))
+                raise ValueError(f"{self.out_dir} holds a pre-sampling run with different settings "
+                                 f"({', '.join(diff)}); use another --presample.out or --presample.overwrite")
+        else:
+            write_json_atomic(path, self.settings)
+
+    @property
+    def n_chunks(self) -> int:
+        return (self.n_prompts + self.chunk_size - 1) // self.chunk_size
+
+    def chunk_path(self, c: int) -> str:
+        return os.path.join(self.shard_dir, f"chunk_{c:06d}.json")
+
+    def todo(self) -> List[int]:
+        return [c for c in range(self.n_chunks) if not os.path.exists(self.chunk_path(c))]
+
+    def bounds(self, c: int) -> Tuple[int, int]:
+        return c * self.chunk_size, min((c + 1) * self.chunk_size, self.n_prompts)
+
+    def write_chunk(self, c: int, pef: List[Dict], exp: List[Dict], n_correct: List[int]) -> None:
+        write_json_atomic(self.chunk_path(c), {"chunk": c, "pef": pef, "exp": exp, "n_correct": n_correct})
+
+    def assemble(self) -> Dict[str, Any]:
+        """Write ``d_pef.jsonl``, ``d_exp.jsonl`` and ``summary.json`` from all chunks (in order)."""
+        missing = self.todo()
+        if missing:
+            raise RuntimeError(f"{len(missing)} chunk(s) still to sample (first: {missing[0]}); rerun the command")
+        n_pre = int(self.settings["n_pre"])
+        pef, exp, hist = [], [], [0] * (n_pre + 1)
+        for c in range(self.n_chunks):
+            with open(self.chunk_path(c)) as fh:
+                res = json.load(fh)
+            pef += res["pef"]
+            exp += res["exp"]
+            for k in res["n_correct"]:
+                hist[int(k)] += 1
+        write_jsonl_atomic(os.path.join(self.out_dir, "d_pef.jsonl"), pef)
+        write_jsonl_atomic(os.path.join(self.out_dir, "d_exp.jsonl"), exp)
+        summary = {"complete": True, "n_prompts": self.n_prompts, "n_pef": len(pef), "n_exp": len(exp),
+                   "n_dropped_unsolved": hist[0] if self.settings.get("drop_unsolved") else 0,
+                   "correct_histogram": hist,
+                   "mean_correct_rate": sum(k * v for k, v in enumerate(hist)) / max(1, n_pre * self.n_prompts),
+                   **self.settings, "output_dir": self.out_dir, "engine": "openrlhf"}
+        write_json_atomic(os.path.join(self.out_dir, "summary.json"), summary)
+        return summary
+
+
+def add_presample_arguments(parser) -> None:
+    g = parser.add_argument_group("pre-sampling (--presample.*)")
+    g.add_argument("--presample.out", default=None, metavar="DIR", help="output directory (required)")
+    g.add_argument("--presample.n_pre", type=int, default=8, help="samples per prompt (default 8)")
+    g.add_argument("--presample.tau", type=int, default=None, help="near-perfect: #correct >= tau (default n_pre)")
+    g.add_argument("--presample.drop_unsolved", action="store_true",
+                   help="leave prompts with 0 correct out of D_exp (DPH-RL does for math)")
+    g.add_argument("--presample.chunk_size", type=int, default=256, help="prompts per resumable chunk")
+    g.add_argument("--presample.correct_threshold", type=float, default=1.0,
+                   help="a sample is correct when its reward >= this")
+    g.add_argument("--presample.overwrite", action="store_true", help="discard an existing run in the directory")
+
+
+def settings_from_args(args) -> Dict[str, Any]:
+    p = args.presample
+    tau = p.tau if p.tau is not None else p.n_pre
+    return {"n_pre": p.n_pre, "tau": tau, "drop_unsolved": bool(p.drop_unsolved), "chunk_size": p.chunk_size,
+            "correct_threshold": p.correct_threshold, "seed": args.train.seed,
+            "temperature": args.rollout.temperature, "top_p": args.rollout.top_p,
+            "max_new_tokens": args.rollout.max_new_tokens, "max_len": args.data.max_len,
+            "model": args.actor.model_name_or_path, "data": args.data.prompt_dataset,
+            "input_key": args.data.input_key, "label_key": args.data.label_key,
+            "apply_chat_template": bool(args.data.apply_chat_template), "input_template": args.data.input_template,
+            "reward": list(args.reward.remote_url or [])}
+
+
+def format_summary(s: Dict[str, Any]) -> str:
+    n = max(1, s["n_prompts"])
+    return "\n".join([
+        f"pre-sampling done: {s['n_prompts']} prompts x {s['n_pre']} samples (T={s['temperature']}), "
+        f"near-perfect = #correct >= {s['tau']}",
+        f"  D_pef (anchor): {s['n_pef']:6d} prompts ({100 * s['n_pef'] / n:.1f}%)",
+        f"  D_exp (online): {s['n_exp']:6d} prompts ({100 * s['n_exp'] / n:.1f}%)",
+        "  #correct histogram: " + " ".join(f"{k}:{v}" for k, v in enumerate(s["correct_histogram"])),
+        f"  files: {s['output_dir']}/d_pef.jsonl, d_exp.jsonl, summary.json",
+    ])
+
+
+# ------------------------------------------------------------------ Ray / vLLM driver
+def _raw_rows(args, strategy) -> List[Dict[str, Any]]:
+    from openrlhf.datasets.utils import blending_datasets
+
+    data = blending_datasets(args.data.prompt_dataset, args.data.prompt_probs, strategy, args.train.seed,
+                             max_count=args.data.max_samples, dataset_split=args.data.prompt_split)
+    data = data.select(range(min(args.data.max_samples, len(data))))
+    return [dict(r) for r in data], data
+
+
+def _sample_chunk(engines, prompts, labels, tokenizer, args, n_pre) -> List[List[Any]]:
+    import ray
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=args.rollout.temperature, top_p=args.rollout.top_p,
+                            max_tokens=args.rollout.max_new_tokens, min_tokens=1, skip_special_tokens=False)
+    refs = [engines[i % len(engines)].generate_responses.remote(
+        prompt=p, label=lab, sampling_params=params, max_length=args.data.max_len, hf_tokenizer=tokenizer,
+        num_samples=n_pre) for i, (p, lab) in enumerate(zip(prompts, labels))]
+    return ray.get(refs)
+
+
+def _to_samples(responses, tokenizer) -> Tuple[List[int], List[Sample]]:
+    """OpenRLHF rollout outputs of one prompt -> (prompt ids, samples)."""
+    samples, prompt_ids = [], None
+    for r in responses:
+        (start, end), = r["action_ranges"]
+        ids = r["observation_tokens"]
+        prompt_ids = ids[:start]
+        resp = ids[start:end]
+        samples.append(Sample(resp, tokenizer.decode(resp, skip_special_tokens=True),
+                              float(r["reward"]) if r.get("reward") is not None else 0.0))
+    return prompt_ids, samples
+
+
+def _base_log_probs(group, pef: List[Dict[str, Any]], pad_id: int, micro: int) -> None:
+    """Fill ``ref_log_probs`` of the ``pef`` rows with the DeepSpeed actor forward."""
+    import ray
+    import torch
+
+    from openrlhf.utils.utils import zero_pad_sequences
+
+    n_actors = len(group._actor_handlers) // max(1, group.duplicate_actors)
+    batches = []
+    for i in range(0, len(pef), micro):
+        part = pef[i:i + micro]
+        seqs = [torch.tensor(r["prompt_ids"] + r["response_ids"]) for r in part]
+        masks = []
+        for r in part:
+            m = torch.zeros(len(r["prompt_ids"]) + len(r["response_ids"]), dtype=torch.long)
+            m[len(r["prompt_ids"]):] = 1
+            masks.append(m[1:])
+        batches.append((part, zero_pad_sequences(seqs, "right", value=pad_id, stack=True),
+                        zero_pad_sequences([torch.ones_like(s) for s in seqs], "right", stack=True),
+                        zero_pad_sequences(masks, "right", stack=True)))
+    real = len(batches)
+    while len(batches) < n_actors:  # OpenRLHF needs at least one batch per actor
+        batches.append(batches[0])
+    refs = group.async_run_method_batch(method_name="forward", sequences=[b[1] for b in batches],
+                                        attention_mask=[b[2] for b in batches],
+                                        action_mask=[b[3] for b in batches])
+    outs = [x for chunk in ray.get(refs)[::max(1, group.duplicate_actors)] for x in chunk][:real]
+    for (part, *_), lp in zip(batches[:real], outs):
+        for row, r in zip(lp, part):
+            r["ref_log_probs"] = response_log_probs(row.tolist(), len(r["prompt_ids"]), len(r["response_ids"]))
+
+
+def run(args) -> Dict[str, Any]:
+    """Sample, split, score and write (resumable). ``args`` is the hierarchized namespace."""
+    import ray
+    from tqdm import tqdm
+
+    from openrlhf.datasets import PromptDataset
+    from openrlhf.trainer.ray import create_vllm_engines
+    from openrlhf.trainer.ray.launcher import RayActorGroup, ReferenceModelActor
+    from openrlhf.utils import get_strategy, get_tokenizer
+
+    if not ray.is_initialized():
+        ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "true"}})
+    strategy = get_strategy(args)
+    model = args.actor.model_name_or_path
+    tokenizer = get_tokenizer(model, None, "left", strategy, use_fast=not args.data.disable_fast_tokenizer)
+    rows, data = _raw_rows(args, strategy)
+    dataset = PromptDataset(data, tokenizer, strategy, input_template=args.data.input_template)
+    settings = settings_from_args(args)
+    store = ShardStore(args.presample.out, settings, len(rows), overwrite=args.presample.overwrite)
+    todo = store.todo()
+    if todo:
+        engines = create_vllm_engines(
+            args.vllm.num_engines, args.vllm.tensor_parallel_size, model, args.train.seed,
+            args.train.full_determinism_enable, args.vllm.enable_prefix_caching, args.vllm.enforce_eager,
+            args.data.max_len, None, args.vllm.gpu_memory_utilization, False, None,
+            remote_rm_url=args.reward.remote_url)
+        group = RayActorGroup(args.ref.num_nodes, args.ref.num_gpus_per_node, ReferenceModelActor,
+                              duplicate_actors=args.ds.ring_attn_size * args.ds.tensor_parallel_size)
+        ray.get(group.async_init_model_from_pretrained(strategy, model))
+        bar = tqdm(total=len(rows), initial=len(rows) - sum(store.bounds(c)[1] - store.bounds(c)[0] for c in todo),
+                   desc="presample", unit="prompt")
+        for c in todo:
+            lo, hi = store.bounds(c)
+            prompts = [dataset.prompts[i] for i in range(lo, hi)]
+            labels = [dataset.labels[i] for i in range(lo, hi)]
+            outs = _sample_chunk(engines, prompts, labels, tokenizer, args, settings["n_pre"])
+            parsed = [_to_samples(o, tokenizer) for o in outs]
+            pef, exp, counts = split_chunk(
+                rows[lo:hi], prompts, [p for p, _ in parsed], [s for _, s in parsed], n_pre=settings["n_pre"],
+                tau=settings["tau"], drop_unsolved=settings["drop_unsolved"],
+                correct_threshold=settings["correct_threshold"])
+            if pef:
+                _base_log_probs(group, pef, tokenizer.pad_token_id, args.rollout.micro_batch_size)
+            store.write_chunk(c, pef, exp, counts)
+            bar.update(hi - lo)
+        bar.close()
+    return store.assemble()
+
+
+def presample_argv(cfg: Dict[str, Any]) -> List[str]:
+    """A config's ``presample:`` section as flags: plain keys are ``--presample.<key>``; dotted
+    keys are OpenRLHF flags that override the training layout for this stage (e.g.
+    ``vllm.num_engines: 6``, ``ref.num_gpus_per_node: 2``, ``data.prompt_dataset: full.jsonl``)."""
+    from .launch import expand_env
+
+    out: List[str] = []
+    for k, v in (cfg.get("presample") or {}).items():
+        flag = f"--{k}" if "." in k else f"--presample.{k}"
+        if v is True:
+            out.append(flag)
+        elif isinstance(v, (list, tuple)):
+            out += [flag] + [expand_env(str(x)) for x in v]
+        elif v not in (None, False):
+            out += [flag, expand_env(str(v))]
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m openrlhf_div.cli.presample_ray``: OpenRLHF flags + ``--presample.*``."""
+    import sys
+
+    from .launch import _split_config, build_parser, config_argv, finalize, load_config
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    parser.prog = "python -m openrlhf_div.cli.presample_ray"
+    parser.description = ("DPH-RL pre-sampling at scale: vLLM sampling + DeepSpeed base log-probs into "
+                          "D_pef / D_exp (resumable). Takes OpenRLHF's flags for the model, data, rollout and "
+                          "vLLM, --div.task for the reward, and --presample.*.")
+    add_presample_arguments(parser)
+    if any(a in ("-h", "--help") for a in argv):
+        parser.print_help()
+        return 0
+    try:
+        cfg_path, rest = _split_config(argv)
+        cfg = load_config(cfg_path) if cfg_path else {}
+        user = config_argv(cfg) + presample_argv(cfg) + rest
+        parsed = parser.parse_args(user)
+        task = getattr(parsed, "div.task", None)
+        if task and not getattr(parsed, "reward.remote_url", None):
+            from .flags import reward_func_path
+
+            setattr(parsed, "reward.remote_url", reward_func_path(task))
+        if not getattr(parsed, "presample.out", None):
+            raise ValueError("--presample.out DIR is required")
+        if not getattr(parsed, "reward.remote_url", None):
+            raise ValueError("no reward: pass --div.task math|sql|countdown or --reward.remote_url FILE.py")
+        args = finalize(parsed)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if getattr(parsed, "dry_run", False):
+        print(json.dumps(settings_from_args(args), indent=2, default=str))
+        return 0
+    print(format_summary(run(args)))
+    return 0

