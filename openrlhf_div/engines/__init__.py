@@ -1,0 +1,1 @@
+"""Training engines: local (one process), openrlhf (Ray topology), megatron (tensor-parallel actor)."""

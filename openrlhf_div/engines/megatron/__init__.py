@@ -1,0 +1,1 @@
+"""Megatron-core tensor-parallel policy / reference actors (filled in below)."""
