@@ -66,7 +66,7 @@ def rope_kwargs(layout: GPTLayout) -> dict:
     return kw
 
 
-def transformer_config(layout: GPTLayout, mcfg: MegatronConfig, *, perform_initialization: bool = False):
+def transformer_config(layout: GPTLayout, mcfg: MegatronConfig, *, perform_initialization: bool = True):
     """The ``TransformerConfig`` of a Qwen2 / Llama model under the layout ``mcfg``."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -102,8 +102,8 @@ def transformer_config(layout: GPTLayout, mcfg: MegatronConfig, *, perform_initi
         bf16=mcfg.bf16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
-        autocast_dtype=dtype,
-        variable_seq_lengths=True,
+        variable_seq_lengths=mcfg.pp > 1,        # PP: micro-batches of different lengths
+        moe_token_dispatcher_type="alltoall",    # (dense model; satisfies the variable-length check)
         bias_activation_fusion=False,
         masked_softmax_fusion=on_gpu,
         persist_layer_norm=on_gpu,
@@ -127,11 +127,15 @@ def layer_spec(mcfg: MegatronConfig):
 
 
 def build_gpt_model(layout: GPTLayout, mcfg: MegatronConfig, *, pre_process: Optional[bool] = None,
-                    post_process: Optional[bool] = None, perform_initialization: bool = False):
+                    post_process: Optional[bool] = None):
     """This rank's ``GPTModel`` stage (parallel state must be initialised), on the current device.
 
-    Weights are left uninitialised unless ``perform_initialization``: the caller loads a Hugging
-    Face checkpoint (:mod:`.weights` / :mod:`.bridge`) or a Megatron checkpoint next.
+    Weights are randomly initialised, then overwritten by the caller (Hugging Face or Megatron
+    checkpoint). The initialisation is not optional: in megatron-core 0.16 only the
+    initialisation routines tag tensor-parallel weights (``tensor_model_parallel``,
+    ``partition_dim``); with ``perform_initialization=False`` the tags are missing, the optimiser
+    then counts only TP rank 0's shards in the gradient norm and clips with a wrong norm at TP > 1
+    (found by the CPU TP=2 test, which compares the grad norm with Hugging Face's).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -140,7 +144,7 @@ def build_gpt_model(layout: GPTLayout, mcfg: MegatronConfig, *, pre_process: Opt
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=True)
     if post_process is None:
         post_process = ps.is_pipeline_last_stage(ignore_virtual=True)
-    cfg = transformer_config(layout, mcfg, perform_initialization=perform_initialization)
+    cfg = transformer_config(layout, mcfg, perform_initialization=True)
     model = GPTModel(
         config=cfg,
         transformer_layer_spec=layer_spec(mcfg),

@@ -57,7 +57,7 @@ def run_multiprocess(fn: Callable[..., Any], world_size: int = 2, args: Sequence
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, tuple(args), q, timeout), daemon=True)
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, tuple(args), q, timeout), daemon=False)
              for r in range(world_size)]
     for p in procs:
         p.start()

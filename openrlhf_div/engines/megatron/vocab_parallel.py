@@ -61,7 +61,9 @@ def vocab_range(padded_vocab_size: int, tp_rank: int, tp_size: int) -> Tuple[int
 
 
 def _group_size(group) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
+    # None means "this rank holds the whole vocabulary" -- not torch's default (world) group:
+    # data-parallel replicas must never be summed here.
+    if group is None or not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group=group)
 
@@ -156,8 +158,8 @@ def vocab_parallel_log_probs_entropy(
             padding rows) get probability 0. ``None``: every entry is valid.
         temperature: logits are divided by it first (OpenRLHF's actor does the same with the
             rollout temperature, so old and new log-probs match vLLM's sampling distribution).
-        group: the tensor-parallel process group (``None`` with a world of one process, or the
-            default group).
+        group: the tensor-parallel process group; ``None`` means no reduction (the shard is the
+            whole vocabulary, TP = 1) -- unlike ``torch.distributed``, not the world group.
         need_entropy: skip the entropy's extra all-reduce and saved tensors when False.
 
     Returns:
