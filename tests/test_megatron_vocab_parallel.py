@@ -53,8 +53,9 @@ def _worker(rank, world, cases):
         ((w_lp * lp).sum() + (w_h * h).sum()).backward()
         # the single-output variants must agree with the fused one
         lp_only = vocab_parallel_log_probs(shard.detach(), target, vocab_start=start, vocab_size=v,
-                                           temperature=temp)
-        h_only = vocab_parallel_entropy(shard.detach(), vocab_start=start, vocab_size=v, temperature=temp)
+                                           temperature=temp, group=dist.group.WORLD)
+        h_only = vocab_parallel_entropy(shard.detach(), vocab_start=start, vocab_size=v, temperature=temp,
+                                        group=dist.group.WORLD)
         outs.append(dict(lp=lp.detach(), h=h.detach(), grad=shard.grad.float(), lp_only=lp_only,
                          h_only=h_only))
     return outs
