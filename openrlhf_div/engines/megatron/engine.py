@@ -73,6 +73,8 @@ class OptimSettings:
     @classmethod
     def from_args(cls, args, max_steps: Optional[int]) -> "OptimSettings":
         a = args.actor
+        if getattr(a, "optim", "adam") != "adam":
+            raise ValueError(f"--actor.optim {a.optim!r} is not supported by the Megatron actor (adam only)")
         return cls(lr=float(a.adam.lr), betas=tuple(a.adam.betas), eps=float(a.adam.eps),
                    weight_decay=float(a.adam.weight_decay), max_norm=float(a.max_norm),
                    lr_scheduler=str(a.lr_scheduler), warmup_ratio=float(a.lr_warmup_ratio),
@@ -397,6 +399,23 @@ class MegatronEngine:
         metrics["actor_grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["update_successful"] = float(bool(ok))
         return metrics
+
+    # ------------------------------------------------------------------ colocation
+    def offload(self) -> int:
+        """Release weights, gradients and optimiser state from the device (see :mod:`.offload`)."""
+        from .offload import StorageOffloader, engine_tensors
+
+        if getattr(self, "_offloader", None) is None:
+            keep, drop = engine_tensors(self.model, self.optimizer)
+            self._offloader = StorageOffloader(keep, drop)
+        freed = self._offloader.offload()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return freed
+
+    def reload(self) -> None:
+        if getattr(self, "_offloader", None) is not None:
+            self._offloader.reload()
 
     # ------------------------------------------------------------------ HF export
     def iter_hf_weights(self, *, all_ranks: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
