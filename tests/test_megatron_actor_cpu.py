@@ -60,12 +60,14 @@ def experiences():
         act = torch.zeros(3, L - 1)
         act[:, 3:] = 1
         act[0, L - 3:] = 0
+        # the DeepSpeed path's contract: info["div_anchor"] per row, stored D_pef base log-probs
+        # in base_action_log_probs on anchor rows
         exp = Experience(sequences=seq, attention_mask=am, action_mask=act,
                          action_log_probs=-torch.rand(3, L - 1, generator=g) * 3 * act,
+                         base_action_log_probs=-torch.rand(3, L - 1, generator=g) * 3 * act,
                          advantages=torch.randn(3, 1, generator=g) * act,
-                         info={"reward": torch.tensor([1.0, 0.0, 1.0])})
-        exp.is_anchor = torch.tensor(anchor)
-        exp.anchor_ref_log_probs = -torch.rand(3, L - 1, generator=g) * 3 * act
+                         info={"reward": torch.tensor([1.0, 0.0, 1.0]),
+                               "div_anchor": [torch.tensor(float(a)) for a in anchor]})
         out.append(exp)
     return out
 
@@ -136,8 +138,9 @@ def test_actor_methods_against_hf(tmp_path):
         torch.testing.assert_close(lp, ref * exp.action_mask, rtol=1e-5, atol=2e-6)
     # fit: one optimiser step (batch_size 6 = all rows, 3 micro-batches) equals the reference
     loss, sd = _reference(model)
-    assert r["status"]["loss"] == pytest.approx(loss, rel=1e-5)
-    assert res[1]["status"]["loss"] == pytest.approx(loss, rel=1e-5)
+    assert r["status"]["div/loss"] == pytest.approx(loss, rel=1e-5)
+    assert res[1]["status"]["div/loss"] == pytest.approx(loss, rel=1e-5)
+    assert r["status"]["policy_loss"] == r["status"]["div/loss"] and "actor_grad_norm" in r["status"]
     for k, v in r["after"].items():
         torch.testing.assert_close(v, sd[k], rtol=1e-4, atol=1e-6, msg=k)
     # checkpoint: client state and weights come back
@@ -165,8 +168,12 @@ def test_hook_and_contract_helpers():
     assert m.name == "dph_js" and m.anchor_weight == 0.5
     # anchor rows without stored base log-probs are refused with a clear error
     exp = experiences()[0]
-    exp.anchor_ref_log_probs = None
-    with pytest.raises(ValueError, match="anchor_ref_log_probs"):
+    rows = rows_from_experience(exp, m)
+    assert [bool(r["is_anchor"]) for r in rows] == [False, True, False]
+    assert "anchor_ref_log_probs" in rows[1] and "ref_log_probs" in rows[0]
+    assert [bool(r["correct"]) for r in rows] == [True, False, True]       # reward >= 1
+    exp.base_action_log_probs = None
+    with pytest.raises(ValueError, match="base_action_log_probs"):
         rows_from_experience(exp, m)
 
 

@@ -45,27 +45,36 @@ from .loss import MicroBatch, step_counts
 logger = logging.getLogger(__name__)
 
 __all__ = ["MegatronPolicyActor", "MegatronReferenceActor", "resolve_method", "rows_from_experience",
-           "collate_rows"]
+           "collate_rows", "row_values", "ANCHOR_FLAG", "CORRECT_FLAG"]
 
-# Optional per-row / per-token fields an experience may carry for the registry (attribute or
-# experience.info[...]): the driver's side of the contract.
-ANCHOR_FLAG = "is_anchor"                  # [B] bool: a D_pef anchor row
-ANCHOR_REF = "anchor_ref_log_probs"        # [B, A] stored base log-probs of anchor rows
-CORRECT = "correct"                        # [B] bool: task correctness (default: reward >= threshold)
+# The experience contract shared with the DeepSpeed path (openrlhf_div.engines.openrlhf.flags):
+# per-row values in Experience.info, D_pef base log-probs in Experience.base_action_log_probs.
+ANCHOR_FLAG = "div_anchor"    # info key: 1.0 for D_pef anchor rows, 0.0 for rollouts
+CORRECT_FLAG = "div_correct"  # info key: 1.0 when the task reward counts as correct
 
 
 # ---------------------------------------------------------------------- method from args
 def resolve_method(args) -> Method:
-    """The registry method of a run: ``args.div.method`` (a :class:`Method`, or a name whose
-    hyperparameter overrides are in ``args.div.method_overrides`` -- a dict -- or
-    ``args.div.hparams`` -- a dict or ``["key=value", ...]`` with YAML-parsed values)."""
+    """The registry method of a run, exactly as the DeepSpeed path builds it.
+
+    Uses the OpenRLHF driver's ``method_from_args`` (``--div.method`` + every ``--div.<hparam>``)
+    when that module is present; otherwise ``args.div.method`` (a :class:`Method` or a name) with
+    overrides from ``args.div.hparams`` (a dict or ``["key=value", ...]``, YAML-parsed values).
+    """
     div = getattr(args, "div", None)
     m = getattr(div, "method", None) if div is not None else None
     if isinstance(m, Method):
         return m
+    if getattr(div, "hparams", None) is None:
+        try:
+            from openrlhf_div.engines.openrlhf.flags import method_from_args
+        except ImportError:
+            method_from_args = None
+        if method_from_args is not None:
+            return method_from_args(args)
     if not m:
         raise ValueError("the Megatron actor needs the method: set --div.method (see `openrlhf-div methods`)")
-    overrides = getattr(div, "method_overrides", None) or getattr(div, "hparams", None) or {}
+    overrides = getattr(div, "hparams", None) or {}
     if isinstance(overrides, (list, tuple)):
         import yaml
 
@@ -80,16 +89,32 @@ def resolve_method(args) -> Method:
 
 
 # ---------------------------------------------------------------------- experience -> rows
-def _field(exp, name):
-    v = getattr(exp, name, None)
-    if v is None and isinstance(getattr(exp, "info", None), dict):
-        v = exp.info.get(name)
-    return v
+def row_values(info: Optional[dict], key: str, n: int) -> Optional[torch.Tensor]:
+    """``info[key]`` as a float ``[n]`` tensor (OpenRLHF keeps per-row info as a tensor or a list
+    of 0-d tensors / numbers); ``None`` when absent."""
+    v = (info or {}).get(key)
+    if v is None:
+        return None
+    if isinstance(v, torch.Tensor):
+        t = v.reshape(-1).float()
+    elif len(v) and isinstance(v[0], torch.Tensor):
+        t = torch.stack([x.reshape(()) for x in v]).float()
+    else:
+        t = torch.as_tensor(v, dtype=torch.float32).reshape(-1)
+    if t.numel() != n:
+        raise ValueError(f"info[{key!r}] has {t.numel()} values for {n} rows")
+    return t
 
 
 def rows_from_experience(exp, method: Method) -> List[Dict[str, torch.Tensor]]:
     """Split an OpenRLHF ``Experience`` into rows with every per-token field aligned to all
-    ``L - 1`` next-token targets (OpenRLHF aligns ``action_mask`` with the last ``A`` of them)."""
+    ``L - 1`` next-token targets (OpenRLHF aligns ``action_mask`` with the last ``A`` of them).
+
+    Row kinds and their data (the DeepSpeed path's contract): ``info["div_anchor"] > 0.5`` marks
+    a ``D_pef`` anchor row whose ``base_action_log_probs`` are the *stored* base log-probs; on
+    online rows ``base_action_log_probs`` are the reference model's (methods with
+    ``needs.ref_log_probs``). Correctness: ``info["div_correct"]``, else ``reward >= threshold``.
+    """
     seq, am, act = exp.sequences, exp.attention_mask, exp.action_mask
     B, L = seq.shape
     A = act.shape[1]
@@ -104,26 +129,34 @@ def rows_from_experience(exp, method: Method) -> List[Dict[str, torch.Tensor]]:
         out[:, L - 1 - A:] = t.float()
         return out
 
-    reward = _field(exp, "reward")
-    correct = _field(exp, CORRECT)
-    if correct is None and reward is not None:
-        correct = method.is_correct(torch.as_tensor(reward).reshape(-1))
-    is_anchor = _field(exp, ANCHOR_FLAG)
-    anchor_ref = _field(exp, ANCHOR_REF)
-    if is_anchor is not None and bool(torch.as_tensor(is_anchor).any()) and anchor_ref is None:
-        raise ValueError(f"experience marks anchor rows ({ANCHOR_FLAG}) but carries no {ANCHOR_REF}")
-    fields = dict(action_mask=full(act), old_log_probs=full(exp.action_log_probs), advantages=full(exp.advantages),
-                  ref_log_probs=full(getattr(exp, "base_action_log_probs", None)), anchor_ref_log_probs=full(anchor_ref))
+    info = getattr(exp, "info", None) or {}
+    correct = row_values(info, CORRECT_FLAG, B)
+    if correct is not None:
+        correct = correct > 0.5
+    else:
+        reward = row_values(info, "reward", B)
+        correct = None if reward is None else method.is_correct(reward)
+    is_anchor = row_values(info, ANCHOR_FLAG, B)
+    is_anchor = None if is_anchor is None else is_anchor > 0.5
+    base = getattr(exp, "base_action_log_probs", None)
+    if is_anchor is not None and bool(is_anchor.any()) and base is None:
+        raise ValueError(f"experience marks anchor rows (info[{ANCHOR_FLAG!r}]) but has no base_action_log_probs "
+                         "(the stored D_pef base log-probs)")
+    base = full(base)
+    fields = dict(action_mask=full(act), old_log_probs=full(exp.action_log_probs), advantages=full(exp.advantages))
     rows = []
     for i in range(B):
         r = dict(sequences=seq[i], attention_mask=am[i])
         for k, v in fields.items():
             if v is not None:
                 r[k] = v[i]
+        anchor_row = is_anchor is not None and bool(is_anchor[i])
+        if base is not None:
+            r["anchor_ref_log_probs" if anchor_row else "ref_log_probs"] = base[i]
         if correct is not None:
-            r["correct"] = torch.as_tensor(correct).reshape(-1)[i].bool()
+            r["correct"] = correct[i].bool()
         if is_anchor is not None:
-            r["is_anchor"] = torch.as_tensor(is_anchor).reshape(-1)[i].bool()
+            r["is_anchor"] = torch.tensor(anchor_row)
         rows.append(r)
     return rows
 
@@ -140,8 +173,10 @@ def collate_rows(rows: List[Dict[str, torch.Tensor]], pad_token_id: int = 0) -> 
         seq[i, :n] = r["sequences"]
         am[i, :n] = r["attention_mask"]
         for k in ("action_mask", "old_log_probs", "advantages", "ref_log_probs", "anchor_ref_log_probs"):
-            if k in r:
-                tok.setdefault(k, torch.zeros(B, L - 1))[i, : n - 1] = r[k]
+            if any(k in q for q in rows):
+                t = tok.setdefault(k, torch.zeros(B, L - 1))
+                if k in r:
+                    t[i, : n - 1] = r[k]
     kw: Dict[str, Any] = dict(sequences=seq, attention_mask=am, **tok)
     if all("correct" in r for r in rows):
         kw["correct"] = torch.stack([r["correct"] for r in rows])
@@ -303,7 +338,7 @@ class MegatronPolicyActor(_DistributedActor):
         self.replay.clear()
         self._fits += 1
         self.empty_cache()
-        return _mean_metrics(history)
+        return _status(_mean_metrics(history))
 
     # -------------------------------------------------------------- weights -> vLLM
     def _init_vllm_sync(self):
@@ -441,6 +476,17 @@ def _with_last(it):
         yield prev, False
         prev = cur
     yield prev, True
+
+
+def _status(m: Dict[str, float]) -> Dict[str, float]:
+    """Metric names as the DeepSpeed path logs them: registry metrics under ``div/``, plus
+    OpenRLHF's ``policy_loss`` / ``actor_lr`` / ``actor_grad_norm``."""
+    out = {}
+    for k, v in m.items():
+        out[k if k in ("actor_lr", "actor_grad_norm") else f"div/{k}"] = v
+    if "loss" in m:
+        out["policy_loss"] = m["loss"]
+    return out
 
 
 def _mean_metrics(history: List[Dict[str, float]]) -> Dict[str, float]:
