@@ -28,6 +28,8 @@ class MegatronConfig:
     pp: int = 1                            # pipeline-parallel size (layers split into stages)
     sp: bool = False                       # sequence parallel: norms/dropout activations split over TP
     distributed_optimizer: bool = True     # shard fp32 master weights + Adam state over data-parallel ranks
+    optimizer_cpu_offload: bool = False    # fp32 master weights + Adam state (and the step) on the host
+    optimizer_offload_fraction: float = 1.0  # share of the optimiser state offloaded (with the flag above)
     recompute: str = "none"                # activation recomputation: none | selective (attention) | full
     recompute_method: str = "uniform"      # full recompute: uniform | block
     recompute_num_layers: int = 1          # full recompute: layers per recomputed chunk (uniform)
@@ -50,6 +52,11 @@ class MegatronConfig:
             raise ValueError(f"--megatron.transformer_impl must be one of {IMPLS}, got {self.transformer_impl!r}")
         if self.weights not in WEIGHT_PATHS:
             raise ValueError(f"--megatron.weights must be one of {WEIGHT_PATHS}, got {self.weights!r}")
+        if self.optimizer_cpu_offload and not self.distributed_optimizer:
+            raise ValueError("--megatron.optimizer_cpu_offload needs the distributed optimizer "
+                             "(drop --megatron.no_distributed_optimizer)")
+        if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
+            raise ValueError(f"--megatron.optimizer_offload_fraction must be in [0, 1], got {self.optimizer_offload_fraction}")
         if self.sp and self.tp == 1:
             raise ValueError("--megatron.sp (sequence parallel) needs --megatron.tp > 1")
         if world_size is not None and world_size % (self.tp * self.pp):
@@ -82,6 +89,10 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--megatron.no_distributed_optimizer", dest="megatron.distributed_optimizer",
                    action="store_false", default=d.distributed_optimizer,
                    help="keep full fp32 master weights and Adam state on every data-parallel rank")
+    g.add_argument("--megatron.optimizer_cpu_offload", action="store_true", default=d.optimizer_cpu_offload,
+                   help="keep fp32 master weights and Adam state on the host and step there (HybridDeviceOptimizer)")
+    g.add_argument("--megatron.optimizer_offload_fraction", type=float, default=d.optimizer_offload_fraction,
+                   help="fraction of the optimiser state offloaded with --megatron.optimizer_cpu_offload")
     g.add_argument("--megatron.recompute", choices=RECOMPUTE, default=d.recompute,
                    help="activation recomputation: selective (core attention) or full (whole layers)")
     g.add_argument("--megatron.recompute_method", choices=("uniform", "block"), default=d.recompute_method)

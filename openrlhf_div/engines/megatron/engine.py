@@ -226,7 +226,9 @@ class MegatronEngine:
             optimizer=o.optimizer, lr=o.lr, min_lr=o.lr * o.min_lr_ratio, weight_decay=o.weight_decay,
             adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_eps=o.eps, clip_grad=o.max_norm,
             bf16=mcfg.bf16, params_dtype=torch.bfloat16 if mcfg.bf16 else torch.float32,
-            sgd_momentum=0.0, use_distributed_optimizer=mcfg.distributed_optimizer)
+            sgd_momentum=0.0, use_distributed_optimizer=mcfg.distributed_optimizer,
+            optimizer_cpu_offload=mcfg.optimizer_cpu_offload,
+            optimizer_offload_fraction=mcfg.optimizer_offload_fraction if mcfg.optimizer_cpu_offload else 0.0)
         self.optimizer = get_megatron_optimizer(ocfg, [self.model])
         warm = int(math.ceil(o.max_steps * o.warmup_ratio))
         style = SCHEDULES[o.lr_scheduler]
