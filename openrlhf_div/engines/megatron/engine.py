@@ -397,7 +397,10 @@ class MegatronEngine:
                 self.scheduler.step(increment=1)
         local = _reduce_microbatch_metrics(outs) if (self.is_last_stage and self.tp_rank == 0) else {}
         metrics = _allreduce_metrics(local)
-        metrics["actor_lr"] = float(self.optimizer.param_groups[0]["lr"])
+        try:
+            metrics["actor_lr"] = float(self.optimizer.param_groups[0]["lr"])
+        except (AttributeError, IndexError, KeyError, TypeError):
+            metrics["actor_lr"] = float("nan")
         metrics["actor_grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["update_successful"] = float(bool(ok))
         return metrics

@@ -38,8 +38,11 @@ class StorageOffloader:
     @staticmethod
     def _unique(ts: Iterable[torch.Tensor]) -> List[torch.Tensor]:
         seen: Dict = {}
+        on_gpu = torch.cuda.is_available()
         for t in ts:
             if t is None or not isinstance(t, torch.Tensor) or t.untyped_storage().nbytes() == 0:
+                continue
+            if on_gpu and not t.is_cuda:     # e.g. the host optimizer's state: already off the GPU
                 continue
             seen.setdefault(_storage_key(t), t)
         return list(seen.values())
