@@ -73,7 +73,7 @@ def experiences():
 
 
 def _worker(rank, world, tmp):
-    from openrlhf_div.engines.megatron.actor import MegatronPolicyActor
+    from openrlhf_div.engines.megatron.actor import MegatronPolicyActor, MegatronReferenceActor
 
     out = {}
     a = MegatronPolicyActor(world, rank, "127.0.0.1", None)
@@ -83,6 +83,9 @@ def _worker(rank, world, tmp):
     out["lp"] = a.execute_batch("forward", dict(sequences=[e.sequences for e in exps],
                                                 attention_mask=[e.attention_mask for e in exps],
                                                 action_mask=[e.action_mask for e in exps]), 0, 2)
+    ref = MegatronReferenceActor(world, rank, "127.0.0.1", None)
+    ref.init_model_from_pretrained(NS(args=make_args(tmp)), os.path.join(tmp, "hf"))
+    out["ref_lp"] = [ref.forward(e.sequences, e.action_mask, e.attention_mask) for e in exps]
     a.execute_batch("append", dict(experience=exps), 0, 2)
     out["status"] = a.fit()
     a.save_checkpoint("global_step1", client_states={"global_step": 1, "total_consumed_prompts": 6})
@@ -136,6 +139,8 @@ def test_actor_methods_against_hf(tmp_path):
             logits = model(exp.sequences, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0)).logits
         ref = torch.log_softmax(logits.float()[:, :-1] / TEMP, -1).gather(-1, exp.sequences[:, 1:, None])[..., 0]
         torch.testing.assert_close(lp, ref * exp.action_mask, rtol=1e-5, atol=2e-6)
+    for lp, ref_lp in zip(r["lp"], r["ref_lp"]):       # the frozen reference actor: same numbers
+        assert torch.equal(lp, ref_lp)
     # fit: one optimiser step (batch_size 6 = all rows, 3 micro-batches) equals the reference
     loss, sd = _reference(model)
     assert r["status"]["div/loss"] == pytest.approx(loss, rel=1e-5)
