@@ -131,3 +131,20 @@ def test_launchers_are_clean():
     common = os.path.join(ROOT, "examples", "scripts", "_common.sh")
     if sc and os.path.exists(common):    # _common.sh comes with the OpenRLHF launchers
         subprocess.run([sc, "-x", *scripts], check=True, cwd=ROOT)
+
+
+def test_flags_through_openrlhf_hierarchize():
+    from openrlhf_div.engines.megatron import uses_megatron
+
+    hierarchize = pytest.importorskip("openrlhf.utils.config").hierarchize
+    p = argparse.ArgumentParser()
+    add_megatron_arguments(p)
+    ns = hierarchize(p.parse_args(["--div.actor_backend", "megatron", "--megatron.tp", "4", "--megatron.pp", "2",
+                                   "--megatron.recompute", "selective"]))
+    assert uses_megatron(ns)
+    m = megatron_config_from_args(ns)
+    assert (m.tp, m.pp, m.recompute, m.model_parallel_size) == (4, 2, "selective", 8)
+    q = argparse.ArgumentParser()
+    q.add_argument("--div.actor_backend", default="deepspeed")      # the driver's own flag wins
+    add_megatron_arguments(q)
+    assert not uses_megatron(hierarchize(q.parse_args([])))

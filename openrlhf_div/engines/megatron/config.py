@@ -80,8 +80,11 @@ class MegatronConfig:
 
 def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``--megatron.*`` group (dotted flags, OpenRLHF style; ``args.megatron.tp`` after
-    OpenRLHF's ``hierarchize``)."""
+    OpenRLHF's ``hierarchize``) and ``--div.actor_backend`` when the parser lacks it."""
     d = MegatronConfig()
+    if "--div.actor_backend" not in parser._option_string_actions:   # unless the driver defines it
+        parser.add_argument("--div.actor_backend", choices=("deepspeed", "megatron"), default="deepspeed",
+                            help="policy (and reference) actor: OpenRLHF's DeepSpeed actor or the Megatron-core one")
     g = parser.add_argument_group("megatron", "Megatron-core actor (with --div.actor_backend megatron)")
     g.add_argument("--megatron.tp", type=int, default=d.tp, help="tensor-parallel size")
     g.add_argument("--megatron.pp", type=int, default=d.pp, help="pipeline-parallel size")
