@@ -1,0 +1,501 @@
+"""Ray actors for the Megatron backend: a drop-in for OpenRLHF's policy (and reference) actor.
+
+``MegatronPolicyActor`` exposes exactly the methods OpenRLHF 0.11.2's controller calls on the
+policy ``RayActorGroup`` (``trainer/ppo_trainer.py``, ``ppo_utils/experience_maker.py``,
+``ray/launcher.py``)::
+
+    __init__(world_size, rank, master_addr, master_port)   RayActorGroup._initiate_actors
+    get_master_addr_port()                                 RayActorGroup (rank 0)
+    init_model_from_pretrained(strategy, pretrain, max_steps, vllm_engines)
+    execute_batch(method_name, all_data, start, end)       async_run_method_batch ("forward", "append")
+    forward(sequences, action_mask, attention_mask, ...)   old log-probs, [B, A] on CPU
+    append(experience)                                     replay buffer
+    fit(kl_ctl=0) -> dict                                  one PPO pass over the buffer
+    broadcast_to_vllm()                                    weight sync (NCCL group or CUDA IPC)
+    save_model()                                           HF checkpoint in --ckpt.output_dir
+    save_checkpoint(tag, client_states, metric_value, metric_key)
+    get_checkpoint_states() -> dict                        client state of the loaded checkpoint
+    offload_states() / reload_states()                     colocation (--ds.enable_sleep path)
+    empty_cache()
+
+``MegatronReferenceActor`` has the reference subset (``init_model_from_pretrained(strategy,
+pretrain)``, ``forward``, ``empty_cache``, ``execute_batch``).
+
+Rows and the method registry. ``fit`` flattens the appended experiences into rows, shuffles them
+with a seed shared by the replica's ranks, and cuts optimiser steps of ``--train.batch_size /
+dp`` rows made of micro-batches of ``--train.micro_batch_size`` rows. A row is a ``D_pef``
+anchor row when the experience marks it (see :func:`rows_from_experience`); every loss comes from
+the registry method through :func:`.loss.registry_loss`, with the step's global token counts.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from openrlhf_div.algorithms.registry import Method, get_method
+
+from .config import MegatronConfig, megatron_config_from_args
+from .loss import MicroBatch, step_counts
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MegatronPolicyActor", "MegatronReferenceActor", "resolve_method", "rows_from_experience",
+           "collate_rows", "row_values", "ANCHOR_FLAG", "CORRECT_FLAG"]
+
+# The experience contract shared with the DeepSpeed path (openrlhf_div.engines.openrlhf.flags):
+# per-row values in Experience.info, D_pef base log-probs in Experience.base_action_log_probs.
+ANCHOR_FLAG = "div_anchor"    # info key: 1.0 for D_pef anchor rows, 0.0 for rollouts
+CORRECT_FLAG = "div_correct"  # info key: 1.0 when the task reward counts as correct
+
+
+# ---------------------------------------------------------------------- method from args
+def resolve_method(args) -> Method:
+    """The registry method of a run, exactly as the DeepSpeed path builds it.
+
+    Uses the OpenRLHF driver's ``method_from_args`` (``--div.method`` + every ``--div.<hparam>``)
+    when that module is present; otherwise ``args.div.method`` (a :class:`Method` or a name) with
+    overrides from ``args.div.hparams`` (a dict or ``["key=value", ...]``, YAML-parsed values).
+    """
+    div = getattr(args, "div", None)
+    m = getattr(div, "method", None) if div is not None else None
+    if isinstance(m, Method):
+        return m
+    if getattr(div, "hparams", None) is None:
+        try:
+            from openrlhf_div.engines.openrlhf.flags import method_from_args
+        except ImportError:
+            method_from_args = None
+        if method_from_args is not None:
+            return method_from_args(args)
+    if not m:
+        raise ValueError("the Megatron actor needs the method: set --div.method (see `openrlhf-div methods`)")
+    overrides = getattr(div, "hparams", None) or {}
+    if isinstance(overrides, (list, tuple)):
+        import yaml
+
+        parsed = {}
+        for item in overrides:
+            if "=" not in item:
+                raise ValueError(f"method hyperparameter {item!r} is not key=value")
+            k, v = item.split("=", 1)
+            parsed[k.strip()] = yaml.safe_load(v)
+        overrides = parsed
+    return get_method(str(m), **dict(overrides))
+
+
+# ---------------------------------------------------------------------- experience -> rows
+def row_values(info: Optional[dict], key: str, n: int) -> Optional[torch.Tensor]:
+    """``info[key]`` as a float ``[n]`` tensor (OpenRLHF keeps per-row info as a tensor or a list
+    of 0-d tensors / numbers); ``None`` when absent."""
+    v = (info or {}).get(key)
+    if v is None:
+        return None
+    if isinstance(v, torch.Tensor):
+        t = v.reshape(-1).float()
+    elif len(v) and isinstance(v[0], torch.Tensor):
+        t = torch.stack([x.reshape(()) for x in v]).float()
+    else:
+        t = torch.as_tensor(v, dtype=torch.float32).reshape(-1)
+    if t.numel() != n:
+        raise ValueError(f"info[{key!r}] has {t.numel()} values for {n} rows")
+    return t
+
+
+def rows_from_experience(exp, method: Method) -> List[Dict[str, torch.Tensor]]:
+    """Split an OpenRLHF ``Experience`` into rows with every per-token field aligned to all
+    ``L - 1`` next-token targets (OpenRLHF aligns ``action_mask`` with the last ``A`` of them).
+
+    Row kinds and their data (the DeepSpeed path's contract): ``info["div_anchor"] > 0.5`` marks
+    a ``D_pef`` anchor row whose ``base_action_log_probs`` are the *stored* base log-probs; on
+    online rows ``base_action_log_probs`` are the reference model's (methods with
+    ``needs.ref_log_probs``). Correctness: ``info["div_correct"]``, else ``reward >= threshold``.
+    """
+    seq, am, act = exp.sequences, exp.attention_mask, exp.action_mask
+    B, L = seq.shape
+    A = act.shape[1]
+
+    def full(t):
+        if t is None:
+            return None
+        t = torch.as_tensor(t)
+        if t.dim() == 1:                       # per-sample advantage: broadcast over actions
+            t = t[:, None].expand(B, A)
+        out = torch.zeros(B, L - 1, dtype=torch.float32)
+        out[:, L - 1 - A:] = t.float()
+        return out
+
+    info = getattr(exp, "info", None) or {}
+    correct = row_values(info, CORRECT_FLAG, B)
+    if correct is not None:
+        correct = correct > 0.5
+    else:
+        reward = row_values(info, "reward", B)
+        correct = None if reward is None else method.is_correct(reward)
+    is_anchor = row_values(info, ANCHOR_FLAG, B)
+    is_anchor = None if is_anchor is None else is_anchor > 0.5
+    base = getattr(exp, "base_action_log_probs", None)
+    if is_anchor is not None and bool(is_anchor.any()) and base is None:
+        raise ValueError(f"experience marks anchor rows (info[{ANCHOR_FLAG!r}]) but has no base_action_log_probs "
+                         "(the stored D_pef base log-probs)")
+    base = full(base)
+    fields = dict(action_mask=full(act), old_log_probs=full(exp.action_log_probs), advantages=full(exp.advantages))
+    rows = []
+    for i in range(B):
+        r = dict(sequences=seq[i], attention_mask=am[i])
+        for k, v in fields.items():
+            if v is not None:
+                r[k] = v[i]
+        anchor_row = is_anchor is not None and bool(is_anchor[i])
+        if base is not None:
+            r["anchor_ref_log_probs" if anchor_row else "ref_log_probs"] = base[i]
+        if correct is not None:
+            r["correct"] = correct[i].bool()
+        if is_anchor is not None:
+            r["is_anchor"] = torch.tensor(anchor_row)
+        rows.append(r)
+    return rows
+
+
+def collate_rows(rows: List[Dict[str, torch.Tensor]], pad_token_id: int = 0) -> MicroBatch:
+    """Right-pad rows to the longest and stack them into a :class:`MicroBatch` (``A = L - 1``)."""
+    L = max(int(r["sequences"].shape[0]) for r in rows)
+    B = len(rows)
+    seq = torch.full((B, L), pad_token_id, dtype=torch.long)
+    am = torch.zeros(B, L, dtype=torch.long)
+    tok: Dict[str, torch.Tensor] = {}
+    for i, r in enumerate(rows):
+        n = int(r["sequences"].shape[0])
+        seq[i, :n] = r["sequences"]
+        am[i, :n] = r["attention_mask"]
+        for k in ("action_mask", "old_log_probs", "advantages", "ref_log_probs", "anchor_ref_log_probs"):
+            if any(k in q for q in rows):
+                t = tok.setdefault(k, torch.zeros(B, L - 1))
+                if k in r:
+                    t[i, : n - 1] = r[k]
+    kw: Dict[str, Any] = dict(sequences=seq, attention_mask=am, **tok)
+    if all("correct" in r for r in rows):
+        kw["correct"] = torch.stack([r["correct"] for r in rows])
+    if any("is_anchor" in r for r in rows):
+        kw["is_anchor"] = torch.stack([r.get("is_anchor", torch.tensor(False)) for r in rows])
+    return MicroBatch(**kw)
+
+
+# ---------------------------------------------------------------------- actors
+class _DistributedActor:
+    """Rank bookkeeping of a Ray actor in a torch.distributed group (as OpenRLHF's actors)."""
+
+    def __init__(self, world_size: int, rank: int, master_addr: Optional[str], master_port: Optional[int]):
+        logging.basicConfig(format="%(asctime)s %(levelname)-8s %(message)s", level=logging.INFO)
+        self._world_size, self._rank = world_size, rank
+        self._master_addr = master_addr or self._node_ip()
+        self._master_port = master_port or self._free_port()
+        os.environ.update(MASTER_ADDR=self._master_addr, MASTER_PORT=str(self._master_port),
+                          WORLD_SIZE=str(world_size), RANK=str(rank))
+        local = "0"
+        try:
+            import ray
+            from openrlhf.trainer.ray.utils import ray_noset_visible_devices
+
+            if ray_noset_visible_devices():
+                local = str(ray.get_gpu_ids()[0])
+        except Exception:  # no Ray / no OpenRLHF (tests): Ray pins one visible GPU per actor
+            pass
+        os.environ["LOCAL_RANK"] = local
+
+    @staticmethod
+    def _node_ip() -> str:
+        try:
+            import ray
+
+            return ray._private.services.get_node_ip_address().strip("[]")
+        except Exception:
+            return "127.0.0.1"
+
+    @staticmethod
+    def _free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def get_master_addr_port(self):
+        return self._master_addr, self._master_port
+
+    def is_rank_0(self) -> bool:
+        return self._rank == 0
+
+    def empty_cache(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            torch.cuda.synchronize()
+
+    def execute_batch(self, method_name: str, all_data: Dict[str, list], start_idx: int, end_idx: int):
+        """Call ``method_name(**item)`` for each item of the chunk (OpenRLHF's batched dispatch)."""
+        kwargs = {k: v[start_idx:end_idx] for k, v in all_data.items()}
+        n = len(next(iter(kwargs.values())))
+        for k, v in kwargs.items():
+            if len(v) != n:
+                raise ValueError(f"execute_batch: {k} has {len(v)} items, expected {n}")
+        fn = getattr(self, method_name)
+        return [fn(**{k: v[i] for k, v in kwargs.items()}) for i in range(n)]
+
+    def _engine_args(self, strategy):
+        from .engine import init_megatron_parallel
+
+        args = strategy.args
+        mcfg = megatron_config_from_args(args)
+        ds = getattr(args, "ds", None)
+        if ds is not None and getattr(ds, "ring_attn_size", 1) != 1:
+            raise ValueError("--ds.ring_attn_size > 1 (ring attention) is a DeepSpeed-actor option; the Megatron "
+                             "actor does not support context parallelism")
+        if ds is not None and getattr(ds, "packing_samples", False):
+            raise ValueError("--ds.packing_samples is not supported by the Megatron actor (it pads micro-batches)")
+        init_megatron_parallel(mcfg, seed=int(getattr(args.train, "seed", 42)))
+        return args, mcfg
+
+
+class MegatronPolicyActor(_DistributedActor):
+    """The trainable policy; see the module docstring for the method list."""
+
+    def init_model_from_pretrained(self, strategy, pretrain: str, max_steps: Optional[int] = None,
+                                   vllm_engines=None):
+        from .engine import MegatronEngine, OptimSettings
+
+        self.strategy = strategy
+        args, mcfg = self._engine_args(strategy)
+        self.args, self.mcfg = args, mcfg
+        self.method = resolve_method(args)
+        self.engine = MegatronEngine(mcfg, pretrain=pretrain, train=True, optim=OptimSettings.from_args(args, max_steps),
+                                     method=self.method, temperature=float(args.rollout.temperature))
+        self.vllm_engines = vllm_engines
+        self.tokenizer = None
+        try:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(pretrain, trust_remote_code=True)
+        except Exception as e:  # a weights-only directory: HF exports then carry no tokenizer
+            logger.warning("no tokenizer loaded from %s (%s)", pretrain, e)
+        self.pad_token_id = int(getattr(self.tokenizer, "pad_token_id", None) or 0)
+        self.replay: List[Any] = []
+        self._fits = 0
+        self.checkpoint_states: Dict[str, Any] = {}
+        ckpt = os.path.join(args.ckpt.path, "_actor")
+        if getattr(args.ckpt, "load_enable", False) and os.path.exists(os.path.join(ckpt, "latest")):
+            self.checkpoint_states = self.engine.load_checkpoint(ckpt)
+            self._fits = int(self.checkpoint_states.get("global_step", 0))
+        self._init_vllm_sync()
+
+    # -------------------------------------------------------------- rollouts side
+    def forward(self, sequences, action_mask=None, attention_mask=None, packed_seq_lens=None,
+                mm_train_inputs_list=None):
+        if mm_train_inputs_list and any(x for x in mm_train_inputs_list):
+            raise ValueError("the Megatron actor is text-only (no multimodal inputs)")
+        lp, _ = self.engine.forward_log_probs(sequences, attention_mask, action_mask)
+        return lp
+
+    def append(self, experience) -> None:
+        self.replay.append(experience)
+
+    # -------------------------------------------------------------- training
+    def _steps(self):
+        rows = [r for exp in self.replay for r in rows_from_experience(exp, self.method)]
+        if not rows:
+            return []
+        g = torch.Generator().manual_seed(int(getattr(self.args.train, "seed", 42)) + self._fits)
+        order = torch.randperm(len(rows), generator=g).tolist()
+        rows = [rows[i] for i in order]
+        mbs = int(self.args.train.micro_batch_size)
+        dp = self.engine.dp_size
+        per_step = max(mbs, int(self.args.train.batch_size) // dp)
+        steps = []
+        for s in range(0, len(rows), per_step):
+            chunk = rows[s: s + per_step]
+            steps.append([collate_rows(chunk[m: m + mbs], self.pad_token_id) for m in range(0, len(chunk), mbs)])
+        return steps
+
+    def fit(self, kl_ctl: float = 0) -> Dict[str, float]:
+        """PPO epochs over the replay buffer; returns the step-averaged metrics (``kl_ctl`` is
+        OpenRLHF's KL controller value: the registry method carries its own KL weight)."""
+        self.empty_cache()
+        steps = self._steps()
+        # every rank must run the same number of steps (collectives inside); replicas normally get
+        # equal shares, a trailing remainder on some replicas is dropped (and logged)
+        n = torch.tensor([len(steps)], dtype=torch.long, device=self.engine.device)
+        dist.all_reduce(n, op=dist.ReduceOp.MIN)
+        if int(n) < len(steps):
+            logger.warning("dropping %d trailing optimiser step(s): data-parallel replicas got unequal rows",
+                           len(steps) - int(n))
+            steps = steps[: int(n)]
+        dp_group = self.engine.dp_group if self.engine.dp_size > 1 else None
+        history = []
+        for _ in range(int(self.args.train.max_epochs)):
+            for batches in steps:
+                history.append(self.engine.train_step(batches, step_counts(batches, dp_group)))
+        self.replay.clear()
+        self._fits += 1
+        self.empty_cache()
+        return _status(_mean_metrics(history))
+
+    # -------------------------------------------------------------- weights -> vLLM
+    def _init_vllm_sync(self):
+        args = self.args
+        backend = getattr(args.vllm, "sync_backend", "nccl")
+        self.use_cuda_ipc = (backend == "nccl" and getattr(args.train, "colocate_all", False)
+                             and not getattr(args.train, "async_enable", False))
+        self._model_update_group = None
+        if self.vllm_engines and not self.use_cuda_ipc and dist.get_rank() == 0:
+            import ray
+
+            addr = ray._private.services.get_node_ip_address()
+            port = self._free_port()
+            tp = int(args.vllm.tensor_parallel_size)
+            world = len(self.vllm_engines) * tp + 1
+            use_ray = getattr(args.vllm, "sync_with_ray", False)
+            refs = [e.init_process_group.remote(addr, port, i * tp + 1, world, "openrlhf", backend=backend,
+                                                use_ray=use_ray) for i, e in enumerate(self.vllm_engines)]
+            if use_ray:
+                import ray.util.collective as collective
+
+                collective.init_collective_group(world_size=world, rank=0, backend=backend, group_name="openrlhf")
+                self._model_update_group = "openrlhf"
+            else:
+                from openrlhf.utils.distributed_util import stateless_init_process_group
+
+                self._model_update_group = stateless_init_process_group(addr, port, 0, world,
+                                                                        torch.cuda.current_device())
+            ray.get(refs)
+        dist.barrier()
+
+    def broadcast_to_vllm(self):
+        """Send the weights in Hugging Face layout to every vLLM engine (gathered over TP / PP)."""
+        import ray
+
+        if not self.vllm_engines:
+            return
+        if self.use_cuda_ipc and self.mcfg.pp > 1:
+            raise ValueError("CUDA-IPC weight sync (colocate_all) needs --megatron.pp 1")
+        resets = []
+        if getattr(self.args.vllm, "enable_prefix_caching", False) and dist.get_rank() == 0:
+            resets = [e.reset_prefix_cache.remote() for e in self.vllm_engines]
+        self.empty_cache()
+        if self.use_cuda_ipc:
+            self._sync_cuda_ipc()
+        elif self.engine.dp_rank == 0:       # one replica gathers; global rank 0 broadcasts
+            use_ray = getattr(self.args.vllm, "sync_with_ray", False)
+            for (name, t), last in _with_last(self.engine.iter_hf_weights()):
+                if dist.get_rank() != 0:
+                    continue
+                t = t.contiguous()
+                refs = [e.update_weight.remote(name, dtype=t.dtype, shape=t.shape, empty_cache=last)
+                        for e in self.vllm_engines]
+                if use_ray:
+                    import ray.util.collective as collective
+
+                    collective.broadcast(t, 0, group_name=self._model_update_group)
+                else:
+                    self._model_update_group.broadcast(t, src=0, stream=torch.cuda.current_stream())
+                ray.get(refs)
+        if resets:
+            ray.get(resets)
+        self.empty_cache()
+        dist.barrier()
+
+    def _sync_cuda_ipc(self):
+        import ray
+        from openrlhf.trainer.ray.utils import get_physical_gpu_id
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        for (name, t), last in _with_last(self.engine.iter_hf_weights(all_ranks=True)):
+            weight = t.detach().clone().contiguous()
+            handles: List[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(handles, {get_physical_gpu_id(): reduce_tensor(weight)})
+            if dist.get_rank() == 0:
+                merged = {}
+                for h in handles:
+                    merged.update(h)
+                ray.get([e.update_weight_cuda_ipc.remote(name, dtype=weight.dtype, shape=weight.shape,
+                                                         ipc_handles=merged, empty_cache=last)
+                         for e in self.vllm_engines])
+            dist.barrier()
+            torch.cuda.synchronize()
+
+    # -------------------------------------------------------------- checkpoints
+    def save_model(self):
+        self.engine.save_hf(self.args.ckpt.output_dir, tokenizer=self.tokenizer)
+
+    def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None):
+        args = self.args
+        if not getattr(args.ckpt, "disable_ds", False):
+            self.engine.save_checkpoint(os.path.join(args.ckpt.path, "_actor"), tag, client_states or {},
+                                        max_num=int(getattr(args.ckpt, "max_num", 3) or 0))
+        if getattr(args.ckpt, "save_hf", False):
+            self.engine.save_hf(os.path.join(args.ckpt.path, f"{tag}_hf"), tokenizer=self.tokenizer)
+        dist.barrier()
+
+    def get_checkpoint_states(self):
+        return self.checkpoint_states
+
+    # -------------------------------------------------------------- colocation
+    def offload_states(self):
+        self.engine.offload()
+
+    def reload_states(self):
+        self.engine.reload()
+
+
+class MegatronReferenceActor(_DistributedActor):
+    """Frozen reference model for methods with ``needs.ref_log_probs`` (same layout as the policy)."""
+
+    def init_model_from_pretrained(self, strategy, pretrain: str):
+        from .engine import MegatronEngine
+
+        self.strategy = strategy
+        args, mcfg = self._engine_args(strategy)
+        self.engine = MegatronEngine(mcfg, pretrain=pretrain, train=False,
+                                     temperature=float(args.rollout.temperature))
+
+    def forward(self, sequences, action_mask=None, attention_mask=None, return_output=False,
+                packed_seq_lens=None, mm_train_inputs_list=None):
+        lp, _ = self.engine.forward_log_probs(sequences, attention_mask, action_mask)
+        return lp
+
+
+# ---------------------------------------------------------------------- helpers
+def _with_last(it):
+    """``(item, is_last)`` pairs (one-item lookahead)."""
+    it = iter(it)
+    try:
+        prev = next(it)
+    except StopIteration:
+        return
+    for cur in it:
+        yield prev, False
+        prev = cur
+    yield prev, True
+
+
+def _status(m: Dict[str, float]) -> Dict[str, float]:
+    """Metric names as the DeepSpeed path logs them: registry metrics under ``div/``, plus
+    OpenRLHF's ``policy_loss`` / ``actor_lr`` / ``actor_grad_norm``."""
+    out = {}
+    for k, v in m.items():
+        out[k if k in ("actor_lr", "actor_grad_norm") else f"div/{k}"] = v
+    if "loss" in m:
+        out["policy_loss"] = m["loss"]
+    return out
+
+
+def _mean_metrics(history: List[Dict[str, float]]) -> Dict[str, float]:
+    """Mean over optimiser steps; learning rate and grad norm: the last step's (as OpenRLHF)."""
+    if not history:
+        return {}
+    out: Dict[str, float] = {}
+    keys = set().union(*history)
+    for k in keys:
+        vals = [h[k] for h in history if k in h]
+        out[k] = vals[-1] if k in ("actor_lr", "actor_grad_norm") else sum(vals) / len(vals)
+    return out

@@ -1,0 +1,191 @@
+"""The Megatron policy actor (no Ray: the plain class in 2 gloo processes, TP=2) driven through the
+methods OpenRLHF's controller calls, against Hugging Face + the registry on the same data:
+forward (old log-probs), append + fit (one Adam step over online and DPH anchor rows), checkpoint
+save / resume with client state, HF export (save_model), offload / reload for colocation."""
+import os
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from openrlhf_div.algorithms import get_method  # noqa: E402
+from openrlhf_div.algorithms.registry import AnchorInputs, LossInputs  # noqa: E402
+from openrlhf_div.engines.megatron import actor_class_for, reference_class_for, uses_megatron  # noqa: E402
+from openrlhf_div.engines.megatron.actor import collate_rows, resolve_method, rows_from_experience  # noqa: E402
+from openrlhf_div.engines.megatron.testing import run_multiprocess  # noqa: E402
+
+pytestmark = pytest.mark.slow
+V, TEMP, LR = 40, 0.8, 1e-2
+
+
+def tiny_dir(path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    m = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.2)
+    m.save_pretrained(path)
+    return m.eval()
+
+
+def make_args(tmp, load=False):
+    return NS(
+        megatron=NS(tp=2, pp=1, bf16=False, vocab_divisor=8, distributed_optimizer=True),
+        div=NS(method="dph_js", actor_backend="megatron", hparams=["anchor_eta=0.5"]),
+        train=NS(seed=3, micro_batch_size=2, batch_size=6, max_epochs=1, colocate_all=False, async_enable=False),
+        actor=NS(optim="adam", adam=NS(lr=LR, betas=(0.9, 0.95), eps=1e-3, weight_decay=0.0), max_norm=1e9,
+                 lr_scheduler="constant", lr_warmup_ratio=0.0, min_lr_ratio=0.1),
+        rollout=NS(temperature=TEMP), vllm=NS(sync_backend="nccl"),
+        ckpt=NS(path=os.path.join(tmp, "ckpt"), load_enable=load, max_num=2, save_hf=False, disable_ds=False,
+                output_dir=os.path.join(tmp, "hf_out")),
+        ds=NS(ring_attn_size=1, packing_samples=False, tensor_parallel_size=1))
+
+
+def experiences():
+    """Two OpenRLHF 0.11.2-style experiences (right-padded, action_mask over all L-1 targets)."""
+    from openrlhf.trainer.ppo_utils.experience import Experience
+
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for L, anchor in ((9, [False, True, False]), (11, [False, False, True])):
+        seq = torch.randint(0, V, (3, L), generator=g)
+        am = torch.ones(3, L, dtype=torch.long)
+        am[0, L - 2:] = 0
+        act = torch.zeros(3, L - 1)
+        act[:, 3:] = 1
+        act[0, L - 3:] = 0
+        # the DeepSpeed path's contract: info["div_anchor"] per row, stored D_pef base log-probs
+        # in base_action_log_probs on anchor rows
+        exp = Experience(sequences=seq, attention_mask=am, action_mask=act,
+                         action_log_probs=-torch.rand(3, L - 1, generator=g) * 3 * act,
+                         base_action_log_probs=-torch.rand(3, L - 1, generator=g) * 3 * act,
+                         advantages=torch.randn(3, 1, generator=g) * act,
+                         info={"reward": torch.tensor([1.0, 0.0, 1.0]),
+                               "div_anchor": [torch.tensor(float(a)) for a in anchor]})
+        out.append(exp)
+    return out
+
+
+def _worker(rank, world, tmp):
+    from openrlhf_div.engines.megatron.actor import MegatronPolicyActor, MegatronReferenceActor
+
+    out = {}
+    a = MegatronPolicyActor(world, rank, "127.0.0.1", None)
+    a.init_model_from_pretrained(NS(args=make_args(tmp)), os.path.join(tmp, "hf"), max_steps=5)
+    exps = experiences()
+    # the controller's batched dispatch: forward per experience
+    out["lp"] = a.execute_batch("forward", dict(sequences=[e.sequences for e in exps],
+                                                attention_mask=[e.attention_mask for e in exps],
+                                                action_mask=[e.action_mask for e in exps]), 0, 2)
+    ref = MegatronReferenceActor(world, rank, "127.0.0.1", None)
+    ref.init_model_from_pretrained(NS(args=make_args(tmp)), os.path.join(tmp, "hf"))
+    out["ref_lp"] = [ref.forward(e.sequences, e.action_mask, e.attention_mask) for e in exps]
+    a.execute_batch("append", dict(experience=exps), 0, 2)
+    out["status"] = a.fit()
+    a.save_checkpoint("global_step1", client_states={"global_step": 1, "total_consumed_prompts": 6})
+    a.save_model()
+    out["after"] = a.engine.hf_state_dict()
+    lp_before = a.forward(exps[0].sequences, exps[0].action_mask, exps[0].attention_mask)
+    freed = a.engine.offload()
+    out["offloaded_bytes"] = freed
+    out["param_storage_while_offloaded"] = a.engine.gpt.output_layer.weight.untyped_storage().nbytes()
+    a.reload_states() if False else a.engine.reload()
+    out["lp_reloaded_equal"] = bool(torch.equal(lp_before, a.forward(exps[0].sequences, exps[0].action_mask,
+                                                                     exps[0].attention_mask)))
+    # resume in a fresh actor
+    b = MegatronPolicyActor(world, rank, "127.0.0.1", None)
+    b.init_model_from_pretrained(NS(args=make_args(tmp, load=True)), os.path.join(tmp, "hf"), max_steps=5)
+    out["states"] = b.get_checkpoint_states()
+    out["resumed"] = b.engine.hf_state_dict()
+    return out
+
+
+def _reference(model):
+    """HF + registry: one AdamW step over all 6 rows (token-mean over the step's global counts)."""
+    method = get_method("dph_js", anchor_eta=0.5)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-3, weight_decay=0.0)
+    rows = [r for e in experiences() for r in rows_from_experience(e, method)]
+    mb = collate_rows(rows)
+    am = mb.attention_mask
+    logits = model(mb.sequences, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0)).logits
+    logp = torch.log_softmax(logits.float()[:, :-1] / TEMP, -1)
+    lp = logp.gather(-1, mb.sequences[:, 1:, None])[..., 0]
+    a = mb.is_anchor
+    loss, metrics = method.loss(
+        online=LossInputs(log_probs=lp[~a], old_log_probs=mb.old_log_probs[~a], advantages=mb.advantages[~a],
+                          mask=mb.action_mask[~a]),
+        anchor=AnchorInputs(log_probs=lp[a], ref_log_probs=mb.anchor_ref_log_probs[a], mask=mb.action_mask[a]))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return float(loss.detach()), {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def test_actor_methods_against_hf(tmp_path):
+    tmp = str(tmp_path)
+    model = tiny_dir(os.path.join(tmp, "hf"))
+    res = run_multiprocess(_worker, world_size=2, args=(tmp,), timeout=180)
+    r = res[0]
+    # forward: old log-probs equal HF's (times action_mask), per experience
+    for exp, lp in zip(experiences(), r["lp"]):
+        am = exp.attention_mask
+        with torch.no_grad():
+            logits = model(exp.sequences, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0)).logits
+        ref = torch.log_softmax(logits.float()[:, :-1] / TEMP, -1).gather(-1, exp.sequences[:, 1:, None])[..., 0]
+        torch.testing.assert_close(lp, ref * exp.action_mask, rtol=1e-5, atol=2e-6)
+    for lp, ref_lp in zip(r["lp"], r["ref_lp"]):       # the frozen reference actor: same numbers
+        assert torch.equal(lp, ref_lp)
+    # fit: one optimiser step (batch_size 6 = all rows, 3 micro-batches) equals the reference
+    loss, sd = _reference(model)
+    assert r["status"]["div/loss"] == pytest.approx(loss, rel=1e-5)
+    assert res[1]["status"]["div/loss"] == pytest.approx(loss, rel=1e-5)
+    assert r["status"]["policy_loss"] == r["status"]["div/loss"] and "actor_grad_norm" in r["status"]
+    for k, v in r["after"].items():
+        torch.testing.assert_close(v, sd[k], rtol=1e-4, atol=1e-6, msg=k)
+    # checkpoint: client state and weights come back
+    assert r["states"] == {"global_step": 1, "total_consumed_prompts": 6}
+    for k, v in r["after"].items():
+        assert torch.equal(r["resumed"][k], v), k
+    # save_model: a Hugging Face checkpoint transformers can load, with the trained weights
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(os.path.join(tmp, "hf_out"))
+    for k, v in hf.state_dict().items():
+        torch.testing.assert_close(v, r["after"][k], rtol=0, atol=0, msg=k)
+    # offload frees the storages; reload restores them bit-exactly
+    assert r["offloaded_bytes"] > 0 and r["param_storage_while_offloaded"] == 0
+    assert r["lp_reloaded_equal"]
+
+
+def test_hook_and_contract_helpers():
+    args = make_args("/tmp")
+    assert uses_megatron(args)
+    assert not uses_megatron(NS(div=NS(actor_backend="deepspeed")))
+    assert actor_class_for(NS(div=NS(actor_backend="deepspeed"))) is None
+    assert reference_class_for(NS()) is None
+    m = resolve_method(args)
+    assert m.name == "dph_js" and m.anchor_weight == 0.5
+    # anchor rows without stored base log-probs are refused with a clear error
+    exp = experiences()[0]
+    rows = rows_from_experience(exp, m)
+    assert [bool(r["is_anchor"]) for r in rows] == [False, True, False]
+    assert "anchor_ref_log_probs" in rows[1] and "ref_log_probs" in rows[0]
+    assert [bool(r["correct"]) for r in rows] == [True, False, True]       # reward >= 1
+    exp.base_action_log_probs = None
+    with pytest.raises(ValueError, match="base_action_log_probs"):
+        rows_from_experience(exp, m)
+
+
+def test_actor_class_for_sets_openrlhf_layout():
+    pytest.importorskip("ray")
+    args = make_args("/tmp")
+    args.megatron.tp, args.megatron.pp = 4, 2
+    cls = actor_class_for(args)
+    assert args.ds.tensor_parallel_size == 8          # OpenRLHF's duplicate_actors = tp * pp
+    assert hasattr(cls, "remote") and hasattr(cls, "options")

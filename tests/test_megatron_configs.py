@@ -1,0 +1,150 @@
+"""configs/megatron/*.yaml, their launchers, the --megatron.* flags and the memory model.
+
+Each config must parse into a valid MegatronConfig, describe a layout OpenRLHF accepts
+(colocated vLLM GPUs = actor GPUs, actor GPUs a multiple of tp * pp, anchors filling whole
+optimiser steps), shard Qwen2.5-32B evenly, and fit 80 GB GPUs by the documented memory model;
+the single-node layout without the host optimiser must not fit (the reason it uses one).
+"""
+import argparse
+import glob
+import os
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from openrlhf_div.engines.megatron import add_megatron_arguments, megatron_config_from_args
+from openrlhf_div.engines.megatron.config import MegatronConfig
+from openrlhf_div.engines.megatron.memory import (
+    QWEN25_32B,
+    estimate_memory,
+    expected_mfu,
+    flops_per_token,
+    total_params,
+    with_tp,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "megatron", "*.yaml")))
+SECTIONS = {"experiment", "description", "paper", "div", "openrlhf", "cluster", "presample", "notes"}
+GPU_GIB = 79.0   # usable memory of an 80 GB H100 / A100
+
+
+def _parse(flags):
+    p = argparse.ArgumentParser()
+    add_megatron_arguments(p)
+    argv = []
+    for k, v in flags.items():
+        if k.startswith("megatron."):
+            if v is True:
+                argv.append(f"--{k}")
+            elif v is not False:
+                argv += [f"--{k}", str(v)]
+    ns = p.parse_args(argv)
+    return megatron_config_from_args(ns)
+
+
+def test_there_are_eight_configs():
+    names = {os.path.basename(c) for c in CONFIGS}
+    for m in ("grpo", "dapo", "dph_f", "dph_js"):
+        for lay in ("tp8", "2node"):
+            assert f"omnisql32b_bird_{m}_megatron_{lay}.yaml" in names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_config_layout(path):
+    cfg = yaml.safe_load(open(path))
+    assert set(cfg) <= SECTIONS
+    div, flags, cluster = cfg["div"], cfg["openrlhf"], cfg["cluster"]
+    assert div["actor_backend"] == "megatron"
+    assert div["method"] in os.path.basename(path)
+    mcfg = _parse(flags)
+    assert mcfg.tp == 8 and mcfg.sp and mcfg.recompute == "full"
+    gpus = flags["actor.num_nodes"] * flags["actor.num_gpus_per_node"]
+    assert gpus % mcfg.model_parallel_size == 0
+    dp = mcfg.data_parallel_size(gpus)
+    assert flags["train.colocate_all"] and flags["ds.enable_sleep"] and flags["vllm.enable_sleep"]
+    assert flags["vllm.num_engines"] * flags["vllm.tensor_parallel_size"] == gpus   # OpenRLHF's colocation rule
+    assert cluster["nodes"] * cluster["gpus_per_node"] >= gpus
+    online = flags["rollout.batch_size"] * flags["rollout.n_samples_per_prompt"]
+    rows = online + int(div.get("anchor_batch_size", 0) or 0)
+    assert rows % flags["train.batch_size"] == 0
+    assert flags["train.batch_size"] % (flags["train.micro_batch_size"] * dp) == 0
+    assert ("anchor_data" in div) == div["method"].startswith("dph")
+    with_tp(QWEN25_32B, mcfg.tp).check_tp(mcfg.tp)
+    seq = flags["data.max_len"]
+    mem = estimate_memory(QWEN25_32B, mcfg, dp, seq).as_gib()
+    assert mem["total"] < GPU_GIB - 10, mem      # >= 10 GiB headroom by the model
+    assert not flags.get("ds.packing_samples", False)
+
+
+def test_single_node_needs_the_host_optimizer():
+    base = dict(tp=8, pp=1, sp=True, recompute="full")
+    on_gpu = estimate_memory(QWEN25_32B, MegatronConfig(**base), dp=1, seq_len=6144).as_gib()
+    host = estimate_memory(QWEN25_32B, MegatronConfig(**base, optimizer_cpu_offload=True), dp=1, seq_len=6144)
+    assert on_gpu["total"] > GPU_GIB - 3          # no headroom: does not fit reliably
+    assert host.as_gib()["total"] < 40
+    assert host.host_optimizer == pytest.approx(12 * host.params_per_gpu)
+    two = estimate_memory(QWEN25_32B, MegatronConfig(**base), dp=2, seq_len=6144).as_gib()
+    assert two["optimizer"] == pytest.approx(on_gpu["optimizer"] / 2)
+
+
+def test_memory_model_bookkeeping():
+    n = total_params(QWEN25_32B)
+    assert 32.5e9 < n < 33.0e9                      # Qwen2.5-32B: 32.8B parameters
+    m = estimate_memory(QWEN25_32B, MegatronConfig(tp=8, sp=True, recompute="full"), dp=1, seq_len=4096)
+    assert m.params_per_gpu * 8 == pytest.approx(n, rel=0.01)     # vocabulary padding only
+    assert m.weights == pytest.approx(2 * m.params_per_gpu) and m.grads == pytest.approx(4 * m.params_per_gpu)
+    no_sp = estimate_memory(QWEN25_32B, MegatronConfig(tp=8, sp=False, recompute="full"), dp=1, seq_len=4096)
+    assert no_sp.act_checkpoints == pytest.approx(8 * m.act_checkpoints)
+    f = flops_per_token(QWEN25_32B, 4096)
+    assert 6 * n * 0.95 < f < 6 * n * 1.15
+    mfu = expected_mfu(MegatronConfig(tp=8, recompute="full"), 6144)["mfu"]
+    assert 0.3 < mfu < 0.6
+
+
+def test_flag_errors_are_clear():
+    p = argparse.ArgumentParser()
+    add_megatron_arguments(p)
+    with pytest.raises(ValueError, match="sequence parallel"):
+        megatron_config_from_args(p.parse_args(["--megatron.sp"]))
+    with pytest.raises(ValueError, match="distributed optimizer"):
+        megatron_config_from_args(p.parse_args(["--megatron.optimizer_cpu_offload",
+                                                "--megatron.no_distributed_optimizer"]))
+    with pytest.raises(ValueError, match="multiple of tp"):
+        MegatronConfig(tp=8, pp=2).validate(world_size=8 * 3)
+    with pytest.raises(ValueError, match="unknown"):
+        megatron_config_from_args(argparse.Namespace(megatron={"tq": 2}))
+
+
+def test_launchers_are_clean():
+    scripts = sorted(glob.glob(os.path.join(ROOT, "examples", "scripts", "megatron", "*.sh")))
+    assert len(scripts) == 16
+    for s in scripts:
+        subprocess.run(["bash", "-n", s], check=True)
+        text = open(s).read()
+        cfg = text.strip().splitlines()[-1].split()[1]
+        assert os.path.exists(os.path.join(ROOT, cfg)), cfg
+        assert os.access(s, os.X_OK)
+    sc = shutil.which("shellcheck") or shutil.which("shellcheck", path=os.path.dirname(os.sys.executable))
+    common = os.path.join(ROOT, "examples", "scripts", "_common.sh")
+    if sc and os.path.exists(common):    # _common.sh comes with the OpenRLHF launchers
+        subprocess.run([sc, "-x", *scripts], check=True, cwd=ROOT)
+
+
+def test_flags_through_openrlhf_hierarchize():
+    from openrlhf_div.engines.megatron import uses_megatron
+
+    hierarchize = pytest.importorskip("openrlhf.utils.config").hierarchize
+    p = argparse.ArgumentParser()
+    add_megatron_arguments(p)
+    ns = hierarchize(p.parse_args(["--div.actor_backend", "megatron", "--megatron.tp", "4", "--megatron.pp", "2",
+                                   "--megatron.recompute", "selective"]))
+    assert uses_megatron(ns)
+    m = megatron_config_from_args(ns)
+    assert (m.tp, m.pp, m.recompute, m.model_parallel_size) == (4, 2, "selective", 8)
+    q = argparse.ArgumentParser()
+    q.add_argument("--div.actor_backend", default="deepspeed")      # the driver's own flag wins
+    add_megatron_arguments(q)
+    assert not uses_megatron(hierarchize(q.parse_args([])))
