@@ -246,3 +246,28 @@ def test_submit_dry_run_uses_ray_job_submit():
     job = words[-1]
     assert "presample_ray --config configs/openrlhf/llama8b_bird_dph_js.yaml" in job
     assert job.endswith("--dry-run")
+
+
+def test_actor_backend_megatron_swaps_the_actor_classes(parser):
+    """`--div.actor_backend megatron` makes OpenRLHF's train() build the Megatron-core policy and
+    reference actors; the default keeps our DeepSpeed actor and OpenRLHF's reference actor."""
+    pytest.importorskip("megatron.core")
+    from openrlhf_div.compat import install_flash_attn_standin, install_vllm_stub
+
+    install_flash_attn_standin()
+    install_vllm_stub()
+    from openrlhf_div.engines.openrlhf.launch import div_classes, plan
+
+    mg_cfg = os.path.join(ROOT, "configs", "megatron", "omnisql32b_bird_grpo_megatron_tp8.yaml")
+    mg_args = plan(["--config", mg_cfg, "--megatron.tp", "2"], parser).args
+    with div_classes(mg_args) as cli:
+        policy, ref = cli.PolicyModelActor, cli.ReferenceModelActor
+        assert "Megatron" in policy.__ray_actor_class__.__name__
+        assert "Megatron" in ref.__ray_actor_class__.__name__
+    assert mg_args.ds.tensor_parallel_size == 2  # one Megatron replica = tp * pp actors
+    ds_args = plan(["--config", os.path.join(ROOT, "configs", "openrlhf", "llama8b_bird_grpo.yaml")], parser).args
+    with div_classes(ds_args) as cli:
+        assert "Div" in cli.PolicyModelActor.__ray_actor_class__.__name__
+        assert "Megatron" not in cli.ReferenceModelActor.__ray_actor_class__.__name__
+    # the swap is undone on exit
+    assert "Megatron" not in cli.PolicyModelActor.__ray_actor_class__.__name__

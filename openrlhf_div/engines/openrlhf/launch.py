@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
         "OpenRLHF train_ppo_ray flag plus the --div.* group below."
     )
     add_div_arguments(parser)
+    from openrlhf_div.engines import megatron as mg  # light: imports no megatron-core
+
+    mg.add_megatron_arguments(parser)  # --megatron.* and --div.actor_backend
     ours = parser.add_argument_group("launcher")
     ours.add_argument("--config", default=None, metavar="YAML",
                       help="experiment config (configs/openrlhf/*.yaml); command-line flags override it")
@@ -312,21 +315,30 @@ def _check_batches(method, args) -> None:
 
 # ------------------------------------------------------------------ running
 @contextlib.contextmanager
-def div_classes():
-    """OpenRLHF's ``train()`` builds our policy actor and controller while this is active."""
+def div_classes(args=None):
+    """OpenRLHF's ``train()`` builds our policy actor and controller while this is active.
+
+    With ``--div.actor_backend megatron`` the policy (and reference) actor classes are the
+    Megatron-core ones; everything else (vLLM, rewards, the registry, anchors) is unchanged.
+    """
     from openrlhf.cli import train_ppo_ray as upstream_cli
     from openrlhf.trainer import ppo_trainer
+
+    from openrlhf_div.engines import megatron as mg
 
     from .actor import DivPolicyModelActor, _swapped
     from .trainer import DivPPOTrainer
 
-    with _swapped(upstream_cli, "PolicyModelActor", DivPolicyModelActor), \
+    policy_cls = (mg.actor_class_for(args) if args is not None else None) or DivPolicyModelActor
+    ref_cls = (mg.reference_class_for(args) if args is not None else None) or upstream_cli.ReferenceModelActor
+    with _swapped(upstream_cli, "PolicyModelActor", policy_cls), \
+            _swapped(upstream_cli, "ReferenceModelActor", ref_cls), \
             _swapped(ppo_trainer, "PPOTrainer", DivPPOTrainer):
         yield upstream_cli
 
 
 def run(p: Plan) -> None:
-    with div_classes() as upstream_cli:
+    with div_classes(p.args) as upstream_cli:
         upstream_cli.train(p.args)
 
 
