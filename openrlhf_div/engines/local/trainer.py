@@ -10,6 +10,7 @@ One RL step, top to bottom (:meth:`Trainer.train_step`)::
       keep   = method.keep_groups(R', G)      dynamic sampling: refill with new prompts
       ref_t  = sequence_log_probs(reference)  only if method.needs.ref_log_probs
       A_t    = method.advantages(R', G, old_log_probs, mask, correct)
+      (the pure part: shape_and_keep per generation round, kept_advantages on the kept groups)
     optimise(experience)
       for epoch in ppo_epochs, for mini-batch (one AdamW step each):
         anchors = ceil(rows / anchor_ratio) D_pef samples   only if needs.anchor_batch
@@ -204,6 +205,41 @@ def evaluate_pass_at_k(model, tokenizer, task, examples: Sequence[Dict[str, Any]
 
 
 # =============================================================================== experience
+def shape_and_keep(method, rewards: torch.Tensor, old_log_probs: torch.Tensor, mask: torch.Tensor,
+                   group_size: int, lengths: Optional[torch.Tensor]):
+    """The rollout side of one generation round, before any group is dropped (pure).
+
+    For ``N = B * G`` responses grouped contiguously by prompt, with task rewards ``R [N]``,
+    behaviour-policy log-probs ``old [N, T]``, response mask ``m [N, T]`` and response
+    lengths ``L [N]`` (tokens, ``<eos>`` included)::
+
+        R'   = method.shape_rewards(R, G, seq_mean_old_log_probs=masked_mean_t(old, m), lengths=L)
+        keep = method.keep_groups(R', G)          # [B] bool; all True without dynamic sampling
+
+    Returns ``(R' [N], keep [B])`` on the CPU.
+    """
+    seq_mean_old = masked_mean(old_log_probs, mask, dim=1).cpu()
+    shaped = method.shape_rewards(rewards, group_size, seq_mean_old_log_probs=seq_mean_old,
+                                  lengths=lengths.cpu() if lengths is not None else None)
+    return shaped, method.keep_groups(shaped, group_size)
+
+
+def kept_advantages(method, rewards: torch.Tensor, shaped: torch.Tensor, old_log_probs: torch.Tensor,
+                    mask: torch.Tensor, group_size: int):
+    """Correctness flags and token-level advantages of the kept groups (pure).
+
+    ``correct_i = method.is_correct(R_i)`` on the *task* rewards (before shaping), and
+    ``A [N, T] = method.advantages(R', G, old_log_probs=old, mask=m, correct=correct)``
+    (estimator, then DS reshaping; EntAdv is applied in the loss, where ``H_t`` lives).
+    Returns ``(correct [N] bool on the CPU, A on old_log_probs' device)``.
+    """
+    correct = method.is_correct(rewards)
+    dev = old_log_probs.device
+    adv = method.advantages(shaped.to(dev), group_size, old_log_probs=old_log_probs, mask=mask,
+                            correct=correct.to(dev))
+    return correct, adv
+
+
 @dataclass
 class Experience:
     """One step's training rows (kept groups only), ``G`` contiguous rows per prompt."""
@@ -368,9 +404,7 @@ class Trainer:
             results = self.task.reward_results(list(gen.texts), [examples[i // G].get("label")
                                                                  for i in range(len(gen.texts))])
             rewards = torch.tensor([float(x.reward) for x in results], dtype=torch.float32)
-            shaped = method.shape_rewards(rewards, G, seq_mean_old_log_probs=masked_mean(old, mask, dim=1).cpu(),
-                                          lengths=gen.response_lengths.cpu())
-            keep = method.keep_groups(shaped, G)
+            shaped, keep = shape_and_keep(method, rewards, old, mask, G, gen.response_lengths)
             all_rewards.append(rewards)
             all_task_correct += [bool(x.correct) for x in results]
             all_lengths.append(gen.response_lengths.float().cpu())
@@ -402,12 +436,10 @@ class Trainer:
         old = torch.cat([fit_width(k["old"], R) for k in kept]).to(self.device)
         rewards = torch.cat([k["rewards"] for k in kept])
         shaped = torch.cat([k["shaped"] for k in kept])
-        correct = method.is_correct(rewards)
         ref = None
         if self.needs.ref_log_probs:
             ref = self._no_grad_log_probs(self.ref_model, ids, attn, rmask)
-        adv = method.advantages(shaped.to(self.device), G, old_log_probs=old, mask=mask,
-                                correct=correct.to(self.device))
+        correct, adv = kept_advantages(method, rewards, shaped, old, mask, G)
         stats["shaped_reward_mean"] = float(shaped.mean())
         stats["advantage_abs_mean"] = float(masked_mean(adv.abs(), mask))
         return Experience(prompt_ids, response_ids, ids, attn, mask, old, adv, rewards, shaped,

@@ -161,4 +161,43 @@ def distribute(experiences: List[Experience], records: Sequence[AnchorRecord], p
             continue
         keys = [k for k in (e.info or {}) if k not in (ANCHOR_FLAG, CORRECT_FLAG)]
         out.append(append_rows(e, anchor_experience(recs, pad_token_id, max_len, keys), pad_token_id))
-    return out
+    return uniform_fields(out)
+
+
+def uniform_fields(experiences: List[Experience]) -> List[Experience]:
+    """Give every experience the same set of tensor fields and ``info`` keys (zero-filled).
+
+    OpenRLHF's replay buffer splits each experience into rows and re-batches rows of
+    *different* experiences with ``make_experience_batch``, which takes the field set of the
+    first row of the batch. With fewer anchors than experiences (OpenRLHF's default
+    ``--rollout.micro_batch_size 1``, or a small ``--div.anchor_batch_size``) the experiences
+    without anchor rows keep ``base_action_log_probs = None`` (no reference actor), so a batch
+    mixing them with anchor rows either crashes or silently loses the anchors' stored base
+    log-probs. Zero-filling the missing fields is what :func:`append_rows` does within one
+    experience; the losses only read them on the rows that own them.
+    """
+    for f in fields(Experience):
+        if not (Experience.is_step_tensor_field(f.name) or Experience.is_episode_tensor_field(f.name)):
+            continue
+        like = next((getattr(e, f.name) for e in experiences if getattr(e, f.name) is not None), None)
+        if like is None:
+            continue
+        for e in experiences:
+            if getattr(e, f.name) is not None:
+                continue
+            n = _rows(e)
+            if Experience.is_episode_tensor_field(f.name):
+                shape = (n,)
+            elif f.name in ("sequences", "attention_mask"):
+                shape = (n, e.sequences.shape[1])
+            else:
+                shape = (n, e.action_mask.shape[1])
+            setattr(e, f.name, torch.zeros(shape, dtype=like.dtype, device=e.action_mask.device))
+    keys = list(dict.fromkeys(k for e in experiences for k in (e.info or {})))
+    for e in experiences:
+        if e.info is None:
+            e.info = {}
+        for k in keys:
+            if k not in e.info:
+                e.info[k] = torch.zeros(_rows(e))
+    return experiences

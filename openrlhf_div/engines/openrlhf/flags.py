@@ -113,7 +113,7 @@ def add_div_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
                         "required by anchor methods (dph_*)")
     g.add_argument("--div.anchor_batch_size", type=int, default=None, metavar="N",
                    help="D_pef anchor samples added per rollout step (default: online samples / "
-                        "--div.anchor_ratio)")
+                        "--div.anchor_ratio, rounded up)")
     g.add_argument("--div.anchor_ratio", type=float, default=DEFAULT_ANCHOR_RATIO, metavar="R",
                    help="online samples per anchor sample when --div.anchor_batch_size is unset "
                         "(default 8, DPH-RL's 128x16 : 256)")

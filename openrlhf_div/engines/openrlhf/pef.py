@@ -188,11 +188,12 @@ class AnchorPool:
 
 
 def anchor_count(num_online: int, anchor_batch_size: Optional[int], ratio: float) -> int:
-    """``B_pef`` for a step: the explicit size, else ``round(num_online / ratio)`` (at least 1)."""
+    """``B_pef`` for a step: the explicit size, else ``ceil(num_online / ratio)`` (at least 1),
+    the local engine's rule (``ceil(rows / optim.anchor_ratio)`` per optimizer step)."""
     if anchor_batch_size is not None:
         if anchor_batch_size < 0:
             raise ValueError(f"--div.anchor_batch_size must be >= 0, got {anchor_batch_size}")
         return int(anchor_batch_size)
     if not ratio > 0:
         raise ValueError(f"--div.anchor_ratio must be > 0, got {ratio}")
-    return max(1, int(round(num_online / ratio)))
+    return max(1, math.ceil(num_online / ratio))
