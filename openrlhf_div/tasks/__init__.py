@@ -6,3 +6,4 @@ A task turns a dataset example into a prompt and scores a response against its l
 from .base import RewardResult, Task, get_task, list_tasks, register_task
 
 __all__ = ["Task", "RewardResult", "get_task", "list_tasks", "register_task"]
+register_task("demo", module="openrlhf_div.tasks.demo")
