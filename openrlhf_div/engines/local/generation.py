@@ -1,0 +1,264 @@
+"""Batched sampling with a KV cache, and the training forward (per-token log-probs).
+
+Layout used everywhere in the local engine (the OpenRLHF "action" layout): one row per
+sample, the prompt **left**-padded to ``P`` columns followed by the response
+**right**-padded to ``R`` columns::
+
+    input_ids      [N, P + R]   <pad> <pad> p1 p2 p3 | r1 r2 <eos> <pad>
+    attention_mask [N, P + R]     0     0   1  1  1  |  1  1   1     0
+    response_mask  [N, R]                            |  1  1   1     0
+
+Position ids are ``cumsum(attention_mask) - 1`` (so left padding does not shift positions)
+and are passed explicitly both when sampling and in the training forward; the two
+therefore see exactly the same computation.
+
+**Temperature.** Both the sampler's log-probs and :func:`sequence_log_probs` are log-probs
+of ``softmax(logits / T)``, the distribution actually sampled from at temperature ``T``
+(as OpenRLHF does: its actor divides logits by the rollout temperature in the training
+forward). Use the same ``T`` for rollouts, old log-probs, the training forward and the
+DPH pre-sampling log-probs. ``top_p < 1`` truncates the *sampling* distribution only; the
+returned log-probs stay those of the untruncated ``softmax(logits / T)`` (with the default
+``top_p = 1`` they are exactly the sampling distribution). ``temperature = 0`` is greedy
+decoding; its log-probs are those of ``T = 1``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+
+
+# ----------------------------------------------------------------------------- packing
+def pack_sequences(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_id: int,
+                   device: Union[str, torch.device] = "cpu") -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids [N, P+R], attention_mask [N, P+R], response_mask [N, R])`` in the layout
+    above, from per-sample token lists (``P``/``R`` = the longest prompt / response)."""
+    if len(prompt_ids) != len(response_ids):
+        raise ValueError(f"pack_sequences: {len(prompt_ids)} prompts but {len(response_ids)} responses")
+    n = len(prompt_ids)
+    P = max((len(p) for p in prompt_ids), default=0)
+    R = max((len(r) for r in response_ids), default=0)
+    if P == 0:
+        raise ValueError("pack_sequences: every prompt is empty; a prompt needs at least one token")
+    ids = torch.full((n, P + R), pad_id, dtype=torch.long)
+    attn = torch.zeros((n, P + R), dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        if len(p) == 0:
+            raise ValueError(f"pack_sequences: prompt {i} is empty")
+        ids[i, P - len(p):P] = torch.as_tensor(list(p), dtype=torch.long)
+        attn[i, P - len(p):P] = 1
+        if len(r):
+            ids[i, P:P + len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+            attn[i, P:P + len(r)] = 1
+    resp_mask = attn[:, P:].clone()
+    return ids.to(device), attn.to(device), resp_mask.to(device)
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``cumsum(mask) - 1`` clamped at 0: positions that ignore left padding."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+# ----------------------------------------------------------------------------- forward
+@dataclass
+class ForwardOutput:
+    log_probs: torch.Tensor                       # [N, R], zero where response_mask is 0
+    entropy: Optional[torch.Tensor] = None        # [N, R] full-vocabulary entropy
+    prompt_hidden: Optional[torch.Tensor] = None  # [N, hidden] mean of last-layer prompt states
+
+
+def response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
+                     *, temperature: float = 1.0, return_entropy: bool = False,
+                     return_prompt_hidden: bool = False) -> ForwardOutput:
+    """The training forward: one pass over prompt + response.
+
+    ``lp_t = log softmax(z_{t-1} / T)[y_t]`` for every response position ``t`` (the logits at
+    the previous position predict token ``t``), ``H_t = -sum_v p_v log p_v`` over the full
+    vocabulary of the same tempered distribution, and optionally the mean-pooled last-layer
+    hidden states of the prompt tokens (for FlowRL's log Z head). Only the last ``R + 1``
+    positions go through the LM head.
+    """
+    R = response_mask.shape[1]
+    if R == 0:
+        raise ValueError("response_forward: the response region is empty (response_mask has 0 columns)")
+    P = input_ids.shape[1] - R
+    if P < 1:
+        raise ValueError(f"response_forward: input_ids has {input_ids.shape[1]} columns, fewer than "
+                         f"response_mask's {R} + 1 prompt token")
+    T = float(temperature) if temperature and temperature > 0 else 1.0
+    out = model(input_ids=input_ids, attention_mask=attention_mask,
+                position_ids=position_ids_from_mask(attention_mask), use_cache=False,
+                logits_to_keep=R + 1, output_hidden_states=return_prompt_hidden)
+    logits = out.logits[:, :-1, :].float()
+    if T != 1.0:
+        logits = logits / T
+    logp_all = torch.log_softmax(logits, dim=-1)
+    targets = input_ids[:, P:]
+    m = response_mask.to(logp_all.dtype)
+    lp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * m
+    ent = None
+    if return_entropy:
+        ent = -(logp_all.exp() * logp_all).sum(-1) * m
+    hid = None
+    if return_prompt_hidden:
+        h = out.hidden_states[-1][:, :P, :].float()
+        pm = attention_mask[:, :P].to(h.dtype).unsqueeze(-1)
+        hid = (h * pm).sum(1) / pm.sum(1).clamp(min=1.0)
+    return ForwardOutput(lp, ent, hid)
+
+
+def sequence_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
+                       return_entropy: bool = False, temperature: float = 1.0):
+    """Per-token log-probs ``[N, R]`` of the response tokens under ``softmax(logits / T)``
+    (and the full-vocabulary entropy ``[N, R]`` when ``return_entropy``).
+
+    The one forward used for training, old (behaviour) log-probs and DPH pre-sampling; the
+    response is the last ``R = response_mask.shape[1]`` columns of ``input_ids``. Gradients
+    flow unless the caller wraps it in ``torch.no_grad()``. Masked positions are 0.
+    """
+    o = response_forward(model, input_ids, attention_mask, response_mask, temperature=temperature,
+                         return_entropy=return_entropy)
+    return (o.log_probs, o.entropy) if return_entropy else o.log_probs
+
+
+# ----------------------------------------------------------------------------- sampling
+@dataclass
+class GenerationOutput:
+    """Samples in the layout above; rows of one prompt are contiguous (``n_samples`` each)."""
+
+    input_ids: torch.Tensor        # [N, P + R]
+    attention_mask: torch.Tensor   # [N, P + R]
+    response_mask: torch.Tensor    # [N, R]
+    log_probs: torch.Tensor        # [N, R] sampler log-probs of softmax(logits / T), 0 where masked
+    prompt_ids: List[List[int]]
+    response_ids: List[List[int]]  # generated tokens, the final <eos> included when produced
+    texts: List[str]               # decoded responses, special tokens (eos) removed
+    finished: torch.Tensor         # [N] bool: stopped at <eos> (False: hit max_new_tokens)
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        return self.response_mask.sum(-1)
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+
+def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus filtering: keep the smallest prefix of the sorted vocabulary whose mass is
+    ``>= top_p`` (the most likely token always survives); the rest get ``-inf``."""
+    sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    cum = probs.cumsum(-1)
+    remove = (cum - probs) >= top_p
+    remove[..., 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
+
+
+def encode_prompts(tokenizer, prompts: Sequence[Union[str, Sequence[int]]]) -> List[List[int]]:
+    """Token ids of each prompt (strings are encoded without extra special tokens)."""
+    out = []
+    for i, p in enumerate(prompts):
+        ids = tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else [int(t) for t in p]
+        if not ids:
+            raise ValueError(f"prompt {i} encodes to no tokens: {p!r}")
+        out.append(list(ids))
+    return out
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]], *, n_samples: int = 1,
+             max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0,
+             generator: Optional[torch.Generator] = None, batch_size: Optional[int] = None) -> GenerationOutput:
+    """Sample ``n_samples`` responses per prompt with a KV cache.
+
+    A hand-written loop over ``past_key_values`` (HF's ``DynamicCache``): one prefill of the
+    left-padded prompts, then one single-token forward per step; a row stops at ``<eos>`` or
+    after ``max_new_tokens``, and the loop ends when every row has stopped. Finished rows
+    keep feeding ``<pad>`` with attention 0, exactly as the training forward sees them.
+    Randomness comes only from ``generator`` (``torch.multinomial``), so a seeded generator
+    reproduces the samples. ``batch_size`` splits very large requests into chunks.
+    """
+    if n_samples < 1:
+        raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    enc = encode_prompts(tokenizer, prompts)
+    rows = [p for p in enc for _ in range(n_samples)]
+    if batch_size is not None and len(rows) > batch_size:
+        parts = [_generate_rows(model, tokenizer, rows[i:i + batch_size], max_new_tokens, temperature, top_p, generator)
+                 for i in range(0, len(rows), batch_size)]
+        return _concat(parts, tokenizer.pad_token_id)
+    return _generate_rows(model, tokenizer, rows, max_new_tokens, temperature, top_p, generator)
+
+
+def _generate_rows(model, tokenizer, rows, max_new_tokens, temperature, top_p, generator) -> GenerationOutput:
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    ids, attn, _ = pack_sequences(rows, [[] for _ in rows], pad_id, device)
+    prompt_attn = attn
+    n = ids.shape[0]
+    greedy = temperature is None or temperature <= 0
+    T = 1.0 if greedy else float(temperature)
+    was_training = model.training
+    model.eval()
+    cache = DynamicCache()
+    pos = position_ids_from_mask(attn)
+    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
+                use_cache=True, logits_to_keep=1)
+    next_pos = pos[:, -1:] + 1
+    done = torch.zeros(n, dtype=torch.bool, device=device)
+    toks, lps, alive = [], [], []
+    for step in range(max_new_tokens):
+        logits = out.logits[:, -1, :].float()
+        if T != 1.0:
+            logits = logits / T
+        logp = torch.log_softmax(logits, dim=-1)
+        if greedy:
+            tok = logp.argmax(-1)
+        else:
+            samp = logits if top_p >= 1.0 else _top_p_filter(logits, top_p)
+            tok = torch.multinomial(torch.softmax(samp, dim=-1), 1, generator=generator).squeeze(-1)
+        live = ~done
+        tok = torch.where(live, tok, torch.full_like(tok, pad_id))
+        toks.append(tok)
+        lps.append(logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1) * live)
+        alive.append(live)
+        done = done | (tok == eos_id)
+        if bool(done.all()) or step == max_new_tokens - 1:
+            break
+        attn = torch.cat([attn, live.long().unsqueeze(-1)], dim=-1)
+        out = model(input_ids=tok.unsqueeze(-1), attention_mask=attn, position_ids=next_pos,
+                    past_key_values=cache, use_cache=True)
+        next_pos = next_pos + 1
+    if was_training:
+        model.train()
+    resp = torch.stack(toks, 1)
+    resp_mask = torch.stack(alive, 1).long()
+    log_probs = torch.stack(lps, 1)
+    response_ids = [resp[i, : int(resp_mask[i].sum())].tolist() for i in range(n)]
+    texts = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+    full_ids = torch.cat([ids, resp], 1)
+    full_attn = torch.cat([prompt_attn, resp_mask], 1)
+    return GenerationOutput(full_ids, full_attn, resp_mask, log_probs, [list(r) for r in rows], response_ids,
+                            texts, done)
+
+
+def _concat(parts: List[GenerationOutput], pad_id: int) -> GenerationOutput:
+    prompt_ids = [p for g in parts for p in g.prompt_ids]
+    response_ids = [r for g in parts for r in g.response_ids]
+    ids, attn, rmask = pack_sequences(prompt_ids, response_ids, pad_id, parts[0].input_ids.device)
+    R = rmask.shape[1]
+    lp = torch.zeros(rmask.shape, dtype=parts[0].log_probs.dtype, device=rmask.device)
+    row = 0
+    for g in parts:
+        k, r = g.log_probs.shape
+        lp[row:row + k, :r] = g.log_probs
+        row += k
+    return GenerationOutput(ids, attn, rmask, lp, prompt_ids, response_ids, [t for g in parts for t in g.texts],
+                            torch.cat([g.finished for g in parts]))
