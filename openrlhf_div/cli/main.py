@@ -17,6 +17,8 @@ from openrlhf_div import __version__
 SUBCOMMANDS = [
     ("methods", "list the registered methods, their defaults and what they need"),
     ("bandit", "the controlled 50-arm bandit: LAD / GRPO / DS against their analytic optima"),
+    ("presample", "DPH-RL pre-sampling: split training prompts into D_pef / D_exp"),
+    ("train", "RL training with the local engine (any registered method)"),
 ]
 
 

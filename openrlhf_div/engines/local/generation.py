@@ -69,7 +69,7 @@ class ForwardOutput:
 
 
 def response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-                     *, temperature: float = 1.0, return_entropy: bool = False,
+                     *, temperature: float = 1.0, return_entropy: Union[bool, str] = False,
                      return_prompt_hidden: bool = False) -> ForwardOutput:
     """The training forward: one pass over prompt + response.
 
@@ -77,7 +77,8 @@ def response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     the previous position predict token ``t``), ``H_t = -sum_v p_v log p_v`` over the full
     vocabulary of the same tempered distribution, and optionally the mean-pooled last-layer
     hidden states of the prompt tokens (for FlowRL's log Z head). Only the last ``R + 1``
-    positions go through the LM head.
+    positions go through the LM head. ``return_entropy="detached"`` computes the entropy
+    without building its graph (for logging only).
     """
     R = response_mask.shape[1]
     if R == 0:
@@ -98,7 +99,10 @@ def response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     m = response_mask.to(logp_all.dtype)
     lp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * m
     ent = None
-    if return_entropy:
+    if return_entropy == "detached":
+        with torch.no_grad():
+            ent = -(logp_all.exp() * logp_all).sum(-1) * m
+    elif return_entropy:
         ent = -(logp_all.exp() * logp_all).sum(-1) * m
     hid = None
     if return_prompt_hidden:

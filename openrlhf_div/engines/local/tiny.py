@@ -11,6 +11,7 @@ so a reader never sees a half-written model.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -104,13 +105,29 @@ def build_tiny_model(vocab: Union[str, Sequence[str]], *, seed: int = 0, hidden_
     return model, tokenizer
 
 
+@contextlib.contextmanager
+def quiet_hf_progress():
+    """Silence transformers' per-shard progress bars (noise inside a training loop)."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def _atomic_dir_write(path: str, write) -> str:
+    """Run ``write(tmp_dir)`` then rename ``tmp_dir`` to ``path`` (replacing an old one)."""
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
     try:
-        write(tmp)
+        with quiet_hf_progress():
+            write(tmp)
         old = None
         if os.path.exists(path):
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=parent)
@@ -147,6 +164,7 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: Union[str,
     # Qwen's own pre-tokenizer (it drops our spaces). The generic fast class keeps tokenizer.json.
     tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
     tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    with quiet_hf_progress():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     model.to(device)
     return model, tokenizer

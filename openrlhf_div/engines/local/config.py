@@ -1,0 +1,332 @@
+"""The local engine's configuration: one dataclass per section, each option documented
+where it is declared (TRL style), loaded from YAML with ``key=value`` overrides.
+
+    cfg = load_config("configs/local_example.yaml", ["method.name=dph_js", "optim.steps=50"])
+
+Overrides use dotted keys (``section.option=value``); values are parsed as YAML
+(``true``, ``1e-3``, ``[1, 4]``, ``null``). The ``method`` section holds ``name`` plus any
+hyperparameter of that method (validated by the method registry), e.g.
+``method.name=dph_js method.anchor_eta=0.1``. An unknown key is an error that names the
+key and the closest valid ones.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import yaml
+
+
+def _f(default=None, help: str = "", factory=None):
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = _f(None, "Hugging Face model directory of the initial (base) policy. null: build a "
+                                   "tiny Qwen2 from the tiny_* options below.")
+    tiny_vocab: Optional[str] = _f(None, "Characters of the tiny model's character-level vocabulary (used only "
+                                         "when path is null).")
+    tiny_hidden_size: int = _f(64, "Hidden width of the tiny model.")
+    tiny_layers: int = _f(2, "Transformer layers of the tiny model.")
+    tiny_heads: int = _f(4, "Attention heads of the tiny model.")
+    tiny_kv_heads: int = _f(2, "Key/value heads of the tiny model (grouped-query attention).")
+    init_seed: Optional[int] = _f(None, "Seed of the tiny model's initial weights (null: the run's seed).")
+    dtype: str = _f("float32", "Parameter dtype: float32, bfloat16 or float16.")
+
+
+@dataclass
+class DataConfig:
+    train: Optional[str] = _f(None, "JSONL of training examples {prompt, label, source, id}.")
+    eval: Optional[str] = _f(None, "JSONL of held-out examples for periodic pass@k (null: no evaluation).")
+    anchor: Optional[str] = _f(None, "D_pef JSONL from `openrlhf-div presample` (anchor samples with stored base "
+                                     "log-probs). Read only when the method needs an anchor batch.")
+    presample_dir: Optional[str] = _f(None, "Output directory of `openrlhf-div presample`. For methods that need an "
+                                            "anchor batch it supplies d_pef.jsonl (unless `anchor` is set) and, with "
+                                            "train_on_exp, the training prompts d_exp.jsonl. Other methods ignore it.")
+    train_on_exp: bool = _f(True, "Anchor methods train on D_exp prompts only (DPH-RL's online stage).")
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = _f(16, "B: prompts sampled per RL step.")
+    group_size: int = _f(8, "G: responses sampled per prompt (the group of the advantage estimator).")
+    max_new_tokens: int = _f(16, "Longest response (tokens, <eos> included).")
+    temperature: float = _f(1.0, "Sampling temperature T; log-probs everywhere are of softmax(logits / T).")
+    top_p: float = _f(1.0, "Nucleus sampling mass (1.0: off). Log-probs ignore the truncation.")
+    dynamic_sampling_max_tries: int = _f(4, "Methods with dynamic sampling refill the batch with new prompts at "
+                                            "most this many generation rounds per step.")
+    recompute_old_log_probs: bool = _f(True, "Old (behaviour) log-probs from the training forward under no_grad "
+                                             "(true) or the sampler's own log-probs (false; equal up to float "
+                                             "rounding in this engine).")
+    generation_batch_size: Optional[int] = _f(None, "Rows per generation call (null: all B*G at once).")
+
+
+@dataclass
+class OptimConfig:
+    steps: int = _f(100, "RL steps (rollout rounds) to train.")
+    learning_rate: float = _f(1e-4, "AdamW learning rate (constant).")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    adam_betas: List[float] = _f(factory=lambda: [0.9, 0.999], help="AdamW betas.")
+    adam_eps: float = _f(1e-8, "AdamW epsilon.")
+    max_grad_norm: float = _f(1.0, "Gradient clipping by global norm (<= 0: off).")
+    ppo_epochs: int = _f(1, "Passes over each rollout batch.")
+    mini_batches: int = _f(1, "Optimizer steps per pass (the rollout batch is split into this many mini-batches).")
+    micro_batch_size: int = _f(128, "Online rows per forward/backward (gradient accumulation inside a mini-batch).")
+    anchor_ratio: float = _f(8.0, "Online samples per D_pef anchor sample in each optimizer step (DPH-RL: "
+                                  "128 x 16 : 256 = 8).")
+    log_z_lr: Optional[float] = _f(None, "Learning rate of FlowRL's log Z head (null: learning_rate).")
+
+
+@dataclass
+class EvalConfig:
+    every: int = _f(0, "Evaluate every N steps (0: only before training and at the end).")
+    at_start: bool = _f(True, "Evaluate the initial policy before the first step.")
+    n_samples: int = _f(8, "Samples per held-out prompt (n of pass@k).")
+    k: List[int] = _f(factory=lambda: [1, 4, 8], help="k values of pass@k (those > n_samples are skipped).")
+    max_prompts: Optional[int] = _f(64, "Held-out prompts used (null: all).")
+    temperature: Optional[float] = _f(None, "Eval sampling temperature (null: rollout.temperature).")
+    max_new_tokens: Optional[int] = _f(None, "Eval response length (null: rollout.max_new_tokens).")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = _f(50, "Write a checkpoint every N steps (0: only at the end and on Ctrl-C).")
+    keep: int = _f(2, "Checkpoints kept (older ones are deleted).")
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = _f(True, "Also write TensorBoard scalars under RUN_DIR/tb.")
+    progress: bool = _f(True, "Show a tqdm progress bar.")
+    entropy: bool = _f(True, "Log the policy entropy (computed without gradient when the method does not need it).")
+
+
+@dataclass
+class PresampleConfig:
+    n_pre: int = _f(8, "Responses sampled per training prompt from the base policy.")
+    tau: Optional[int] = _f(None, "Near-perfect threshold: #correct >= tau (null: n_pre).")
+    drop_unsolved: bool = _f(False, "Drop prompts with 0 correct from D_exp (the paper does for math).")
+    chunk_size: int = _f(32, "Prompts per resumable chunk.")
+    output_dir: Optional[str] = _f(None, "Where d_pef.jsonl, d_exp.jsonl and summary.json go "
+                                         "(null: OUTPUT_DIR/presample).")
+    max_new_tokens: Optional[int] = _f(None, "Response length (null: rollout.max_new_tokens).")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a local-engine run needs. Sections: model, data, method, rollout, optim,
+    eval, checkpoint, logging, presample."""
+
+    task: Optional[str] = _f(None, "Registered task name (openrlhf_div.tasks.get_task).")
+    task_options: Dict[str, Any] = _f(factory=dict, help="Keyword arguments of the task factory.")
+    seed: int = _f(0, "Seed of every random stream (prompt order, sampling, anchors, tiny-model init).")
+    output_dir: str = _f("runs/local", "Run directory: config, metrics, checkpoints, TensorBoard.")
+    device: str = _f("auto", "cpu, cuda, or auto (cuda when available).")
+    num_threads: Optional[int] = _f(1, "torch intra-op threads (tiny models are fastest single-threaded; null: "
+                                        "torch's default).")
+    method: Dict[str, Any] = _f(factory=lambda: {"name": "grpo"},
+                                help="`name` of a registered method plus any of its hyperparameters.")
+    model: ModelConfig = _f(factory=ModelConfig, help="The initial policy.")
+    data: DataConfig = _f(factory=DataConfig, help="Datasets.")
+    rollout: RolloutConfig = _f(factory=RolloutConfig, help="Sampling.")
+    optim: OptimConfig = _f(factory=OptimConfig, help="Optimisation.")
+    eval: EvalConfig = _f(factory=EvalConfig, help="Periodic pass@k.")
+    checkpoint: CheckpointConfig = _f(factory=CheckpointConfig, help="Checkpoints.")
+    logging: LoggingConfig = _f(factory=LoggingConfig, help="Metrics output.")
+    presample: PresampleConfig = _f(factory=PresampleConfig, help="DPH pre-sampling (`openrlhf-div presample`).")
+
+    # ------------------------------------------------------------------ helpers
+    def build_method(self):
+        """The registry method named by ``method.name`` with the section's other keys as overrides."""
+        from openrlhf_div.algorithms import get_method
+
+        opts = dict(self.method)
+        name = opts.pop("name", None)
+        if not name:
+            raise ConfigError("method.name is required (see `openrlhf-div methods`)")
+        try:
+            return get_method(str(name), **opts)
+        except ValueError as e:  # name the config section the bad key came from
+            raise ConfigError(f"config section `method`: {e}") from e
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> "TrainConfig":
+        if not self.task:
+            raise ConfigError("`task` is required: the name of a registered task (openrlhf_div.tasks.list_tasks())")
+        r, o = self.rollout, self.optim
+        for name, val, lo in (("rollout.prompts_per_step", r.prompts_per_step, 1), ("rollout.group_size", r.group_size, 1),
+                              ("rollout.max_new_tokens", r.max_new_tokens, 1), ("optim.ppo_epochs", o.ppo_epochs, 1),
+                              ("optim.mini_batches", o.mini_batches, 1), ("optim.micro_batch_size", o.micro_batch_size, 1),
+                              ("optim.steps", o.steps, 0), ("eval.n_samples", self.eval.n_samples, 1),
+                              ("presample.n_pre", self.presample.n_pre, 1), ("presample.chunk_size", self.presample.chunk_size, 1),
+                              ("rollout.dynamic_sampling_max_tries", r.dynamic_sampling_max_tries, 1)):
+            if int(val) < lo:
+                raise ConfigError(f"{name} must be >= {lo}, got {val}")
+        if not r.temperature >= 0:
+            raise ConfigError(f"rollout.temperature must be >= 0, got {r.temperature}")
+        if o.anchor_ratio <= 0:
+            raise ConfigError(f"optim.anchor_ratio must be > 0, got {o.anchor_ratio}")
+        if self.model.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"model.dtype must be float32, bfloat16 or float16, got {self.model.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ConfigError(f"device must be cpu, cuda[:N] or auto, got {self.device!r}")
+        self.build_method()  # validates method.name and its hyperparameters
+        return self
+
+
+class ConfigError(ValueError):
+    """A bad configuration key or value; the message says which and what to do."""
+
+
+# ---------------------------------------------------------------------- loading
+def _unknown_key(key: str, valid: Sequence[str], where: str) -> ConfigError:
+    close = difflib.get_close_matches(key.split(".")[-1], list(valid), n=3, cutoff=0.5)
+    prefix = where + "." if where else ""
+    hint = f" Did you mean {', '.join(repr(prefix + c) for c in close)}?" if close else ""
+    return ConfigError(f"unknown config key {key!r}.{hint} Valid keys{' in ' + where if where else ''}: "
+                       f"{', '.join(sorted(valid))}")
+
+
+def _coerce(key: str, hint: Any, val: Any) -> Any:
+    """Convert ``val`` to a scalar field's type (YAML reads ``1e-3`` as a string, for one)."""
+    text = str(hint)
+    if val is None:
+        if "Optional" in text or "None" in text:
+            return None
+        raise ConfigError(f"config key {key!r} may not be null")
+    for typ, name in ((bool, "bool"), (int, "int"), (float, "float")):
+        if text in (name, f"Optional[{name}]", f"{name} | None", f"typing.Optional[{name}]"):
+            break
+    else:
+        return val
+    if typ is bool:
+        if isinstance(val, bool):
+            return val
+        if str(val).lower() in ("true", "yes", "1", "on"):
+            return True
+        if str(val).lower() in ("false", "no", "0", "off"):
+            return False
+    else:
+        try:
+            if typ is int:
+                f = float(val)
+                if f == int(f) and not isinstance(val, bool):
+                    return int(f)
+            else:
+                if not isinstance(val, bool):
+                    return float(val)
+        except (TypeError, ValueError):
+            pass
+    raise ConfigError(f"config key {key!r} expects {name}, got {val!r}")
+
+
+def _from_dict(cls, data: Dict[str, Any], where: str = ""):
+    if not isinstance(data, dict):
+        raise ConfigError(f"config section {where or '<top>'} must be a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = {f.name: f.type for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in data.items():
+        full = f"{where}.{k}" if where else k
+        if k not in fields:
+            raise _unknown_key(full, list(fields), where)
+        ftype = fields[k].default_factory if fields[k].default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(ftype):
+            kwargs[k] = _from_dict(ftype, v or {}, full)
+        else:
+            kwargs[k] = _coerce(full, hints[k], v)
+    return cls(**kwargs)
+
+
+def parse_overrides(overrides: Sequence[str]) -> Dict[str, Any]:
+    """``["a.b=1", "c=x"]`` -> nested dict ``{"a": {"b": 1}, "c": "x"}`` (values parsed as YAML)."""
+    out: Dict[str, Any] = {}
+    for item in overrides or ():
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value (e.g. method.name=dph_js)")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise ConfigError(f"override {item!r} has an empty key")
+        try:
+            val = yaml.safe_load(raw) if raw.strip() != "" else ""
+        except yaml.YAMLError:
+            val = raw
+        node = out
+        parts = key.split(".")
+        for p in parts[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {item!r} conflicts with an earlier override of {p!r}")
+            node = nxt
+        node[parts[-1]] = val
+    return out
+
+
+def _merge(base: Dict[str, Any], extra: Dict[str, Any], replace_method: bool = True) -> Dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        if k == "method" and isinstance(v, dict) and replace_method and "name" in v \
+                and v.get("name") != (base.get("method") or {}).get("name"):
+            # switching method: the old method's hyperparameters would not apply to the new one
+            out[k] = dict(v)
+        elif isinstance(v, dict) and isinstance(out.get(k), dict) and k not in ("task_options",):
+            out[k] = _merge(out[k], v, replace_method=False)
+        else:
+            out[k] = v
+    return out
+
+
+def config_from_dict(data: Dict[str, Any], overrides: Sequence[str] = ()) -> TrainConfig:
+    merged = _merge(data or {}, parse_overrides(overrides))
+    cfg = _from_dict(TrainConfig, merged)
+    if isinstance(cfg.method, str):
+        cfg.method = {"name": cfg.method}
+    if not isinstance(cfg.method, dict):
+        raise ConfigError(f"method must be a mapping with a `name`, got {cfg.method!r}")
+    if isinstance(cfg.eval.k, int):
+        cfg.eval.k = [cfg.eval.k]
+    return cfg.validate()
+
+
+def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> TrainConfig:
+    """Read a YAML config (or start from the defaults when ``path`` is None), apply
+    ``key=value`` overrides and validate."""
+    data: Dict[str, Any] = {}
+    if path is not None:
+        if not os.path.exists(path):
+            raise ConfigError(f"config file {path!r} does not exist")
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path!r} must hold a YAML mapping, got {type(data).__name__}")
+    return config_from_dict(data, overrides)
+
+
+def dump_config(cfg: TrainConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def config_help() -> str:
+    """Every option with its default and help text (``openrlhf-div train --help-config``)."""
+    lines = []
+
+    def walk(cls, prefix):
+        for f in dataclasses.fields(cls):
+            sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+            if dataclasses.is_dataclass(sub):
+                lines.append(f"\n[{prefix}{f.name}] {f.metadata.get('help', '')}")
+                walk(sub, prefix + f.name + ".")
+            else:
+                default = f.default if f.default is not dataclasses.MISSING else (sub() if sub else None)
+                lines.append(f"  {prefix}{f.name} = {default!r}\n      {f.metadata.get('help', '')}")
+    walk(TrainConfig, "")
+    return "\n".join(lines)

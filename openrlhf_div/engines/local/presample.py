@@ -1,0 +1,192 @@
+"""DPH-RL's pre-sampling stage (ALGORITHMS.md section 4), run once before training.
+
+For every training prompt, sample ``n_pre`` responses from the **base** policy at the
+rollout temperature and score them with the task. A prompt is *near-perfect* when
+``#correct >= tau`` (default ``tau = n_pre``).
+
+* ``d_pef.jsonl``: per near-perfect prompt, ONE correct response (the first correct
+  sample) with its per-token base log-probs ``ref_t`` computed by the training forward
+  (:func:`~.generation.sequence_log_probs` at the rollout temperature, not the sampler's
+  numbers), plus the example (prompt, label, source, id), the prompt/response token ids
+  and ``n_correct``.
+* ``d_exp.jsonl``: the other examples, each with ``n_correct`` / ``n_pre`` added; with
+  ``drop_unsolved`` the prompts with 0 correct are left out.
+* ``summary.json``: the split's counts, the ``#correct`` histogram and the settings.
+
+Resumable: prompts are processed in chunks of ``chunk_size``; each finished chunk is
+written atomically to ``shards/chunk_NNNNNN.json`` and skipped on restart. Chunk ``c``
+samples with a generator seeded from ``(seed, c)`` only, so an interrupted and resumed
+run writes byte-identical files to an uninterrupted one. The final files are assembled
+from the shards (in order) when every chunk is done.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from .config import TrainConfig
+from .data import load_examples, render_prompt, write_jsonl_atomic
+from .generation import encode_prompts, generate, pack_sequences, sequence_log_probs
+
+
+def chunk_seed(seed: int, chunk: int) -> int:
+    """The sampling seed of chunk ``chunk``: a function of ``(seed, chunk)`` only."""
+    return int(np.random.SeedSequence([int(seed), int(chunk)]).generate_state(1, dtype=np.uint64)[0] % (2**63))
+
+
+def _settings(cfg: TrainConfig, train_path: str, n_examples: int) -> Dict[str, Any]:
+    p, r = cfg.presample, cfg.rollout
+    with open(train_path, "rb") as f:
+        data_sha = hashlib.sha256(f.read()).hexdigest()[:16]
+    return {"n_pre": p.n_pre, "tau": p.tau if p.tau is not None else p.n_pre, "drop_unsolved": bool(p.drop_unsolved),
+            "chunk_size": p.chunk_size, "seed": cfg.seed, "temperature": r.temperature, "top_p": r.top_p,
+            "max_new_tokens": p.max_new_tokens or r.max_new_tokens, "task": cfg.task,
+            "task_options": cfg.task_options, "model": cfg.model.path or {
+                "tiny_vocab": cfg.model.tiny_vocab, "hidden": cfg.model.tiny_hidden_size,
+                "layers": cfg.model.tiny_layers, "heads": cfg.model.tiny_heads, "kv_heads": cfg.model.tiny_kv_heads,
+                "init_seed": cfg.seed if cfg.model.init_seed is None else cfg.model.init_seed},
+            "data": os.path.abspath(train_path), "data_sha256_16": data_sha, "n_examples": n_examples}
+
+
+def _write_json(path: str, obj: Any) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, ensure_ascii=False, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@torch.no_grad()
+def _process_chunk(model, tokenizer, task, examples: List[Dict[str, Any]], chunk: int, s: Dict[str, Any],
+                   device) -> Dict[str, Any]:
+    n_pre, tau = s["n_pre"], s["tau"]
+    texts = [render_prompt(task, tokenizer, ex) for ex in examples]
+    prompt_ids = encode_prompts(tokenizer, texts)
+    gen = torch.Generator(device=device).manual_seed(chunk_seed(s["seed"], chunk))
+    out = generate(model, tokenizer, prompt_ids, n_samples=n_pre, max_new_tokens=s["max_new_tokens"],
+                   temperature=s["temperature"], top_p=s["top_p"], generator=gen)
+    pef, exp, n_correct_all = [], [], []
+    chosen = []  # (example index, sample row) of each near-perfect prompt's kept response
+    for i, ex in enumerate(examples):
+        rows = range(i * n_pre, (i + 1) * n_pre)
+        correct = [bool(task.reward_result(out.texts[j], ex.get("label")).correct) for j in rows]
+        c = int(sum(correct))
+        n_correct_all.append(c)
+        if c >= tau and c > 0:
+            chosen.append((i, i * n_pre + correct.index(True), c))
+        elif not (s["drop_unsolved"] and c == 0):
+            exp.append({**ex, "n_correct": c, "n_pre": n_pre})
+    if chosen:
+        p_ids = [prompt_ids[i] for i, _, _ in chosen]
+        r_ids = [out.response_ids[j] for _, j, _ in chosen]
+        ids, attn, rmask = pack_sequences(p_ids, r_ids, tokenizer.pad_token_id, device)
+        ref = sequence_log_probs(model, ids, attn, rmask, temperature=s["temperature"]).float().cpu()
+        for k, (i, j, c) in enumerate(chosen):
+            n = len(r_ids[k])
+            pef.append({**examples[i], "prompt_text": texts[i], "response": out.texts[j],
+                        "prompt_ids": p_ids[k], "response_ids": r_ids[k],
+                        "ref_log_probs": [float(x) for x in ref[k, :n].tolist()],
+                        "n_correct": c, "n_pre": n_pre})
+    return {"chunk": chunk, "pef": pef, "exp": exp, "n_correct": n_correct_all}
+
+
+def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: bool = False,
+              max_new_chunks: Optional[int] = None, progress: bool = True) -> Dict[str, Any]:
+    """Run (or resume) the pre-sampling stage; returns the summary (``{"complete": False,
+    ...}`` when ``max_new_chunks`` stopped it early; run again to continue)."""
+    from tqdm.auto import tqdm
+
+    from openrlhf_div.tasks import get_task
+
+    from .trainer import build_policy, resolve_device
+
+    if cfg.num_threads:
+        torch.set_num_threads(int(cfg.num_threads))
+    out_dir = os.path.abspath(output_dir or cfg.presample.output_dir or os.path.join(cfg.output_dir, "presample"))
+    if cfg.data.train is None:
+        raise ValueError("presample needs data.train (the JSONL of training examples to split)")
+    examples = load_examples(cfg.data.train)
+    s = _settings(cfg, cfg.data.train, len(examples))
+    if not 1 <= s["tau"] <= s["n_pre"]:
+        raise ValueError(f"presample.tau must be in [1, n_pre={s['n_pre']}], got {s['tau']}")
+    shard_dir = os.path.join(out_dir, "shards")
+    if overwrite and os.path.isdir(out_dir):
+        shutil.rmtree(out_dir)
+    os.makedirs(shard_dir, exist_ok=True)
+    settings_path = os.path.join(shard_dir, "settings.json")
+    if os.path.exists(settings_path):
+        with open(settings_path) as f:
+            old = json.load(f)
+        if old != json.loads(json.dumps(s)):
+            diff = sorted(k for k in set(old) | set(s) if old.get(k) != json.loads(json.dumps(s)).get(k))
+            raise ValueError(f"{out_dir} holds a pre-sampling run with different settings ({', '.join(diff)}); "
+                             "use another output directory or --overwrite")
+    else:
+        _write_json(settings_path, s)
+
+    device = resolve_device(cfg.device)
+    task = get_task(cfg.task, **(cfg.task_options or {}))
+    model, tokenizer = build_policy(cfg, device)
+    model.eval()
+    C = s["chunk_size"]
+    n_chunks = (len(examples) + C - 1) // C
+    done = {c for c in range(n_chunks) if os.path.exists(os.path.join(shard_dir, f"chunk_{c:06d}.json"))}
+    todo = [c for c in range(n_chunks) if c not in done]
+    if max_new_chunks is not None:
+        todo = todo[:max(0, int(max_new_chunks))]
+    t0 = time.time()
+    bar = tqdm(total=len(examples), initial=min(len(done) * C, len(examples)), desc="presample", unit="prompt",
+               disable=not progress, dynamic_ncols=True)
+    for c in todo:
+        part = examples[c * C:(c + 1) * C]
+        res = _process_chunk(model, tokenizer, task, part, c, s, device)
+        _write_json(os.path.join(shard_dir, f"chunk_{c:06d}.json"), res)
+        done.add(c)
+        bar.update(len(part))
+    bar.close()
+    if len(done) < n_chunks:
+        return {"complete": False, "chunks_done": len(done), "chunks_total": n_chunks, "output_dir": out_dir}
+
+    pef, exp, hist = [], [], [0] * (s["n_pre"] + 1)
+    for c in range(n_chunks):
+        with open(os.path.join(shard_dir, f"chunk_{c:06d}.json"), encoding="utf-8") as f:
+            res = json.load(f)
+        pef += res["pef"]
+        exp += res["exp"]
+        for k in res["n_correct"]:
+            hist[k] += 1
+    write_jsonl_atomic(os.path.join(out_dir, "d_pef.jsonl"), pef)
+    write_jsonl_atomic(os.path.join(out_dir, "d_exp.jsonl"), exp)
+    summary = {"complete": True, "n_prompts": len(examples), "n_pef": len(pef), "n_exp": len(exp),
+               "n_dropped_unsolved": hist[0] if s["drop_unsolved"] else 0,
+               "correct_histogram": hist, "mean_correct_rate": float(
+                   sum(k * v for k, v in enumerate(hist)) / max(1, s["n_pre"] * len(examples))),
+               **{k: v for k, v in s.items() if k not in ("n_examples",)}, "output_dir": out_dir}
+    _write_json(os.path.join(out_dir, "summary.json"), summary)
+    summary["seconds"] = time.time() - t0
+    return summary
+
+
+def format_summary(s: Dict[str, Any]) -> str:
+    if not s.get("complete"):
+        return (f"pre-sampling paused: {s['chunks_done']}/{s['chunks_total']} chunks done in {s['output_dir']} "
+                "(run the same command again to continue)")
+    n = max(1, s["n_prompts"])
+    lines = [
+        f"pre-sampling done: {s['n_prompts']} prompts x {s['n_pre']} samples (T={s['temperature']}), "
+        f"near-perfect = #correct >= {s['tau']}",
+        f"  D_pef (anchor): {s['n_pef']:6d} prompts ({100 * s['n_pef'] / n:.1f}%)",
+        f"  D_exp (online): {s['n_exp']:6d} prompts ({100 * s['n_exp'] / n:.1f}%)"
+        + (f", {s['n_dropped_unsolved']} unsolved dropped" if s["drop_unsolved"] else ""),
+        "  #correct histogram: " + " ".join(f"{k}:{v}" for k, v in enumerate(s["correct_histogram"])),
+        f"  files: {s['output_dir']}/d_pef.jsonl, d_exp.jsonl, summary.json",
+    ]
+    return "\n".join(lines)

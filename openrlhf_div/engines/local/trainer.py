@@ -1,0 +1,728 @@
+"""The local engine's RL trainer: one process, one Hugging Face causal LM.
+
+One RL step, top to bottom (:meth:`Trainer.train_step`)::
+
+    experience = make_experience()      # rollouts -> rewards -> shaping -> keep -> old/ref lp -> advantages
+      B prompts x G samples (generation.generate, KV cache, temperature T)
+      old_t  = sequence_log_probs(policy)     no_grad, the behaviour policy at rollout time
+      R_i    = task.reward_result(text, label).reward
+      R'_i   = method.shape_rewards(R, G, seq_mean_old_log_probs, lengths)
+      keep   = method.keep_groups(R', G)      dynamic sampling: refill with new prompts
+      ref_t  = sequence_log_probs(reference)  only if method.needs.ref_log_probs
+      A_t    = method.advantages(R', G, old_log_probs, mask, correct)
+    optimise(experience)
+      for epoch in ppo_epochs, for mini-batch (one AdamW step each):
+        anchors = ceil(rows / anchor_ratio) D_pef samples   only if needs.anchor_batch
+        for micro-batch (gradient accumulation):
+          one forward over online rows + anchor rows: lp_t (+ H_t if needs.entropy,
+              + mean-pooled prompt states -> log Z head if needs.prompt_hidden)
+          loss = method.loss(online=LossInputs(...), anchor=AnchorInputs(...),
+                             num_online_tokens=<mini-batch total>, num_anchor_tokens=<total>)
+          loss.backward()
+        clip_grad_norm_, AdamW step
+
+The engine never looks at a method's name: everything method-specific is in the registry
+(:mod:`openrlhf_div.algorithms.registry`), the engine only reads ``method.needs``.
+
+Design choices (documented here, see also :mod:`.generation`):
+
+* **Temperature.** Rollout log-probs, old log-probs, reference log-probs, the training
+  forward and DPH's stored base log-probs are all of ``softmax(logits / T)`` with the
+  rollout temperature ``T`` (OpenRLHF's convention).
+* **Reference log-probs** are computed once per rollout batch (like OpenRLHF's experience
+  maker), with the reference model loaded only when ``needs.ref_log_probs``.
+* **Old log-probs** are computed right after generation, before reward shaping, because
+  the unlikeliness reward ranks responses by their length-normalised old log-prob.
+* **Anchor samples** (DPH) ride in the same forward as the online rows of a micro-batch;
+  the anchor loss gets its own token count (``L = L_exp + eta L_pef``, each token-mean over
+  its own tokens of the optimiser step). No reference model runs for them: their
+  ``ref_t`` are the base log-probs stored by ``openrlhf-div presample``.
+* **FlowRL's log Z** is a 2-layer MLP on the *detached* mean-pooled last-layer prompt
+  states, trained jointly by the same AdamW (its own learning rate ``optim.log_z_lr``).
+* **Determinism.** Prompt order, anchor order, sampling and Clip-Cov's token choice each
+  use their own seeded stream, all saved in checkpoints; ``--resume`` continues
+  bit-for-bit (same next batch, same next loss on the same device and thread count).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from openrlhf_div.algorithms import AnchorInputs, LossInputs
+from openrlhf_div.algorithms._utils import masked_mean
+
+from .config import TrainConfig, dump_config, load_config
+from .data import Cursor, load_anchor_samples, load_examples, render_prompt
+from .generation import (
+    GenerationOutput,
+    encode_prompts,
+    generate,
+    pack_sequences,
+    response_forward,
+    sequence_log_probs,
+)
+from .tiny import _atomic_dir_write, build_tiny_model, load_model, save_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss (or gradient norm) became NaN/inf; the run stopped before the optimizer step."""
+
+
+# =============================================================================== helpers
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device={name!r} but CUDA is not available; use device=cpu")
+    return torch.device(name)
+
+
+def git_commit() -> Optional[str]:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def fit_width(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``[N, R0]`` -> ``[N, width]``: cut padding columns or pad with zeros on the right."""
+    if t.shape[1] >= width:
+        return t[:, :width]
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
+
+
+def pad_lists(rows: Sequence[Sequence[float]], width: int, device) -> torch.Tensor:
+    out = torch.zeros(len(rows), width, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.as_tensor(list(r), dtype=torch.float32)
+    return out.to(device)
+
+
+def build_policy(cfg: TrainConfig, device: torch.device, path: Optional[str] = None):
+    """``(model, tokenizer)`` of the initial policy (``model.path`` or a tiny model built from
+    the config), or of ``path`` when given (a checkpoint)."""
+    dtype = DTYPES[cfg.model.dtype]
+    src = path or cfg.model.path
+    if src is not None:
+        model, tok = load_model(src, dtype=dtype, device=device)
+    else:
+        if not cfg.model.tiny_vocab:
+            raise ValueError("set model.path (a Hugging Face model directory) or model.tiny_vocab (the characters "
+                             "of a tiny model's vocabulary)")
+        m = cfg.model
+        model, tok = build_tiny_model(m.tiny_vocab, seed=cfg.seed if m.init_seed is None else m.init_seed,
+                                      hidden_size=m.tiny_hidden_size, num_layers=m.tiny_layers,
+                                      num_heads=m.tiny_heads, num_kv_heads=m.tiny_kv_heads, dtype=dtype)
+        model.to(device)
+    return model, tok
+
+
+class LogZHead(torch.nn.Module):
+    """FlowRL's learned log-partition ``log Z_phi(x)``: ``Linear -> GELU -> Linear`` on the
+    detached mean-pooled last-layer hidden states of the prompt."""
+
+    def __init__(self, hidden_size: int, width: int = 64):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(hidden_size, width), torch.nn.GELU(),
+                                       torch.nn.Linear(width, 1))
+
+    def forward(self, prompt_hidden: torch.Tensor) -> torch.Tensor:
+        return self.net(prompt_hidden.detach().float()).squeeze(-1)
+
+
+# =============================================================================== evaluation
+@torch.no_grad()
+def evaluate_pass_at_k(model, tokenizer, task, examples: Sequence[Dict[str, Any]], *, n_samples: int = 8,
+                       ks: Sequence[int] = (1, 4, 8), temperature: float = 1.0, top_p: float = 1.0,
+                       max_new_tokens: int = 16, seed: int = 0, batch_size: Optional[int] = 512,
+                       return_samples: bool = False) -> Dict[str, Any]:
+    """Unbiased pass@k over ``examples`` (``n_samples`` each): ``mean_x 1 - C(n-c,k)/C(n,k)``
+    with ``c`` the task-correct samples of prompt ``x`` (:func:`openrlhf_div.eval.pass_at_k`).
+
+    Returns ``{"pass@k": ..., "reward_mean", "n_prompts", "n_samples", "per_prompt":
+    [{"id", "n", "c"}]}`` (+ ``"samples"``: per prompt the texts and correctness, when
+    ``return_samples``). Sampling uses its own generator seeded by ``seed``.
+    """
+    from openrlhf_div.eval import pass_at_k
+
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(int(seed))
+    prompts = [render_prompt(task, tokenizer, ex) for ex in examples]
+    out = generate(model, tokenizer, prompts, n_samples=n_samples, max_new_tokens=max_new_tokens,
+                   temperature=temperature, top_p=top_p, generator=gen, batch_size=batch_size)
+    per_prompt, samples, rewards = [], [], []
+    for i, ex in enumerate(examples):
+        texts = out.texts[i * n_samples:(i + 1) * n_samples]
+        res = [task.reward_result(t, ex.get("label")) for t in texts]
+        rewards += [r.reward for r in res]
+        per_prompt.append({"id": ex.get("id"), "n": n_samples, "c": int(sum(r.correct for r in res))})
+        if return_samples:
+            samples.append({"id": ex.get("id"), "prompt": prompts[i], "texts": texts,
+                            "correct": [bool(r.correct) for r in res], "rewards": [float(r.reward) for r in res],
+                            "info": [r.info for r in res]})
+    result: Dict[str, Any] = {"n_prompts": len(examples), "n_samples": n_samples,
+                              "reward_mean": float(np.mean(rewards)) if rewards else 0.0}
+    for k in ks:
+        if 1 <= k <= n_samples:
+            result[f"pass@{k}"] = float(np.mean([pass_at_k(p["n"], p["c"], k) for p in per_prompt]))
+    result["per_prompt"] = per_prompt
+    if return_samples:
+        result["samples"] = samples
+    return result
+
+
+# =============================================================================== experience
+@dataclass
+class Experience:
+    """One step's training rows (kept groups only), ``G`` contiguous rows per prompt."""
+
+    prompt_ids: List[List[int]]
+    response_ids: List[List[int]]
+    input_ids: torch.Tensor        # [N, P + R]
+    attention_mask: torch.Tensor   # [N, P + R]
+    mask: torch.Tensor             # [N, R] float response mask
+    old_log_probs: torch.Tensor    # [N, R]
+    advantages: torch.Tensor       # [N, R]
+    rewards: torch.Tensor          # [N] task rewards
+    shaped_rewards: torch.Tensor   # [N]
+    correct: torch.Tensor          # [N] bool, method.is_correct(task rewards)
+    ref_log_probs: Optional[torch.Tensor] = None
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+
+# =============================================================================== trainer
+class Trainer:
+    """Build with a :class:`TrainConfig`; ``resume_dir`` continues a run from its latest
+    checkpoint. ``hooks`` are called after every micro-batch loss (before ``backward``) with
+    a dict holding the exact tensors handed to ``method.loss`` (``online``, ``anchor``,
+    ``num_online_tokens``, ``num_anchor_tokens``, ``num_online_seqs``), its result
+    (``loss``, ``metrics``), where it happened (``step``, ``epoch``, ``mini_batch``,
+    ``micro_batch``, ``rows`` of the step's ``experience``, ``anchors``), ``trainer`` and
+    ``train_rng_state`` (the state of ``LossInputs.generator`` before the call)."""
+
+    def __init__(self, cfg: TrainConfig, resume_dir: Optional[str] = None,
+                 hooks: Sequence[Callable[[Dict[str, Any]], None]] = ()):
+        from openrlhf_div.tasks import get_task
+
+        self.cfg = cfg
+        self.hooks = list(hooks)
+        if cfg.num_threads:
+            torch.set_num_threads(int(cfg.num_threads))
+        self.device = resolve_device(cfg.device)
+        self.run_dir = os.path.abspath(resume_dir or cfg.output_dir)
+        self.method = cfg.build_method()
+        self.needs = self.method.needs
+        self.task = get_task(cfg.task, **(cfg.task_options or {}))
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed % 2**32)
+        torch.manual_seed(cfg.seed)
+
+        ckpt = self.latest_checkpoint() if resume_dir else None
+        if resume_dir and ckpt is None:
+            raise FileNotFoundError(f"--resume {resume_dir}: no checkpoint found under {resume_dir}/checkpoints")
+        if not resume_dir and os.path.isdir(os.path.join(self.run_dir, "checkpoints")):
+            raise FileExistsError(f"run directory {self.run_dir} already holds checkpoints; continue it with "
+                                  f"--resume {self.run_dir} or choose another output_dir")
+
+        # ---- models: the policy, and the reference only if the method asks for it
+        self.model, self.tokenizer = build_policy(cfg, self.device, os.path.join(ckpt, "model") if ckpt else None)
+        self.model.train()
+        self.ref_model = None
+        if self.needs.ref_log_probs:
+            self.ref_model, _ = build_policy(cfg, self.device)
+            self.ref_model.eval().requires_grad_(False)
+        self.log_z_head = None
+        params = [{"params": [p for p in self.model.parameters() if p.requires_grad]}]
+        if self.needs.prompt_hidden:
+            self.log_z_head = LogZHead(self.model.config.hidden_size).to(self.device)
+            params.append({"params": list(self.log_z_head.parameters()),
+                           "lr": cfg.optim.log_z_lr or cfg.optim.learning_rate})
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(params, lr=o.learning_rate, betas=tuple(o.adam_betas), eps=o.adam_eps,
+                                           weight_decay=o.weight_decay)
+
+        # ---- data
+        train_path, anchor_path = self._data_paths()
+        self.train_examples = load_examples(train_path)
+        self.eval_examples = load_examples(cfg.data.eval) if cfg.data.eval else []
+        if cfg.eval.max_prompts is not None:
+            self.eval_examples = self.eval_examples[:cfg.eval.max_prompts]
+        self.prompt_cursor = Cursor(self.train_examples, seed=cfg.seed)
+        self.anchor_cursor = None
+        self.anchor_samples: List[Dict[str, Any]] = []
+        if self.needs.anchor_batch:
+            self.anchor_samples = load_anchor_samples(anchor_path)
+            self._check_anchor_temperature(anchor_path)
+            if self.anchor_samples:
+                self.anchor_cursor = Cursor(self.anchor_samples, seed=cfg.seed + 1)
+        self._prompt_cache: Dict[str, List[int]] = {}
+
+        # ---- random streams (all checkpointed)
+        self.gen_rng = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        self.train_rng = torch.Generator(device="cpu").manual_seed(cfg.seed + 2)
+        self.step = 0
+        if ckpt:
+            self._load_checkpoint(ckpt)
+        self._interrupted = False
+        self._tb = None
+
+    # ------------------------------------------------------------------ data plumbing
+    def _data_paths(self):
+        d = self.cfg.data
+        train, anchor = d.train, d.anchor
+        if self.needs.anchor_batch:
+            if anchor is None and d.presample_dir:
+                anchor = os.path.join(d.presample_dir, "d_pef.jsonl")
+            if anchor is None:
+                raise ValueError(f"method {self.method.name!r} needs an anchor batch from D_pef: run "
+                                 "`openrlhf-div presample` and set data.presample_dir (or data.anchor)")
+            if d.presample_dir and d.train_on_exp:
+                train = os.path.join(d.presample_dir, "d_exp.jsonl")
+        if train is None:
+            raise ValueError("data.train is required (a JSONL of {prompt, label, source, id} examples)")
+        return train, anchor
+
+    def _check_anchor_temperature(self, anchor_path: str) -> None:
+        summary = os.path.join(os.path.dirname(anchor_path), "summary.json")
+        if os.path.exists(summary):
+            with open(summary) as f:
+                t = json.load(f).get("temperature")
+            if t is not None and abs(float(t) - float(self.cfg.rollout.temperature)) > 1e-9:
+                raise ValueError(f"D_pef base log-probs were computed at temperature {t} but rollout.temperature "
+                                 f"is {self.cfg.rollout.temperature}; re-run presample at the rollout temperature")
+
+    def prompt_ids(self, example: Dict[str, Any]) -> List[int]:
+        key = example["id"]
+        if key not in self._prompt_cache:
+            text = render_prompt(self.task, self.tokenizer, example)
+            self._prompt_cache[key] = encode_prompts(self.tokenizer, [text])[0]
+        return self._prompt_cache[key]
+
+    # ------------------------------------------------------------------ forward helpers
+    @torch.no_grad()
+    def _no_grad_log_probs(self, model, input_ids, attention_mask, response_mask) -> torch.Tensor:
+        mb = self.cfg.optim.micro_batch_size
+        outs = [sequence_log_probs(model, input_ids[i:i + mb], attention_mask[i:i + mb], response_mask[i:i + mb],
+                                   temperature=self.cfg.rollout.temperature)
+                for i in range(0, input_ids.shape[0], mb)]
+        return torch.cat(outs, 0)
+
+    # ------------------------------------------------------------------ rollouts
+    def make_experience(self):
+        """Sample, score, shape, filter and compute advantages for one RL step.
+
+        Returns ``(experience or None, rollout stats)``; ``None`` when dynamic sampling kept
+        no group within its tries (the step then makes no update)."""
+        cfg, method = self.cfg, self.method
+        B, G, r = cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.rollout
+        kept: List[Dict[str, Any]] = []
+        n_groups, tries = 0, 0
+        all_rewards, all_task_correct, all_lengths, all_finished = [], [], [], []
+        t_gen = 0.0
+        while True:
+            examples = self.prompt_cursor.next(B - n_groups)
+            t0 = time.perf_counter()
+            self.model.eval()
+            gen = generate(self.model, self.tokenizer, [self.prompt_ids(ex) for ex in examples], n_samples=G,
+                           max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                           generator=self.gen_rng, batch_size=r.generation_batch_size)
+            t_gen += time.perf_counter() - t0
+            mask = gen.response_mask.float()
+            old = (self._no_grad_log_probs(self.model, gen.input_ids, gen.attention_mask, gen.response_mask)
+                   if r.recompute_old_log_probs else gen.log_probs)
+            self.model.train()
+            results = [self.task.reward_result(text, examples[i // G].get("label")) for i, text in enumerate(gen.texts)]
+            rewards = torch.tensor([float(x.reward) for x in results], dtype=torch.float32)
+            shaped = method.shape_rewards(rewards, G, seq_mean_old_log_probs=masked_mean(old, mask, dim=1).cpu(),
+                                          lengths=gen.response_lengths.cpu())
+            keep = method.keep_groups(shaped, G)
+            all_rewards.append(rewards)
+            all_task_correct += [bool(x.correct) for x in results]
+            all_lengths.append(gen.response_lengths.float().cpu())
+            all_finished.append(gen.finished.float().cpu())
+            tries += 1
+            for g in torch.nonzero(keep).flatten().tolist():
+                rows = list(range(g * G, (g + 1) * G))
+                kept.append({"prompt_ids": [gen.prompt_ids[i] for i in rows],
+                             "response_ids": [gen.response_ids[i] for i in rows],
+                             "old": old[rows].cpu(), "rewards": rewards[rows], "shaped": shaped[rows]})
+            n_groups = len(kept)
+            if n_groups >= B or tries >= r.dynamic_sampling_max_tries:
+                break
+        kept = kept[:B]
+        rewards_all = torch.cat(all_rewards)
+        stats = {"reward_mean": float(rewards_all.mean()), "reward_std": float(rewards_all.std()) if rewards_all.numel() > 1 else 0.0,
+                 "pass_rate": float(np.mean(all_task_correct)),
+                 "response_length": float(torch.cat(all_lengths).mean()),
+                 "truncated_frac": 1.0 - float(torch.cat(all_finished).mean()),
+                 "kept_groups": float(len(kept)), "generation_rounds": float(tries), "time_generate": t_gen}
+        if not kept:
+            return None, stats
+
+        prompt_ids = [p for k in kept for p in k["prompt_ids"]]
+        response_ids = [x for k in kept for x in k["response_ids"]]
+        ids, attn, rmask = pack_sequences(prompt_ids, response_ids, self.tokenizer.pad_token_id, self.device)
+        R = rmask.shape[1]
+        mask = rmask.float()
+        old = torch.cat([fit_width(k["old"], R) for k in kept]).to(self.device)
+        rewards = torch.cat([k["rewards"] for k in kept])
+        shaped = torch.cat([k["shaped"] for k in kept])
+        correct = method.is_correct(rewards)
+        ref = None
+        if self.needs.ref_log_probs:
+            ref = self._no_grad_log_probs(self.ref_model, ids, attn, rmask)
+        adv = method.advantages(shaped.to(self.device), G, old_log_probs=old, mask=mask,
+                                correct=correct.to(self.device))
+        stats["shaped_reward_mean"] = float(shaped.mean())
+        stats["advantage_abs_mean"] = float(masked_mean(adv.abs(), mask))
+        return Experience(prompt_ids, response_ids, ids, attn, mask, old, adv, rewards, shaped,
+                          correct.to(self.device), ref), stats
+
+    # ------------------------------------------------------------------ optimisation
+    def optimise(self, exp: Experience) -> Dict[str, float]:
+        """``ppo_epochs`` passes; each splits the rows into ``mini_batches`` optimiser steps,
+        each step into micro-batches of ``micro_batch_size`` online rows (plus their share of
+        the step's anchor samples)."""
+        o = self.cfg.optim
+        sums: Dict[str, float] = {}
+        counts: Dict[str, int] = {}
+        n_opt = 0
+        for epoch in range(o.ppo_epochs):
+            perm = torch.randperm(len(exp), generator=self.train_rng)
+            for mb_i, rows in enumerate(torch.tensor_split(perm, o.mini_batches)):
+                rows = rows.tolist()
+                if not rows:
+                    continue
+                anchors = []
+                if self.anchor_cursor is not None:
+                    anchors = self.anchor_cursor.next(math.ceil(len(rows) / o.anchor_ratio))
+                n_on_tok = float(exp.mask[rows].sum())
+                n_anc_tok = float(sum(len(a["response_ids"]) for a in anchors))
+                n_micro = max(1, math.ceil(len(rows) / o.micro_batch_size))
+                self.optimizer.zero_grad(set_to_none=True)
+                for k in range(n_micro):
+                    m_rows = rows[k * o.micro_batch_size:(k + 1) * o.micro_batch_size]
+                    m_anchors = anchors[k::n_micro]
+                    loss, metrics = self.micro_step(exp, m_rows, m_anchors, n_on_tok, n_anc_tok, float(len(rows)),
+                                                    where=dict(epoch=epoch, mini_batch=mb_i, micro_batch=k))
+                    loss.backward()
+                    for key, val in metrics.items():
+                        # loss parts are already divided by the step's global counts: they add up
+                        if key.startswith("loss"):
+                            sums[f"{key}@{n_opt}"] = sums.get(f"{key}@{n_opt}", 0.0) + val
+                        else:
+                            sums[key] = sums.get(key, 0.0) + val
+                            counts[key] = counts.get(key, 0) + 1
+                params = [p for g in self.optimizer.param_groups for p in g["params"]]
+                max_norm = o.max_grad_norm if o.max_grad_norm > 0 else float("inf")
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+                if not math.isfinite(grad_norm):
+                    raise NonFiniteLossError(self._nonfinite_msg("gradient norm", grad_norm, epoch, mb_i, None))
+                self.optimizer.step()
+                sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm
+                counts["grad_norm"] = counts.get("grad_norm", 0) + 1
+                n_opt += 1
+        out: Dict[str, float] = {}
+        for key, val in sums.items():
+            if "@" in key:
+                base = key.split("@")[0]
+                out[base] = out.get(base, 0.0) + val / n_opt
+            else:
+                out[key] = val / counts[key]
+        out["optimizer_steps"] = float(n_opt)
+        return out
+
+    def micro_step(self, exp: Experience, rows: List[int], anchors: List[Dict[str, Any]], num_online_tokens: float,
+                   num_anchor_tokens: float, num_online_seqs: float, where: Dict[str, int]):
+        """One forward over ``rows`` of ``exp`` and ``anchors``; returns ``method.loss(...)``."""
+        n_on = len(rows)
+        prompt_ids = [exp.prompt_ids[i] for i in rows] + [a["prompt_ids"] for a in anchors]
+        response_ids = [exp.response_ids[i] for i in rows] + [a["response_ids"] for a in anchors]
+        ids, attn, rmask = pack_sequences(prompt_ids, response_ids, self.tokenizer.pad_token_id, self.device)
+        R = rmask.shape[1]
+        entropy_mode = True if self.needs.entropy else ("detached" if self.cfg.logging.entropy else False)
+        fo = response_forward(self.model, ids, attn, rmask, temperature=self.cfg.rollout.temperature,
+                              return_entropy=entropy_mode, return_prompt_hidden=self.needs.prompt_hidden)
+        mask = rmask.float()
+        online = anchor = None
+        if n_on:
+            idx = torch.as_tensor(rows, device=self.device)
+            online = LossInputs(
+                log_probs=fo.log_probs[:n_on], old_log_probs=fit_width(exp.old_log_probs[idx], R),
+                advantages=fit_width(exp.advantages[idx], R), mask=mask[:n_on], correct=exp.correct[idx],
+                entropy=fo.entropy[:n_on] if self.needs.entropy else None,
+                ref_log_probs=fit_width(exp.ref_log_probs[idx], R) if self.needs.ref_log_probs else None,
+                log_z=self.log_z_head(fo.prompt_hidden[:n_on]) if self.log_z_head is not None else None,
+                generator=self.train_rng)
+        if anchors:
+            anchor = AnchorInputs(log_probs=fo.log_probs[n_on:],
+                                  ref_log_probs=pad_lists([a["ref_log_probs"] for a in anchors], R, self.device),
+                                  mask=mask[n_on:])
+        rng_state = self.train_rng.get_state() if self.hooks else None
+        loss, metrics = self.method.loss(online=online, anchor=anchor, num_online_tokens=num_online_tokens,
+                                         num_anchor_tokens=num_anchor_tokens, num_online_seqs=num_online_seqs)
+        metrics = dict(metrics)
+        if fo.entropy is not None and n_on:
+            metrics["entropy"] = float(masked_mean(fo.entropy[:n_on].detach(), mask[:n_on]))
+        if anchors:
+            metrics["anchor_samples"] = float(len(anchors))
+        for h in self.hooks:
+            h(dict(step=self.step + 1, online=online, anchor=anchor, num_online_tokens=num_online_tokens,
+                   num_anchor_tokens=num_anchor_tokens, num_online_seqs=num_online_seqs, loss=loss,
+                   metrics=metrics, rows=list(rows), anchors=anchors, method=self.method, experience=exp,
+                   trainer=self, train_rng_state=rng_state, **where))
+        if not torch.isfinite(loss):
+            raise NonFiniteLossError(self._nonfinite_msg("loss", float(loss), where["epoch"], where["mini_batch"],
+                                                         where["micro_batch"]))
+        return loss, metrics
+
+    def _nonfinite_msg(self, what, val, epoch, mb, micro):
+        last = self.latest_checkpoint()
+        at = f"epoch {epoch}, mini-batch {mb}" + (f", micro-batch {micro}" if micro is not None else "")
+        return (f"non-finite {what} ({val}) at step {self.step + 1} ({at}); stopped before the optimizer step. "
+                f"Last good checkpoint: {last or 'none yet'}. Try a lower optim.learning_rate or a smaller "
+                f"method hyperparameter, and resume with --resume {self.run_dir}")
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self) -> Dict[str, float]:
+        """One RL step: :meth:`make_experience` then :meth:`optimise`; returns its metrics."""
+        t0, c0 = time.perf_counter(), time.process_time()
+        exp, stats = self.make_experience()
+        t1 = time.perf_counter()
+        if exp is not None:
+            stats.update(self.optimise(exp))
+        else:
+            stats["skipped"] = 1.0  # dynamic sampling found no informative group
+        self.step += 1
+        t2 = time.perf_counter()
+        n = self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
+        stats.update(step=self.step, time_experience=t1 - t0, time_train=t2 - t1, time_step=t2 - t0,
+                     cpu_time_step=time.process_time() - c0, samples_per_s=n / max(t2 - t0, 1e-9))
+        return stats
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> Optional[Dict[str, Any]]:
+        if not self.eval_examples:
+            return None
+        e, r = self.cfg.eval, self.cfg.rollout
+        self.model.eval()
+        res = evaluate_pass_at_k(self.model, self.tokenizer, self.task, self.eval_examples, n_samples=e.n_samples,
+                                 ks=e.k, temperature=r.temperature if e.temperature is None else e.temperature,
+                                 top_p=r.top_p, max_new_tokens=e.max_new_tokens or r.max_new_tokens,
+                                 seed=self.cfg.seed + 12345)
+        self.model.train()
+        res = {"step": self.step, **{k: v for k, v in res.items() if k != "per_prompt"}}
+        self._append_jsonl("eval.jsonl", res)
+        self._tb_log({f"eval/{k}": v for k, v in res.items() if k != "step"})
+        return res
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_dir(self) -> str:
+        return os.path.join(self.run_dir, "checkpoints")
+
+    def latest_checkpoint(self) -> Optional[str]:
+        p = os.path.join(self.checkpoint_dir(), "latest")
+        if not os.path.exists(p):
+            return None
+        with open(p) as f:
+            name = f.read().strip()
+        path = os.path.join(self.checkpoint_dir(), name)
+        return path if os.path.isdir(path) else None
+
+    def save_checkpoint(self) -> str:
+        """Model, optimizer, log Z head, every RNG state and the data positions, written into
+        a temporary directory and renamed into place; then ``latest`` is switched atomically."""
+        name = f"step_{self.step:06d}"
+        state = {
+            "step": self.step,
+            "optimizer": self.optimizer.state_dict(),
+            "log_z_head": self.log_z_head.state_dict() if self.log_z_head is not None else None,
+            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                    "gen": self.gen_rng.get_state(), "train": self.train_rng.get_state()},
+            "prompt_cursor": self.prompt_cursor.state_dict(),
+            "anchor_cursor": self.anchor_cursor.state_dict() if self.anchor_cursor is not None else None,
+            "method": self.method.describe(),
+        }
+
+        def write(tmp):
+            self.model.save_pretrained(os.path.join(tmp, "model"))
+            self.tokenizer.save_pretrained(os.path.join(tmp, "model"))
+            torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+
+        os.makedirs(self.checkpoint_dir(), exist_ok=True)
+        path = _atomic_dir_write(os.path.join(self.checkpoint_dir(), name), write)
+        write_text_atomic(os.path.join(self.checkpoint_dir(), "latest"), name + "\n")
+        keep = max(1, self.cfg.checkpoint.keep)
+        old = sorted(d for d in os.listdir(self.checkpoint_dir()) if d.startswith("step_") and not d.startswith("."))
+        for d in old[:-keep]:
+            shutil.rmtree(os.path.join(self.checkpoint_dir(), d), ignore_errors=True)
+        return path
+
+    def _load_checkpoint(self, path: str) -> None:
+        st = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
+        self.step = int(st["step"])
+        self.optimizer.load_state_dict(st["optimizer"])
+        if self.log_z_head is not None and st.get("log_z_head") is not None:
+            self.log_z_head.load_state_dict(st["log_z_head"])
+        rng = st["rng"]
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        if rng.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        self.gen_rng.set_state(rng["gen"])
+        self.train_rng.set_state(rng["train"])
+        self.prompt_cursor.load_state_dict(st["prompt_cursor"])
+        if self.anchor_cursor is not None and st.get("anchor_cursor") is not None:
+            self.anchor_cursor.load_state_dict(st["anchor_cursor"])
+        # metrics logged after this checkpoint belong to steps that will be redone
+        for fname in ("metrics.jsonl", "eval.jsonl"):
+            self._truncate_jsonl(fname, self.step)
+
+    # ------------------------------------------------------------------ logging
+    def _append_jsonl(self, fname: str, row: Dict[str, Any]) -> None:
+        with open(os.path.join(self.run_dir, fname), "a") as f:
+            f.write(json.dumps(row, default=float) + "\n")
+
+    def _truncate_jsonl(self, fname: str, step: int) -> None:
+        p = os.path.join(self.run_dir, fname)
+        if not os.path.exists(p):
+            return
+        with open(p) as f:
+            keep = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= step]
+        write_text_atomic(p, "".join(keep))
+
+    def _tb_log(self, scalars: Dict[str, Any]) -> None:
+        if not self.cfg.logging.tensorboard:
+            return
+        if self._tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+            self._tb = SummaryWriter(os.path.join(self.run_dir, "tb"))
+        for k, v in scalars.items():
+            if isinstance(v, (int, float)) and math.isfinite(float(v)):
+                self._tb.add_scalar(k, float(v), self.step)
+
+    def _write_run_info(self, resumed: bool) -> None:
+        import transformers
+
+        from openrlhf_div import __version__
+        os.makedirs(self.run_dir, exist_ok=True)
+        write_text_atomic(os.path.join(self.run_dir, "config.yaml"), dump_config(self.cfg))
+        info = {"seed": self.cfg.seed, "openrlhf_div": __version__, "git_commit": git_commit(),
+                "torch": torch.__version__, "transformers": transformers.__version__, "device": str(self.device),
+                "num_threads": torch.get_num_threads(), "method": self.method.describe(),
+                "n_train_examples": len(self.train_examples), "n_eval_examples": len(self.eval_examples),
+                "n_anchor_samples": len(self.anchor_samples), "reference_model_loaded": self.ref_model is not None,
+                "time": time.strftime("%Y-%m-%d %H:%M:%S"), "resumed_from_step": self.step if resumed else None}
+        write_json_atomic(os.path.join(self.run_dir, "run_info.json" if not resumed else
+                                       f"run_info.resume_{self.step:06d}.json"), info)
+
+    # ------------------------------------------------------------------ the loop
+    def _on_sigint(self, signum, frame):
+        if self._interrupted:  # second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self._interrupted = True
+        print("\n[openrlhf-div] Ctrl-C: finishing this step, then writing a checkpoint (Ctrl-C again to abort)")
+
+    def train(self, steps: Optional[int] = None) -> Dict[str, Any]:
+        """Run until ``optim.steps`` (or ``steps``) RL steps are done; returns the last
+        metrics and evaluation. Ctrl-C finishes the current step and checkpoints."""
+        from tqdm.auto import tqdm
+
+        total = self.cfg.optim.steps if steps is None else steps
+        resumed = self.step > 0
+        self._write_run_info(resumed)
+        old_handler = None
+        try:
+            old_handler = signal.signal(signal.SIGINT, self._on_sigint)
+        except ValueError:  # not the main thread
+            pass
+        last_eval = None
+        last: Dict[str, float] = {}
+        try:
+            if self.step == 0 and self.cfg.eval.at_start:
+                last_eval = self.evaluate()
+            bar = tqdm(total=total, initial=min(self.step, total), desc=f"train {self.method.name}",
+                       disable=not self.cfg.logging.progress, dynamic_ncols=True)
+            while self.step < total:
+                last = self.train_step()
+                self._append_jsonl("metrics.jsonl", last)
+                self._tb_log({f"train/{k}": v for k, v in last.items() if k != "step"})
+                bar.update(1)
+                bar.set_postfix(reward=f"{last['reward_mean']:.3f}", loss=f"{last.get('loss', float('nan')):.4f}",
+                                s_per_step=f"{last['time_step']:.2f}")
+                e = self.cfg.eval.every
+                if e and self.step % e == 0 and self.step < total:
+                    last_eval = self.evaluate()
+                c = self.cfg.checkpoint.every
+                if (c and self.step % c == 0) or self._interrupted:
+                    self.save_checkpoint()
+                if self._interrupted:
+                    bar.close()
+                    print(f"[openrlhf-div] interrupted after step {self.step}; checkpoint written. Continue with "
+                          f"`openrlhf-div train --resume {self.run_dir}`")
+                    raise KeyboardInterrupt
+            bar.close()
+            if not (last_eval and last_eval.get("step") == self.step):
+                last_eval = self.evaluate()  # the final policy
+            latest = self.latest_checkpoint()
+            if latest is None or not latest.endswith(f"step_{self.step:06d}"):
+                self.save_checkpoint()
+            save_model(self.model, self.tokenizer, os.path.join(self.run_dir, "final_model"))
+        finally:
+            if old_handler is not None:
+                signal.signal(signal.SIGINT, old_handler)
+            if self._tb is not None:
+                self._tb.flush()
+        return {"metrics": last, "eval": last_eval, "run_dir": self.run_dir}
+
+
+# =============================================================================== entry point
+def train(config: Optional[str] = None, overrides: Sequence[str] = (), resume: Optional[str] = None,
+          hooks: Sequence[Callable] = (), cfg: Optional[TrainConfig] = None) -> Dict[str, Any]:
+    """Train from a YAML ``config`` (+ ``key=value`` overrides), or continue ``resume``
+    (its saved ``config.yaml``; overrides still apply, e.g. ``optim.steps=200``)."""
+    if resume is not None:
+        cfg_path = os.path.join(resume, "config.yaml")
+        if not os.path.exists(cfg_path):
+            raise FileNotFoundError(f"--resume {resume}: no config.yaml there (is it a run directory?)")
+        cfg = load_config(cfg_path, overrides)
+    elif cfg is None:
+        cfg = load_config(config, overrides)
+    trainer = Trainer(cfg, resume_dir=resume, hooks=hooks)
+    return trainer.train()

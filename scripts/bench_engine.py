@@ -1,0 +1,161 @@
+#!/usr/bin/env python
+"""Benchmarks of the local engine (results: docs/benchmarks_engine.md).
+
+(a) step time of every method family on the same tiny model / task / batch, in particular
+    DPH (generator form, no reference model) against RKL (online reference forward);
+(b) with --trl: samples/second of this engine against TRL's GRPOTrainer on the same tiny
+    model, task, group size, batch and generation length.
+
+    .venv/bin/python scripts/bench_engine.py --steps 20 --repeats 3 [--trl]
+
+Steps are timed inside the process (``time.perf_counter``) after warm-up steps; methods are
+interleaved across repeats so machine-load drift hits them alike; medians are reported.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from openrlhf_div.engines.local.config import load_config  # noqa: E402
+from openrlhf_div.engines.local.data import write_jsonl_atomic  # noqa: E402
+from openrlhf_div.engines.local.presample import presample  # noqa: E402
+from openrlhf_div.engines.local.toy import VOCAB, make_examples  # noqa: E402
+from openrlhf_div.engines.local.trainer import Trainer  # noqa: E402
+
+B, G, MAX_NEW = 16, 8, 10
+
+
+def base_overrides(work, method, extra=()):
+    return ["task=toy_copy", f"output_dir={work}/run_{method}", f"model.tiny_vocab={VOCAB}",
+            f"data.train={work}/train.jsonl", f"rollout.prompts_per_step={B}", f"rollout.group_size={G}",
+            f"rollout.max_new_tokens={MAX_NEW}", "optim.learning_rate=1e-3", "eval.at_start=false",
+            "logging.tensorboard=false", "logging.progress=false", "checkpoint.every=0", f"method.name={method}",
+            *extra]
+
+
+def time_method(work, method, steps, warmup, extra=()):
+    cfg = load_config(None, base_overrides(work, method, extra))
+    tr = Trainer(cfg)
+    for _ in range(warmup):
+        tr.train_step()
+    rows = [tr.train_step() for _ in range(steps)]
+    return {k: statistics.median(r[k] for r in rows) for k in ("time_step", "time_experience", "time_train",
+                                                                "time_generate", "response_length")}, tr
+
+
+def bench_methods(work, steps, repeats, warmup):
+    methods = ["grpo", "rkl", "dph_js", "dph_f", "ds_grpo", "lad_js"]
+    ps_extra = [f"data.presample_dir={work}/ps"]
+    res = {m: [] for m in methods}
+    refs = {}
+    for rep in range(repeats):
+        for m in methods:
+            r, tr = time_method(work, m, steps, warmup, ps_extra if m.startswith("dph") else ())
+            res[m].append(r)
+            refs[m] = tr.ref_model is not None
+            print(f"  [{rep + 1}/{repeats}] {m:8s} step {r['time_step'] * 1e3:7.1f} ms  (experience "
+                  f"{r['time_experience'] * 1e3:6.1f}, train {r['time_train'] * 1e3:6.1f}, resp len "
+                  f"{r['response_length']:.1f})", flush=True)
+    summary = {}
+    for m in methods:
+        summary[m] = {k: statistics.median(x[k] for x in res[m]) for k in res[m][0]}
+        summary[m]["reference_model_loaded"] = refs[m]
+    return summary
+
+
+# ------------------------------------------------------------------------------ TRL
+def bench_trl(work, steps, warmup):
+    """TRL's GRPOTrainer on the same tiny model / task / B x G / generation length."""
+    import trl
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from openrlhf_div.engines.local.tiny import build_tiny_model
+    from openrlhf_div.engines.local.toy import ToyCopyTask
+
+    task = ToyCopyTask()
+    model, tok = build_tiny_model(VOCAB, seed=0)
+    ex = make_examples(256, seed=1)
+    ds = Dataset.from_list([{"prompt": e["prompt"], "label": e["label"]} for e in ex])
+
+    def reward(completions, label, **kw):
+        return [task.reward(c, l) for c, l in zip(completions, label)]
+
+    args = GRPOConfig(
+        output_dir=f"{work}/trl", per_device_train_batch_size=B * G, gradient_accumulation_steps=1,
+        num_generations=G, max_completion_length=MAX_NEW, learning_rate=1e-3, beta=0.0,
+        max_steps=warmup + steps, logging_steps=1, save_strategy="no", report_to=[], temperature=1.0,
+        use_cpu=True, seed=0, bf16=False, fp16=False, dataloader_num_workers=0, disable_tqdm=True,
+    )
+    times = []
+
+    from transformers import TrainerCallback
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            times.append(time.perf_counter() - self.t)
+
+    tr = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok,
+                     callbacks=[Timer()])
+    tr.train()
+    t = statistics.median(times[warmup:])
+    return {"trl_version": trl.__version__, "time_step": t, "samples_per_s": B * G / t, "steps_timed": len(times[warmup:])}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer (needs `pip install trl`)")
+    ap.add_argument("--skip-methods", action="store_true")
+    ap.add_argument("--json", default=None, help="write the raw results here")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    work = tempfile.mkdtemp(prefix="bench_engine_")
+    write_jsonl_atomic(f"{work}/train.jsonl", make_examples(256, seed=1))
+    out = {"machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": 1,
+                       "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()},
+           "setup": {"B": B, "G": G, "max_new_tokens": MAX_NEW, "model": "Qwen2 2 layers, hidden 64, 4 heads, "
+                     "2 kv heads, vocab 11", "task": "toy_copy"}}
+    if not args.skip_methods:
+        cfg = load_config(None, base_overrides(work, "dph_js", ["presample.tau=2"]))
+        s = presample(cfg, f"{work}/ps", progress=False)
+        out["presample"] = {k: s[k] for k in ("n_pef", "n_exp", "correct_histogram")}
+        print(f"presample: D_pef {s['n_pef']}, D_exp {s['n_exp']}")
+        out["methods"] = bench_methods(work, args.steps, args.repeats, args.warmup)
+        m = out["methods"]
+        for d in ("dph_js", "dph_f"):
+            out[f"{d}_over_rkl_step"] = m[d]["time_step"] / m["rkl"]["time_step"]
+            out[f"{d}_over_rkl_train_plus_ref"] = ((m[d]["time_step"] - m[d]["time_generate"]) /
+                                                   (m["rkl"]["time_step"] - m["rkl"]["time_generate"]))
+        print(json.dumps({k: v for k, v in out.items() if k.endswith("rkl_step") or k.endswith("ref")}, indent=1))
+    if args.trl:
+        ours, _ = time_method(work, "grpo", args.steps, args.warmup)
+        out["ours_grpo"] = {**ours, "samples_per_s": B * G / ours["time_step"]}
+        out["trl"] = bench_trl(work, args.steps, args.warmup)
+        out["ours_over_trl_samples_per_s"] = out["ours_grpo"]["samples_per_s"] / out["trl"]["samples_per_s"]
+        print(json.dumps({k: out[k] for k in ("ours_grpo", "trl", "ours_over_trl_samples_per_s")}, indent=1))
+    out["machine"]["loadavg_end"] = os.getloadavg()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    print(json.dumps(out["machine"]))
+
+
+if __name__ == "__main__":
+    main()
