@@ -19,6 +19,8 @@ SUBCOMMANDS = [
     ("bandit", "the controlled 50-arm bandit: LAD / GRPO / DS against their analytic optima"),
     ("presample", "DPH-RL pre-sampling: split training prompts into D_pef / D_exp"),
     ("train", "RL training with the local engine (any registered method)"),
+    ("demo", "the diversity demo from nothing: base model, pre-sampling, RL per method, report"),
+    ("compare", "comparison report (metrics.json, report.md, plots) from run directories' eval.json"),
 ]
 
 
