@@ -42,9 +42,12 @@ def run(args) -> int:
     if args.methods:
         from openrlhf_div.algorithms import list_methods
 
-        bad = [m for m in args.methods if m not in list_methods()]
+        known = set(list_methods()) | {k for k, v in (cfg.get("method_settings") or {}).items()
+                                       if isinstance(v, dict) and "method" in v}
+        bad = [m for m in args.methods if m not in known]
         if bad:
-            print(f"unknown method(s) {bad}; see `openrlhf-div methods`", file=sys.stderr)
+            print(f"unknown method(s) {bad}: give registered methods (`openrlhf-div methods`) or variants "
+                  f"defined in the config's method_settings with a `method:` key", file=sys.stderr)
             return 2
         cfg["methods"] = list(args.methods)
         for m in args.methods:

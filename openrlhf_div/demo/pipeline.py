@@ -49,16 +49,31 @@ def _deep_merge(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
+def _read_yaml(path: str, _seen: tuple = ()) -> Dict[str, Any]:
+    """A demo YAML; ``extends: other.yaml`` (relative to this file) is read first and this
+    file deep-merged over it (lists such as ``methods`` are replaced, not appended)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"demo config {path!r} not found; pass --config PATH (the repository ships "
+                                f"configs/demo.yaml)")
+    if os.path.abspath(path) in _seen:
+        raise ValueError(f"demo config {path!r} extends itself (cycle: {' -> '.join(_seen)})")
+    with open(path) as f:
+        cfg = yaml.safe_load(f) or {}
+    if not isinstance(cfg, dict):
+        raise ValueError(f"demo config {path!r} must hold a YAML mapping")
+    parent = cfg.pop("extends", None)
+    if parent:
+        ppath = parent if os.path.isabs(parent) else os.path.join(os.path.dirname(os.path.abspath(path)), parent)
+        cfg = _deep_merge(_read_yaml(ppath, _seen + (os.path.abspath(path),)), cfg)
+    return cfg
+
+
 def load_demo_config(path: Optional[str] = None, *, quick: bool = False,
                      overrides: Sequence[str] = ()) -> Dict[str, Any]:
     """The demo settings: ``configs/demo.yaml`` (or ``path``), its ``quick`` section merged in
     when ``quick``, then ``key=value`` overrides with dotted keys (values parsed as YAML)."""
     path = path or REPO_CONFIG
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"demo config {path!r} not found; pass --config PATH (the repository ships "
-                                f"configs/demo.yaml)")
-    with open(path) as f:
-        cfg = yaml.safe_load(f) or {}
+    cfg = _read_yaml(path)
     quick_part = cfg.pop("quick", {}) or {}
     if quick:
         cfg = _deep_merge(cfg, quick_part)
@@ -82,14 +97,29 @@ def load_demo_config(path: Optional[str] = None, *, quick: bool = False,
     return cfg
 
 
+def method_spec(cfg: Dict[str, Any], name: str):
+    """``(registry method, hyperparameters, train overrides)`` of a demo entry.
+
+    ``method_settings[name]`` holds the hyperparameters of registry method ``name``, or, for a
+    *variant* (a sweep point shown as its own row), ``method: <registry name>`` plus its
+    hyperparameters and optionally ``train: {...}`` overrides of the shared budget, e.g.
+    ``lad_js_eta1: {method: lad_js, lad_eta: 1.0}``.
+    """
+    entry = dict((cfg.get("method_settings") or {}).get(name) or {})
+    base = entry.pop("method", name)
+    train = entry.pop("train", None) or {}
+    return str(base), entry, train
+
+
 def train_config_dict(cfg: Dict[str, Any], method: str, seed: int, *, base_dir: str, data_dir: str,
                       presample_dir: Optional[str], run_dir: str) -> Dict[str, Any]:
-    """The local engine's TrainConfig (as a dict) of one demo run."""
-    t = copy.deepcopy(cfg["train"])
+    """The local engine's TrainConfig (as a dict) of one demo run (``method``: a demo entry)."""
+    reg, hp, train_over = method_spec(cfg, method)
+    t = _deep_merge(copy.deepcopy(cfg["train"]), train_over)
     d = {
         "task": cfg.get("task", "demo"), "seed": int(seed), "output_dir": run_dir,
         "num_threads": cfg.get("threads", 1),
-        "method": {"name": method, **(cfg.get("method_settings", {}).get(method) or {})},
+        "method": {"name": reg, **hp},
         "model": {"path": base_dir},
         "data": {"train": os.path.join(data_dir, "train.jsonl"), "eval": None,
                  "presample_dir": presample_dir},
@@ -104,10 +134,12 @@ def train_config_dict(cfg: Dict[str, Any], method: str, seed: int, *, base_dir: 
 class _Clock:
     def __init__(self, log):
         self.t0 = time.time()
+        self.c0 = time.process_time()
         self.log = log
 
     def stage(self, i: int, text: str) -> None:
-        self.log(f"\n[{i}/{STAGES}] {text}   (elapsed {time.time() - self.t0:.0f} s)")
+        self.log(f"\n[{i}/{STAGES}] {text}   (elapsed {time.time() - self.t0:.0f} s, "
+                 f"CPU {time.process_time() - self.c0:.0f} s)")
 
 
 def _eval_settings(cfg: Dict[str, Any]) -> Dict[str, Any]:
@@ -192,7 +224,10 @@ def run_demo(cfg: Dict[str, Any], out_dir: str, *, cache_dir: Optional[str] = No
     # 3. pre-sampling (only when a method needs D_pef)
     from ..algorithms import get_method
 
-    needs_anchor = [m for m in methods if get_method(m, **(cfg["method_settings"].get(m) or {})).needs.anchor_batch]
+    for m in methods:  # fail early on a bad method name or hyperparameter
+        reg, hp, _ = method_spec(cfg, m)
+        get_method(reg, **hp)
+    needs_anchor = [m for m in methods if get_method(method_spec(cfg, m)[0], **method_spec(cfg, m)[1]).needs.anchor_batch]
     presample_dir = None
     if needs_anchor:
         clock.stage(3, f"pre-sampling (DPH): the base answers every training prompt "
@@ -203,6 +238,10 @@ def run_demo(cfg: Dict[str, Any], out_dir: str, *, cache_dir: Optional[str] = No
         from ..engines.local.presample import format_summary
 
         log("  " + format_summary(summary).replace("\n", "\n  "))
+        if summary.get("n_pef", 0) == 0:
+            log("  WARNING: D_pef is empty (the base solved no training prompt every time): the DPH anchor "
+                "loss has nothing to anchor, so DPH runs reduce to PPO-clip without KL. Lower "
+                "train.presample.tau or improve the base model.")
     else:
         clock.stage(3, "pre-sampling: skipped (no selected method uses a D_pef anchor)")
 
@@ -220,7 +259,7 @@ def run_demo(cfg: Dict[str, Any], out_dir: str, *, cache_dir: Optional[str] = No
             run_dir = os.path.join(runs_dir, m, f"seed{seed}")
             tdict = train_config_dict(cfg, m, seed, base_dir=base_dir, data_dir=data_dir,
                                       presample_dir=presample_dir if m in needs_anchor else None, run_dir=run_dir)
-            settings = {"method": tdict["method"], "train": {k: tdict[k] for k in ("rollout", "optim")},
+            settings = {"entry": m, "method": tdict["method"], "train": {k: tdict[k] for k in ("rollout", "optim")},
                         "presample": tdict.get("presample"), "base_key": wcfg.key(),
                         "evaluation": _eval_settings(cfg), "splits": spec.to_dict(), "seed": seed}
             if _reusable(run_dir, settings):
@@ -230,20 +269,22 @@ def run_demo(cfg: Dict[str, Any], out_dir: str, *, cache_dir: Optional[str] = No
                 continue
             log(f"  ({i}/{total}) {m} seed {seed}: training ...")
             t0 = time.time()
-            M, secs = _train_and_eval(cfg, tdict, run_dir, eval_rows, base_problems, seed, settings, task, progress)
+            M, secs, cpu = _train_and_eval(cfg, tdict, run_dir, eval_rows, base_problems, seed, settings, task,
+                                           progress)
             timings[m].append(secs)
             per_method[m][seed] = M
-            log(f"      done in {time.time() - t0:.0f} s (training {secs:.0f} s): {_short(M)}")
+            log(f"      done in {time.time() - t0:.0f} s (training {secs:.0f} s wall, {cpu:.0f} s CPU): {_short(M)}")
 
     # 5. report
     clock.stage(5, "report")
     settings_md = {}
     for m in methods:
-        desc = get_method(m, **(cfg["method_settings"].get(m) or {}))
-        s = {"hyperparameters": json.dumps(cfg["method_settings"].get(m) or {}) or "{}",
-             "why": (cfg.get("method_notes") or {}).get(m, "-")}
+        reg, hp, train_over = method_spec(cfg, m)
+        s = {"method": reg, "hyperparameters": json.dumps(hp)}
+        if train_over:
+            s["budget changes"] = json.dumps(train_over)
+        s["why"] = (cfg.get("method_notes") or {}).get(m, "-")
         settings_md[m] = s
-        del desc
     common = {"budget": f"{cfg['train']['optim'].get('steps')} steps x {cfg['train']['rollout'].get('prompts_per_step')} "
                         f"prompts x {cfg['train']['rollout'].get('group_size')} samples",
               "lr": cfg["train"]["optim"].get("learning_rate"),
@@ -253,13 +294,15 @@ def run_demo(cfg: Dict[str, Any], out_dir: str, *, cache_dir: Optional[str] = No
                                                                 "evaluation": cfg["evaluation"],
                                                                 "quick": bool(cfg.get("quick"))},
                             timing={"total_s": time.time() - clock.t0,
+                                    "cpu_s": time.process_time() - clock.c0,
                                     "train_s_per_run": {m: (sum(v) / len(v) if v else None) for m, v in timings.items()}})
     paths = write_report(out_dir, metrics, settings={"all methods": common, **settings_md},
                          notes=demo_notes(cfg, metrics), title="openrlhf-div demo: diversity under RL on a toy task",
                          intro=demo_intro(cfg, spec))
     log(f"  wrote {paths['report']}, {paths['metrics']}, {os.path.basename(paths['passk_plot'])}, "
         f"{os.path.basename(paths.get('styles_plot', ''))}")
-    log(f"\ndone in {time.time() - clock.t0:.0f} s. Summary (mean over seeds):")
+    log(f"\ndone in {time.time() - clock.t0:.0f} s (CPU time {time.process_time() - clock.c0:.0f} s; the two differ "
+        f"when other processes share the cores). Summary (mean over seeds):")
     log(f"  {'model':<10} {'pass@1':>7} {'pass@16':>8} {'rare@16':>8} {'styles':>7}")
     for name, M in [("base", metrics["base"])] + list(metrics["methods"].items()):
         rare = (M.get("splits") or {}).get("demo/rare", {}).get("pass@16", float("nan"))
@@ -294,18 +337,18 @@ def _train_and_eval(cfg, tdict, run_dir, eval_rows, base_problems, seed, setting
     tdict = copy.deepcopy(tdict)
     tdict["logging"]["progress"] = bool(progress)
     tcfg = config_from_dict(tdict)
-    t0 = time.time()
+    t0, c0 = time.time(), time.process_time()
     trainer = Trainer(tcfg)
     trainer.train()
-    secs = time.time() - t0
+    secs, cpu = time.time() - t0, time.process_time() - c0
     trainer.model.eval()
     M, problems = evaluate_model(trainer.model, trainer.tokenizer, eval_rows, base_problems=base_problems,
                                  styles=STYLES, **_eval_kw(cfg, seed))
-    save_evaluation(run_dir, task=task, name=tdict["method"]["name"], role="method", metrics=M, problems=problems,
+    save_evaluation(run_dir, task=task, name=settings["entry"], role="method", metrics=M, problems=problems,
                     seed=seed, settings=settings)
     # keep the run small: the final model stays, the (identical) last checkpoint goes
     shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
-    return M, secs
+    return M, secs, cpu
 
 
 # ------------------------------------------------------------------ report text

@@ -31,7 +31,7 @@ from .results import atomic_write_json, atomic_write_text, model_metrics, read_e
 
 STYLE_COLORS = {"A": "#4C72B0", "B": "#DD8452", "C": "#55A868", "D": "#C44E52", "E": "#8172B3",
                 "other": "#7f7f7f"}
-_META = ("n_seeds", "seeds", "per_seed", "sd")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
 
 
 # ------------------------------------------------------------------ aggregation
@@ -181,6 +181,7 @@ def prediction_checks(metrics: Mapping[str, Any], style_split: Optional[str] = N
     base, methods = metrics["base"], metrics["methods"]
     out: List[str] = []
     sty = f"splits::{style_split}::mean_styles" if style_split else "mean_styles"
+    sty_label = f"styles ({style_split.split('/')[-1]} split)" if style_split else "styles"
     rare = next((f"splits::{s}::pass@16" for s in (base.get("splits") or {}) if s.endswith("rare")), "pass@16")
 
     def verdict(delta: float, sd: float, n: int, want_positive: bool) -> str:
@@ -212,17 +213,17 @@ def prediction_checks(metrics: Mapping[str, Any], style_split: Optional[str] = N
         if name in methods:
             d = _diff(methods[name], base, sty)
             if d:
-                out.append(f"- {name} narrows the styles — {sty}: {_get(base, sty):.2f} -> "
+                out.append(f"- {name} narrows the styles — {sty_label}: {_get(base, sty):.2f} -> "
                            f"{_get(methods[name], sty):.2f}: {verdict(d[0], d[1], d[2], False)}")
     for a in ("dph_f", "dph_js"):
         for b in ("grpo", "rkl"):
-            for path, label in ((sty, "styles"), (rare, "pass@16 (rare)"), ("pass@16", "pass@16")):
+            for path, label in ((sty, sty_label), (rare, "pass@16 (rare)"), ("pass@16", "pass@16")):
                 d = cmp(a, b, path)
                 if d:
                     out.append(f"- {a} keeps more {label} than {b}: {_get(methods[a], path):.3f} vs "
                                f"{_get(methods[b], path):.3f}: {verdict(d[0], d[1], d[2], True)}")
     for a in ("ds_grpo", "lad_js"):
-        for path, label in ((sty, "styles"), (rare, "pass@16 (rare)"), ("dist-2", "dist-2")):
+        for path, label in ((sty, sty_label), (rare, "pass@16 (rare)"), ("dist-2", "dist-2")):
             d = cmp(a, "grpo", path)
             if d:
                 out.append(f"- {a} keeps more {label} than grpo: {_get(methods[a], path):.3f} vs "
@@ -258,8 +259,10 @@ def plot_passk(metrics: Mapping[str, Any], path: str) -> str:
                 continue
             ks = sorted(int(k) for k in curve)
             y = np.array([curve[str(k)] for k in ks])
-            style = dict(color="black", lw=2.2, ls="--") if name == "base" else dict(color=cmap(i % 10), lw=1.6)
-            ax.plot(ks, y, marker="o", ms=2.5, label=name, **style)
+            style = (dict(color="black", lw=2.2, ls="--", marker="o") if name == "base" else
+                     dict(color=cmap(i % 10), lw=1.6, marker=MARKERS[i % len(MARKERS)],
+                          ls=("-", "-.", ":")[(i // 10) % 3]))
+            ax.plot(ks, y, ms=3.5, label=name, **style)
             sd = _get(M.get("sd") or {}, p)
             if sd:
                 e = np.array([sd.get(str(k), 0.0) for k in ks])
