@@ -172,3 +172,30 @@ def test_write_report_prediction_checks(tmp_path):
     md = open(tmp_path / "report.md").read()
     assert "RL raises pass@1 over the base — grpo" in md
     assert "grpo narrows the styles" in md
+
+
+def test_compare_reads_eval_cli_results_json(tmp_path):
+    """`openrlhf-div eval` writes results.json ({"task", "problems": [{"id", "source", "correct"}]});
+    compare recomputes the metrics from its per-problem outcomes."""
+    def results(seed, acc):
+        rng = random.Random(seed)
+        probs = [{"id": f"q{i}", "source": "aime", "n_correct": 0,
+                  "correct": [rng.random() < acc for _ in range(16)]} for i in range(10)]
+        return {"task": "math", "n": 16, "ks": [1, 8, 16], "metrics": {}, "problems": probs}
+
+    for d, seed, acc in (("base", 0, 0.2), ("grpo/seed0", 1, 0.5), ("grpo/seed1", 2, 0.5), ("dph_js/seed0", 3, 0.4)):
+        os.makedirs(tmp_path / d)
+        json.dump(results(seed, acc), open(tmp_path / d / "results.json", "w"))
+    runs = [str(tmp_path / d) for d in ("grpo/seed0", "grpo/seed1", "dph_js/seed0")]
+    compare_runs(runs + [str(tmp_path / "base")], str(tmp_path / "out"), base_dir=str(tmp_path / "base"))
+    m = json.load(open(tmp_path / "out" / "metrics.json"))
+    assert m["task"] == "math" and set(m["methods"]) == {"grpo", "dph_js"}
+    assert m["methods"]["grpo"]["seeds"] == [0, 1]
+    r = results(1, 0.5)["problems"]
+    assert m["methods"]["grpo"]["per_seed"]["0"]["pass@8"] == pytest.approx(
+        statistics.mean(passk_ref(16, sum(p["correct"]), 8) for p in r))
+    base = results(0, 0.2)["problems"]
+    solved = [i for i, p in enumerate(base) if any(p["correct"][:8])]
+    keep = sum(any(r[i]["correct"][:8]) for i in solved) / len(solved)
+    assert m["methods"]["grpo"]["per_seed"]["0"]["keep_rate"] == pytest.approx(keep)
+    assert not os.path.exists(tmp_path / "out" / "styles.png")  # no styles in these results

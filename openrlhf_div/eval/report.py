@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .results import atomic_write_json, atomic_write_text, model_metrics, read_eval_json
+from .results import atomic_write_json, atomic_write_text, load_run, model_metrics
 
 STYLE_COLORS = {"A": "#4C72B0", "B": "#DD8452", "C": "#55A868", "D": "#C44E52", "E": "#8172B3",
                 "other": "#7f7f7f"}
@@ -394,15 +394,16 @@ def write_report(out_dir: str, metrics: Mapping[str, Any], *, settings: Optional
 # ------------------------------------------------------------------ compare
 def compare_runs(run_dirs: Iterable[str], out_dir: str, *, base_dir: Optional[str] = None,
                  style_split: Optional[str] = "auto") -> Dict[str, str]:
-    """The report from run directories holding ``eval.json`` (``openrlhf-div compare``).
+    """The report from run directories holding ``eval.json`` or ``openrlhf-div eval``'s
+    ``results.json`` (``openrlhf-div compare``; see :func:`~.results.load_run` for ``NAME=DIR``).
 
     The base is ``base_dir`` or the one run with ``role == "base"``. Methods are grouped by
     ``name``; runs of one name with different seeds are aggregated. When the runs carry
     per-problem records, keep / explore rates are recomputed against this base.
     """
-    evals = [read_eval_json(d) for d in run_dirs]
+    evals = [load_run(d) for d in run_dirs]
     if base_dir is not None:
-        base_eval = read_eval_json(base_dir)
+        base_eval = load_run(base_dir, role="base")
     else:
         bases = [e for e in evals if e["role"] == "base"]
         if len(bases) != 1:
@@ -417,7 +418,7 @@ def compare_runs(run_dirs: Iterable[str], out_dir: str, *, base_dir: Optional[st
     settings: Dict[str, Any] = {}
     base_problems = base_eval.get("problems")
     for e in evals:
-        if e is base_eval or e["role"] == "base":
+        if e["_path"] == base_eval["_path"] or e["role"] == "base":
             continue
         M = dict(e["metrics"])
         if base_problems and e.get("problems"):

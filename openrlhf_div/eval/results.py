@@ -40,13 +40,15 @@ The eval-output file of a run directory is ``eval.json`` (:func:`write_eval_json
 
 ``role`` is ``"base"`` or ``"method"``; ``problems`` carries ``id``, ``source``,
 ``correct`` and ``styles`` per problem (no texts), so ``openrlhf-div compare`` can recompute
-keep / explore rates against any base.
+keep / explore rates against any base. ``compare`` also reads the ``results.json`` that
+``openrlhf-div eval`` writes (:func:`load_run`), so run directories of any engine compare.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import tempfile
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
@@ -210,3 +212,53 @@ def read_eval_json(path: str) -> Dict[str, Any]:
         if key not in d:
             raise ValueError(f"{path}: eval.json lacks the {key!r} field")
     return d
+
+
+RESULTS_FILE = "results.json"  # written by `openrlhf-div eval` (openrlhf_div.eval.evaluate)
+_SEED_DIR = re.compile(r"seed[_-]?(\d+)$")
+
+
+def load_run(spec: str, role: Optional[str] = None) -> Dict[str, Any]:
+    """One run for ``compare``, as an ``eval.json``-shaped dict.
+
+    ``spec`` is ``[NAME=]PATH``; ``PATH`` is a run directory (or file) holding ``eval.json``
+    or, failing that, ``results.json`` from ``openrlhf-div eval``. For a ``results.json`` the
+    metrics are recomputed from its per-problem ``correct`` lists (no styles), the name is
+    ``NAME`` or the directory name (``.../grpo/seed1`` -> name ``grpo``, seed 1), and the
+    role is ``role`` (default ``"method"``).
+    """
+    name = None
+    if "=" in spec and not os.path.exists(spec):
+        name, spec = spec.split("=", 1)
+    path = spec
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, EVAL_FILE)) \
+            and os.path.isfile(os.path.join(path, RESULTS_FILE)):
+        path = os.path.join(path, RESULTS_FILE)
+    if os.path.basename(path) != RESULTS_FILE:
+        d = read_eval_json(path)
+        d["_path"] = os.path.abspath(path if os.path.isfile(path) else os.path.join(path, EVAL_FILE))
+        if name:
+            d["name"] = name
+        if role:
+            d["role"] = role
+        return d
+    with open(path) as f:
+        r = json.load(f)
+    if not isinstance(r, dict) or "problems" not in r:
+        raise ValueError(f"{path}: not an `openrlhf-div eval` results file (no 'problems' list)")
+    run_dir = os.path.dirname(os.path.abspath(path))
+    seed = r.get("seed")
+    if name is None:
+        m = _SEED_DIR.search(os.path.basename(run_dir))
+        if m:
+            seed = int(m.group(1))
+            name = os.path.basename(os.path.dirname(run_dir))
+        else:
+            name = os.path.basename(run_dir)
+    problems = [{"id": str(p["id"]), "source": str(p.get("source", "")), "correct": [int(bool(c)) for c in p["correct"]]}
+                for p in r["problems"]]
+    role = role or "method"
+    return {"_path": os.path.abspath(path), "format": EVAL_FORMAT, "task": r.get("task", "?"), "name": name,
+            "role": role, "seed": seed,
+            "settings": {k: r[k] for k in ("model", "sampling", "n") if k in r},
+            "metrics": model_metrics(problems, is_base=(role == "base")), "problems": problems}
