@@ -123,6 +123,7 @@ def _columns(metrics: Mapping[str, Any], style_split: Optional[str]) -> List[Tup
     base = metrics["base"]
     cols = [("pass@1", "pass@1"), ("pass@8", "pass@8"), ("pass@16", "pass@16")]
     for s in (base.get("splits") or {}):
+        cols.append((f"pass@1 {s.split('/')[-1]}", f"splits::{s}::pass@1"))
         cols.append((f"pass@16 {s.split('/')[-1]}", f"splits::{s}::pass@16"))
     if "mean_styles" in base:
         cols.append(("mean_styles", "mean_styles"))
@@ -222,6 +223,13 @@ def prediction_checks(metrics: Mapping[str, Any], style_split: Optional[str] = N
                 if d:
                     out.append(f"- {a} keeps more {label} than {b}: {_get(methods[a], path):.3f} vs "
                                f"{_get(methods[b], path):.3f}: {verdict(d[0], d[1], d[2], True)}")
+    p1 = f"splits::{style_split}::pass@1" if style_split else "pass@1"
+    p1_label = f"pass@1 ({style_split.split('/')[-1]} split)" if style_split else "pass@1"
+    for a in ("dph_f", "dph_js", "ds_grpo", "lad_js"):
+        d = cmp(a, "grpo", p1)
+        if d:
+            out.append(f"- (the price) {a} vs grpo, {p1_label}: {_get(methods[a], p1):.3f} vs "
+                       f"{_get(methods['grpo'], p1):.3f} (difference {d[0]:+.3f}, larger seed sd {d[1]:.3f})")
     for a in ("ds_grpo", "lad_js"):
         for path, label in ((sty, sty_label), (rare, "pass@16 (rare)"), ("dist-2", "dist-2")):
             d = cmp(a, "grpo", path)
