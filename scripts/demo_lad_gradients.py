@@ -23,6 +23,7 @@ import json
 import torch
 
 from openrlhf_div.algorithms import LossInputs, get_method
+from openrlhf_div.demo.pipeline import load_demo_config
 from openrlhf_div.demo.warmup import WarmupConfig, base_model_dir
 from openrlhf_div.engines.local.generation import generate, sequence_log_probs
 from openrlhf_div.engines.local.tiny import load_model
@@ -54,7 +55,9 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    model, tok = load_model(args.base or base_model_dir(WarmupConfig(steps=600, batch_size=256, lr=3e-3)))
+    if args.base is None:  # the demo's cached base model (build it with `openrlhf-div demo` first)
+        args.base = base_model_dir(WarmupConfig.from_dict(load_demo_config()["warmup"]))
+    model, tok = load_model(args.base)
     task = get_task("demo")
     train = make_splits()["train"][: args.prompts]
     G = 8

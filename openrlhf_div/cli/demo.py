@@ -30,7 +30,16 @@ def add_parser(sub):
 
 
 def run(args) -> int:
+    import os
+
+    import torch
+
     from openrlhf_div.demo.pipeline import load_demo_config, run_demo
+
+    if not torch.cuda.is_available():
+        # transformers imports DeepSpeed lazily; without this it logs a "Setting accelerator to CPU"
+        # warning in the middle of the demo's progress output
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
     try:
         cfg = load_demo_config(args.config, quick=args.quick, overrides=args.overrides)

@@ -384,6 +384,9 @@ def demo_notes(cfg: Dict[str, Any], metrics: Dict[str, Any]) -> List[str]:
         "keep / explore: a problem counts as solved at pass@8 when one of the model's first 8 samples is correct; "
         "explore is the share of problems the base did not solve that the model solves.",
     ]
+    notes.append("How much of this rests on the settings (the papers' own hyperparameters, LAD's eta and number "
+                 "of passes per batch, a strong reverse KL, twice the steps) is measured in docs/demo.md; "
+                 "reproduce it with `openrlhf-div demo --config configs/demo_investigate.yaml`.")
     if len(cfg["seeds"]) < 3:
         notes.append(f"Only {len(cfg['seeds'])} seed(s) ran: differences between methods are not established by "
                      "this run (use the default 3 seeds, or more, before drawing a conclusion).")

@@ -58,7 +58,7 @@ class WarmupConfig:
     err_easy: float = 0.03
     err_by_style: Tuple[float, ...] = (0.45, 0.52, 0.60, 0.68, 0.75)
     # optimisation
-    steps: int = 1500
+    steps: int = 600
     batch_size: int = 256
     lr: float = 3e-3
     warmup_steps: int = 50
