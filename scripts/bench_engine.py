@@ -50,8 +50,9 @@ def time_method(work, method, steps, warmup, extra=()):
     for _ in range(warmup):
         tr.train_step()
     rows = [tr.train_step() for _ in range(steps)]
-    return {k: statistics.median(r[k] for r in rows) for k in ("time_step", "time_experience", "time_train",
-                                                                "time_generate", "response_length")}, tr
+    return {k: statistics.median(r[k] for r in rows) for k in ("time_step", "cpu_time_step", "time_experience",
+                                                                "time_train", "time_generate",
+                                                                "response_length")}, tr
 
 
 def bench_methods(work, steps, repeats, warmup):
@@ -64,7 +65,7 @@ def bench_methods(work, steps, repeats, warmup):
             r, tr = time_method(work, m, steps, warmup, ps_extra if m.startswith("dph") else ())
             res[m].append(r)
             refs[m] = tr.ref_model is not None
-            print(f"  [{rep + 1}/{repeats}] {m:8s} step {r['time_step'] * 1e3:7.1f} ms  (experience "
+            print(f"  [{rep + 1}/{repeats}] {m:8s} step {r['time_step'] * 1e3:7.1f} ms, cpu {r['cpu_time_step'] * 1e3:6.1f} ms (experience "
                   f"{r['time_experience'] * 1e3:6.1f}, train {r['time_train'] * 1e3:6.1f}, resp len "
                   f"{r['response_length']:.1f})", flush=True)
     summary = {}
@@ -98,22 +99,27 @@ def bench_trl(work, steps, warmup):
         max_steps=warmup + steps, logging_steps=1, save_strategy="no", report_to=[], temperature=1.0,
         use_cpu=True, seed=0, bf16=False, fp16=False, dataloader_num_workers=0, disable_tqdm=True,
     )
-    times = []
+    times, cpu = [], []
 
     from transformers import TrainerCallback
 
     class Timer(TrainerCallback):
         def on_step_begin(self, a, state, control, **kw):
-            self.t = time.perf_counter()
+            self.t, self.c = time.perf_counter(), time.process_time()
 
         def on_step_end(self, a, state, control, **kw):
             times.append(time.perf_counter() - self.t)
+            cpu.append(time.process_time() - self.c)
 
     tr = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok,
                      callbacks=[Timer()])
     tr.train()
     t = statistics.median(times[warmup:])
-    return {"trl_version": trl.__version__, "time_step": t, "samples_per_s": B * G / t, "steps_timed": len(times[warmup:])}
+    c = statistics.median(cpu[warmup:])
+    return {"trl_version": trl.__version__, "time_step": t, "cpu_time_step": c, "samples_per_s": B * G / t,
+            "samples_per_cpu_s": B * G / c, "steps_timed": len(times[warmup:]),
+            "response_length": float(statistics.mean(tr.state.log_history[i].get("completions/mean_length", 0)
+                                                     for i in range(warmup, len(tr.state.log_history) - 1)))}
 
 
 def main():
@@ -140,16 +146,29 @@ def main():
         out["methods"] = bench_methods(work, args.steps, args.repeats, args.warmup)
         m = out["methods"]
         for d in ("dph_js", "dph_f"):
-            out[f"{d}_over_rkl_step"] = m[d]["time_step"] / m["rkl"]["time_step"]
-            out[f"{d}_over_rkl_train_plus_ref"] = ((m[d]["time_step"] - m[d]["time_generate"]) /
-                                                   (m["rkl"]["time_step"] - m["rkl"]["time_generate"]))
-        print(json.dumps({k: v for k, v in out.items() if k.endswith("rkl_step") or k.endswith("ref")}, indent=1))
+            out[f"{d}_over_rkl_step_wall"] = m[d]["time_step"] / m["rkl"]["time_step"]
+            out[f"{d}_over_rkl_step_cpu"] = m[d]["cpu_time_step"] / m["rkl"]["cpu_time_step"]
+        print(json.dumps({k: v for k, v in out.items() if "over_rkl" in k}, indent=1))
     if args.trl:
-        ours, _ = time_method(work, "grpo", args.steps, args.warmup)
-        out["ours_grpo"] = {**ours, "samples_per_s": B * G / ours["time_step"]}
-        out["trl"] = bench_trl(work, args.steps, args.warmup)
-        out["ours_over_trl_samples_per_s"] = out["ours_grpo"]["samples_per_s"] / out["trl"]["samples_per_s"]
-        print(json.dumps({k: out[k] for k in ("ours_grpo", "trl", "ours_over_trl_samples_per_s")}, indent=1))
+        trl_runs, ours_runs, ours_nr_runs = [], [], []
+        for rep in range(args.repeats):  # interleaved
+            trl_runs.append(bench_trl(work, args.steps, args.warmup))
+            ours_runs.append(time_method(work, "grpo", args.steps, args.warmup)[0])
+            ours_nr_runs.append(time_method(work, "grpo", args.steps, args.warmup,
+                                            ["rollout.recompute_old_log_probs=false"])[0])
+            print(f"  [{rep + 1}] trl {trl_runs[-1]['time_step'] * 1e3:.0f} ms (cpu {trl_runs[-1]['cpu_time_step'] * 1e3:.0f}),"
+                  f" ours {ours_runs[-1]['time_step'] * 1e3:.0f} ms (cpu {ours_runs[-1]['cpu_time_step'] * 1e3:.0f}),"
+                  f" ours w/o old-lp recompute {ours_nr_runs[-1]['time_step'] * 1e3:.0f} ms "
+                  f"(cpu {ours_nr_runs[-1]['cpu_time_step'] * 1e3:.0f})", flush=True)
+        med = lambda runs, k: statistics.median(r[k] for r in runs)
+        out["trl"] = {"trl_version": trl_runs[0]["trl_version"],
+                      **{k: med(trl_runs, k) for k in ("time_step", "cpu_time_step", "response_length")}}
+        for name, runs in (("ours_grpo", ours_runs), ("ours_grpo_no_old_lp_recompute", ours_nr_runs)):
+            out[name] = {k: med(runs, k) for k in runs[0]}
+        for name in ("ours_grpo", "ours_grpo_no_old_lp_recompute"):
+            out[f"{name}_over_trl_samples_per_s_wall"] = out["trl"]["time_step"] / out[name]["time_step"]
+            out[f"{name}_over_trl_samples_per_s_cpu"] = out["trl"]["cpu_time_step"] / out[name]["cpu_time_step"]
+        print(json.dumps({k: v for k, v in out.items() if "trl" in k}, indent=1))
     out["machine"]["loadavg_end"] = os.getloadavg()
     if args.json:
         with open(args.json, "w") as f:

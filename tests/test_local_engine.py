@@ -119,6 +119,15 @@ def test_sampler_log_probs_equal_training_forward_and_unpadded_reference():
     assert again.response_ids == out.response_ids
     ids, attn, rm = pack_sequences(out.prompt_ids, out.response_ids, tok.pad_token_id)
     assert torch.equal(ids, out.input_ids) and torch.equal(attn, out.attention_mask) and torch.equal(rm, out.response_mask)
+    # greedy (temperature 0): every token is the argmax of the training forward's logits
+    gr = generate(model, tok, prompts, n_samples=2, max_new_tokens=6, temperature=0.0)
+    assert gr.response_ids[0] == gr.response_ids[1]
+    with torch.no_grad():
+        logits = model(input_ids=gr.input_ids, attention_mask=gr.attention_mask,
+                       position_ids=(gr.attention_mask.cumsum(-1) - 1).clamp(min=0)).logits
+    P = gr.input_ids.shape[1] - gr.response_mask.shape[1]
+    am = logits[:, P - 1:-1].argmax(-1)
+    assert bool(((am == gr.input_ids[:, P:]) | (gr.response_mask == 0)).all())
     _, ent = sequence_log_probs(model, out.input_ids, out.attention_mask, out.response_mask,
                                 return_entropy=True, temperature=T)
     assert float(ent.max()) <= math.log(len(tok)) + 1e-5 and float(ent[out.response_mask.bool()].min()) > 0
@@ -426,3 +435,28 @@ def test_ctrl_c_finishes_the_step_and_checkpoints(data_dir, tmp_path):
         tr.train()
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_000002"
     assert [json.loads(x)["step"] for x in open(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_lean_decoder_matches_hf_cache_path(arch):
+    from openrlhf_div.engines.local.fastgen import HFDecoder, LlamaLikeDecoder, make_decoder
+
+    model, tok = build_tiny_model(VOCAB, seed=1)
+    if arch == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=1, pad_token_id=tok.pad_token_id,
+                          eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
+    assert isinstance(make_decoder(model, 2, 8), LlamaLikeDecoder)
+    assert isinstance(make_decoder(model, 2, 8, fast=False), HFDecoder)
+    prompts = ["ab=", "abcdef=", "f="]
+    kw = dict(n_samples=4, max_new_tokens=7, temperature=1.3)
+    a = generate(model, tok, prompts, generator=torch.Generator().manual_seed(9), fast=False, **kw)
+    b = generate(model, tok, prompts, generator=torch.Generator().manual_seed(9), fast=True, **kw)
+    assert a.response_ids == b.response_ids
+    torch.testing.assert_close(a.log_probs, b.log_probs, atol=1e-5, rtol=0)
+    lp = sequence_log_probs(model, b.input_ids, b.attention_mask, b.response_mask, temperature=1.3)
+    torch.testing.assert_close(lp.detach(), b.log_probs, atol=1e-5, rtol=0)

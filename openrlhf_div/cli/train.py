@@ -39,6 +39,9 @@ def run(args) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except (FileExistsError, FileNotFoundError) as e:
+        print(f"openrlhf-div train: {e}", file=sys.stderr)
+        return 2
     except NonFiniteLossError as e:
         print(f"training stopped: {e}", file=sys.stderr)
         return 3

@@ -36,21 +36,17 @@ def pack_sequences(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[S
     above, from per-sample token lists (``P``/``R`` = the longest prompt / response)."""
     if len(prompt_ids) != len(response_ids):
         raise ValueError(f"pack_sequences: {len(prompt_ids)} prompts but {len(response_ids)} responses")
-    n = len(prompt_ids)
     P = max((len(p) for p in prompt_ids), default=0)
     R = max((len(r) for r in response_ids), default=0)
-    if P == 0:
-        raise ValueError("pack_sequences: every prompt is empty; a prompt needs at least one token")
-    ids = torch.full((n, P + R), pad_id, dtype=torch.long)
-    attn = torch.zeros((n, P + R), dtype=torch.long)
+    ids, attn = [], []
     for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
         if len(p) == 0:
-            raise ValueError(f"pack_sequences: prompt {i} is empty")
-        ids[i, P - len(p):P] = torch.as_tensor(list(p), dtype=torch.long)
-        attn[i, P - len(p):P] = 1
-        if len(r):
-            ids[i, P:P + len(r)] = torch.as_tensor(list(r), dtype=torch.long)
-            attn[i, P:P + len(r)] = 1
+            raise ValueError(f"pack_sequences: prompt {i} is empty; a prompt needs at least one token")
+        lp, lr = len(p), len(r)
+        ids.append([pad_id] * (P - lp) + [int(t) for t in p] + [int(t) for t in r] + [pad_id] * (R - lr))
+        attn.append([0] * (P - lp) + [1] * (lp + lr) + [0] * (R - lr))
+    ids = torch.tensor(ids, dtype=torch.long).view(len(prompt_ids), P + R)
+    attn = torch.tensor(attn, dtype=torch.long).view(len(prompt_ids), P + R)
     resp_mask = attn[:, P:].clone()
     return ids.to(device), attn.to(device), resp_mask.to(device)
 
@@ -174,15 +170,17 @@ def encode_prompts(tokenizer, prompts: Sequence[Union[str, Sequence[int]]]) -> L
 @torch.no_grad()
 def generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]], *, n_samples: int = 1,
              max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0,
-             generator: Optional[torch.Generator] = None, batch_size: Optional[int] = None) -> GenerationOutput:
+             generator: Optional[torch.Generator] = None, batch_size: Optional[int] = None,
+             fast: Optional[bool] = None) -> GenerationOutput:
     """Sample ``n_samples`` responses per prompt with a KV cache.
 
-    A hand-written loop over ``past_key_values`` (HF's ``DynamicCache``): one prefill of the
-    left-padded prompts, then one single-token forward per step; a row stops at ``<eos>`` or
-    after ``max_new_tokens``, and the loop ends when every row has stopped. Finished rows
-    keep feeding ``<pad>`` with attention 0, exactly as the training forward sees them.
-    Randomness comes only from ``generator`` (``torch.multinomial``), so a seeded generator
-    reproduces the samples. ``batch_size`` splits very large requests into chunks.
+    A hand-written loop: one prefill of the left-padded prompts, then one single-token
+    forward per step through a KV cache (:mod:`.fastgen`: a lean decoder for Qwen2/Llama
+    models, HF's ``DynamicCache`` path otherwise or with ``fast=False``); a row stops at
+    ``<eos>`` or after ``max_new_tokens``, and the loop ends when every row has stopped.
+    Finished rows keep feeding ``<pad>`` with attention 0, exactly as the training forward
+    sees them. Randomness comes only from ``generator`` (``torch.multinomial``), so a seeded
+    generator reproduces the samples. ``batch_size`` splits very large requests into chunks.
     """
     if n_samples < 1:
         raise ValueError(f"n_samples must be >= 1, got {n_samples}")
@@ -193,14 +191,14 @@ def generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]], *, 
     enc = encode_prompts(tokenizer, prompts)
     rows = [p for p in enc for _ in range(n_samples)]
     if batch_size is not None and len(rows) > batch_size:
-        parts = [_generate_rows(model, tokenizer, rows[i:i + batch_size], max_new_tokens, temperature, top_p, generator)
-                 for i in range(0, len(rows), batch_size)]
+        parts = [_generate_rows(model, tokenizer, rows[i:i + batch_size], max_new_tokens, temperature, top_p,
+                                generator, fast) for i in range(0, len(rows), batch_size)]
         return _concat(parts, tokenizer.pad_token_id)
-    return _generate_rows(model, tokenizer, rows, max_new_tokens, temperature, top_p, generator)
+    return _generate_rows(model, tokenizer, rows, max_new_tokens, temperature, top_p, generator, fast)
 
 
-def _generate_rows(model, tokenizer, rows, max_new_tokens, temperature, top_p, generator) -> GenerationOutput:
-    from transformers import DynamicCache
+def _generate_rows(model, tokenizer, rows, max_new_tokens, temperature, top_p, generator, fast=None) -> GenerationOutput:
+    from .fastgen import make_decoder
 
     device = next(model.parameters()).device
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
@@ -211,15 +209,14 @@ def _generate_rows(model, tokenizer, rows, max_new_tokens, temperature, top_p, g
     T = 1.0 if greedy else float(temperature)
     was_training = model.training
     model.eval()
-    cache = DynamicCache()
+    decoder = make_decoder(model, n, ids.shape[1] + max_new_tokens, fast)
     pos = position_ids_from_mask(attn)
-    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
-                use_cache=True, logits_to_keep=1)
-    next_pos = pos[:, -1:] + 1
+    logits = decoder.prefill(ids, attn, pos)
+    next_pos = pos[:, -1] + 1
     done = torch.zeros(n, dtype=torch.bool, device=device)
     toks, lps, alive = [], [], []
     for step in range(max_new_tokens):
-        logits = out.logits[:, -1, :].float()
+        logits = logits.float()
         if T != 1.0:
             logits = logits / T
         logp = torch.log_softmax(logits, dim=-1)
@@ -237,8 +234,7 @@ def _generate_rows(model, tokenizer, rows, max_new_tokens, temperature, top_p, g
         if bool(done.all()) or step == max_new_tokens - 1:
             break
         attn = torch.cat([attn, live.long().unsqueeze(-1)], dim=-1)
-        out = model(input_ids=tok.unsqueeze(-1), attention_mask=attn, position_ids=next_pos,
-                    past_key_values=cache, use_cache=True)
+        logits = decoder.step(tok, attn, next_pos)
         next_pos = next_pos + 1
     if was_training:
         model.train()
