@@ -5,4 +5,4 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
-exec "$ROOT/.venv/bin/openrlhf-div" bandit --all --out runs/bandit "$@"
+exec "$ROOT/.venv/bin/openrlhf-div" demo "$@"

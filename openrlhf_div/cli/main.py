@@ -21,6 +21,8 @@ SUBCOMMANDS = [
     ("presample", "DPH-RL pre-sampling: split training prompts into D_pef / D_exp"),
     ("train", "RL training with the local engine (any registered method)"),
     ("eval", "evaluate a model on a task: pass@k, mean@k, greedy, diversity, keep/explore"),
+    ("demo", "the diversity demo from nothing: base model, pre-sampling, RL per method, report"),
+    ("compare", "comparison report (metrics.json, report.md, plots) from run directories' eval.json"),
 ]
 
 

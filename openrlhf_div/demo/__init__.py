@@ -1,0 +1,1 @@
+"""The diversity demo: the cached base model (warmup), evaluation helpers and the pipeline behind `openrlhf-div demo`."""
