@@ -64,7 +64,7 @@ import json
 import math
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -75,6 +75,7 @@ from openrlhf_div.algorithms import (
     ds_reshape_advantages,
     get_method,
 )
+from openrlhf_div.io import atomic_write_bytes
 
 LAD_BANDIT_METHODS: Tuple[str, ...] = (
     "lad_js", "lad_kl", "lad_reverse_kl", "lad_jeffreys", "lad_tv", "lad_hellinger",
@@ -401,18 +402,7 @@ def run_bandit(method: str, config: Optional[BanditConfig] = None,
 
 # ------------------------------------------------------------------ output
 def _atomic_write(path: str, data: bytes) -> None:
-    path = os.path.abspath(path)
-    d = os.path.dirname(path)
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write_bytes(path, data)
 
 
 def write_json(result: Dict, path: str) -> None:

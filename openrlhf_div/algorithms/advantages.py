@@ -6,7 +6,6 @@ contiguously (responses of one prompt next to each other), as OpenRLHF lays them
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 

@@ -29,7 +29,7 @@ import math
 import os
 import random
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch

@@ -20,12 +20,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections import Counter, defaultdict
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from .diversity import keep_explore_rates, mean_distinct_n
 from .passk import mean_at_k, pass_at_k
+from openrlhf_div.io import atomic_write_text
 
 __all__ = ["evaluate", "summarize", "results_markdown", "load_results", "write_results"]
 
@@ -223,17 +223,7 @@ def load_results(path: str) -> Dict[str, Any]:
 
 
 def _atomic_write(path: str, text: str) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write_text(path, text)
 
 
 def write_results(result: Mapping[str, Any], out_dir: str, extra: Optional[Mapping[str, Any]] = None) -> Dict[str, str]:

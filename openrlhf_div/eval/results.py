@@ -49,13 +49,13 @@ import json
 import math
 import os
 import re
-import tempfile
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
 from .diversity import distinct_n, keep_explore_rates
 from .passk import pass_at_k
+from openrlhf_div.io import atomic_write_text as _atomic_write_text
 
 EVAL_FORMAT = "openrlhf-div.eval/1"
 EVAL_FILE = "eval.json"
@@ -152,17 +152,7 @@ def model_metrics(problems: Sequence[Mapping[str, Any]], base: Optional[Sequence
 # ------------------------------------------------------------------ files
 def atomic_write_text(path: str, text: str) -> None:
     """Write ``text`` to ``path`` via a temporary sibling and ``os.replace``."""
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix="-" + os.path.basename(path))
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    _atomic_write_text(path, text)
 
 
 def atomic_write_json(path: str, obj: Any) -> None:

@@ -38,11 +38,11 @@ import json
 import os
 import random
 import re
-import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .base import RewardResult, Task, register_task
+from openrlhf_div.io import atomic_write_text
 
 STYLES: Tuple[str, ...] = ("A", "B", "C", "D", "E")
 OTHER = "other"
@@ -241,17 +241,7 @@ def make_splits(spec: SplitSpec = SplitSpec()) -> Dict[str, List[Dict[str, Any]]
 
 
 def _atomic_write_text(path: str, text: str) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write_text(path, text)
 
 
 def write_jsonl(path: str, rows: Iterable[Dict[str, Any]]) -> None:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Sequence
 
 import numpy as np
+from openrlhf_div.io import atomic_write_jsonl
 
 
 def read_jsonl(path: str) -> List[Dict[str, Any]]:
@@ -53,15 +54,8 @@ def load_examples(path: str) -> List[Dict[str, Any]]:
 
 
 def write_jsonl_atomic(path: str, rows: Iterable[Dict[str, Any]]) -> None:
-    """Write rows (one JSON object a line) to ``path`` via a temporary file + ``os.replace``."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write rows (one JSON object a line) to ``path`` atomically (:mod:`openrlhf_div.io`)."""
+    atomic_write_jsonl(path, rows)
 
 
 class Cursor:

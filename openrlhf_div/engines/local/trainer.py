@@ -66,7 +66,6 @@ from openrlhf_div.algorithms._utils import masked_mean
 from .config import TrainConfig, dump_config, load_config
 from .data import Cursor, load_anchor_samples, load_examples, render_prompt
 from .generation import (
-    GenerationOutput,
     encode_prompts,
     generate,
     pack_sequences,
@@ -74,6 +73,7 @@ from .generation import (
     sequence_log_probs,
 )
 from .tiny import _atomic_dir_write, build_tiny_model, load_model, save_model
+from openrlhf_div.io import atomic_write_json, atomic_write_text
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -101,21 +101,11 @@ def git_commit() -> Optional[str]:
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_json(path, obj, default=str)
 
 
 def write_text_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(path, text)
 
 
 def fit_width(t: torch.Tensor, width: int) -> torch.Tensor:

@@ -46,6 +46,7 @@ from .config import MegatronConfig
 from .loss import ADDITIVE_METRICS, MicroBatch, StepCounts, registry_loss, step_counts
 from .vocab_parallel import vocab_parallel_log_probs_entropy
 from .weights import GPTLayout, hf_to_megatron_param, megatron_param_to_hf, merge_tp_shards
+from openrlhf_div.io import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -667,10 +668,7 @@ def _per_param_step_hidden(optimizer):
 
 
 def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    atomic_write_text(path, text)
 
 
 def _atomic_torch_save(obj, path: str) -> None:

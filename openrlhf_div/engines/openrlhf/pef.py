@@ -29,6 +29,7 @@ import random
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence
+from openrlhf_div.io import atomic_write_json
 
 
 @dataclass
@@ -93,12 +94,7 @@ def write_jsonl_atomic(path: str, records: Iterable[Dict[str, Any]]) -> int:
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".json")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(obj, fh, indent=2, sort_keys=True, default=str)
-    os.replace(tmp, path)
+    atomic_write_json(path, obj, sort_keys=True, default=str)
 
 
 def _file(path: str, kind: str) -> str:
