@@ -15,6 +15,7 @@ from .advantages import (
     unlikeliness_rewards,
 )
 from .divergences import f_divergence
+from .heads import LogZHead
 from .kl import kl_estimate
 from .losses import (
     aggregate_loss,
@@ -49,7 +50,7 @@ __all__ = [
     "pkpo_advantages", "entropy_advantages", "overlong_penalty", "dynamic_sampling_mask",
     "kl_estimate", "aggregate_loss", "ppo_clip_loss", "cispo_loss", "clip_cov_loss",
     "kl_cov_loss", "entropy_loss", "diff_entropy_loss", "flowrl_loss", "dph_js_def_loss",
-    "entropy_from_logits",
+    "entropy_from_logits", "LogZHead",
     # the method registry
     "Method", "Needs", "LossInputs", "AnchorInputs", "get_method", "list_methods",
     "method_table", "register_method",

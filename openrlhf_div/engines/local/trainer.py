@@ -61,6 +61,7 @@ import numpy as np
 import torch
 
 from openrlhf_div.algorithms import AnchorInputs, LossInputs
+from openrlhf_div.algorithms.heads import LogZHead
 from openrlhf_div.algorithms._utils import masked_mean
 
 from .config import TrainConfig, dump_config, load_config
@@ -139,19 +140,6 @@ def build_policy(cfg: TrainConfig, device: torch.device, path: Optional[str] = N
                                       num_heads=m.tiny_heads, num_kv_heads=m.tiny_kv_heads, dtype=dtype)
         model.to(device)
     return model, tok
-
-
-class LogZHead(torch.nn.Module):
-    """FlowRL's learned log-partition ``log Z_phi(x)``: ``Linear -> GELU -> Linear`` on the
-    detached mean-pooled last-layer hidden states of the prompt."""
-
-    def __init__(self, hidden_size: int, width: int = 64):
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(hidden_size, width), torch.nn.GELU(),
-                                       torch.nn.Linear(width, 1))
-
-    def forward(self, prompt_hidden: torch.Tensor) -> torch.Tensor:
-        return self.net(prompt_hidden.detach().float()).squeeze(-1)
 
 
 # =============================================================================== evaluation

@@ -23,6 +23,7 @@ from typing import Dict, Optional
 
 import torch
 
+from openrlhf_div.algorithms.heads import LogZHead
 from openrlhf_div.compat.flash_attn_standin import install as _install_flash_attn_standin
 
 _install_flash_attn_standin()
@@ -47,19 +48,6 @@ def _swapped(module, name: str, value):
         yield
     finally:
         setattr(module, name, old)
-
-
-class LogZHead(torch.nn.Module):
-    """FlowRL's learned log-partition ``log Z_phi(x)``: ``Linear -> GELU -> Linear`` on the
-    detached mean-pooled last-layer hidden states of the prompt (as the local engine's)."""
-
-    def __init__(self, hidden_size: int, width: int = 64):
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(hidden_size, width), torch.nn.GELU(),
-                                       torch.nn.Linear(width, 1))
-
-    def forward(self, prompt_hidden: torch.Tensor) -> torch.Tensor:
-        return self.net(prompt_hidden.detach().float()).squeeze(-1)
 
 
 def mean_prompt_hidden(hidden: torch.Tensor, attention_mask: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
