@@ -21,6 +21,7 @@ from ._utils import (
     unknown_name_error,
     zero_masked,
 )
+from ._fused import Keep, per_token, ppo_clip_terms
 from .divergences import LAD_DIVERGENCES, check_alpha, f_divergence
 
 LOG2 = math.log(2.0)
@@ -34,6 +35,7 @@ def aggregate_loss(
     mode: str = "token-mean",
     num_tokens: Optional[float] = None,
     num_seqs: Optional[float] = None,
+    masked_zero: bool = False,
 ) -> torch.Tensor:
     """Reduce a per-token loss ``[B, T]`` to a scalar.
 
@@ -43,10 +45,12 @@ def aggregate_loss(
 
     ``num_tokens`` / ``num_seqs`` override the denominators, so micro-batches of one
     optimiser step can each divide by the *global* count (gradient accumulation stays exact).
+    ``masked_zero=True`` promises ``loss`` is already 0 at masked tokens (every per-token loss
+    of this library is) and skips selecting them again.
     """
     check_same_shape("loss", loss, mask=mask)
     m = mask.to(loss.dtype)
-    lm = fill_masked(loss, mask)
+    lm = loss if masked_zero else fill_masked(loss, mask)
     if mode == "token-mean":
         denom = m.sum().clamp(min=1.0) if num_tokens is None else float(max(num_tokens, 1))
         return lm.sum() / denom
@@ -97,16 +101,14 @@ def ppo_clip_loss(
     The fraction of tokens on the clipped branch is :func:`ppo_clip_mask`'s mean.
     """
     check_same_shape("log_probs", log_probs, old_log_probs=old_log_probs, mask=mask)
-    A = _adv(advantages, log_probs, mask)
-    r, _ = _ratio(log_probs, old_log_probs, mask)
-    l1 = -A * r
-    l2 = -A * r.clamp(1.0 - eps_low, 1.0 + eps_high)
-    loss = torch.maximum(l1, l2)
-    if dual_clip is not None:
-        if dual_clip <= 1.0:
-            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-        loss = torch.where(A < 0, torch.minimum(loss, -dual_clip * A), loss)
-    return zero_masked(loss, mask)
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    A = broadcast_seq("advantages", advantages, log_probs).detach()
+    keep = Keep(mask)
+    return per_token(
+        lambda need_coef: ppo_clip_terms(log_probs.detach(), old_log_probs.detach(), A, keep,
+                                         eps_low, eps_high, dual_clip, need_coef),
+        log_probs, old_log_probs)
 
 
 def cispo_loss(log_probs, old_log_probs, advantages, mask, eps_low: float = 1.0, eps_high: float = 0.28):

@@ -31,7 +31,8 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
-from ._utils import check_same_shape, masked_mean, unknown_name_error
+from ._fused import Keep, clipped_count, per_token, ppo_clip_terms
+from ._utils import broadcast_seq, check_same_shape, masked_mean, masked_sum, unknown_name_error
 from .advantages import (
     ds_reshape_advantages,
     dynamic_sampling_mask,
@@ -56,7 +57,6 @@ from .losses import (
     kl_cov_loss,
     lad_loss,
     ppo_clip_loss,
-    ppo_clip_mask,
 )
 from .divergences import check_alpha
 
@@ -101,6 +101,10 @@ ANCHORS: Dict[str, Dict[str, Any]] = {
     "alpha": {"anchor_eta": 0.01, "anchor_alpha": 0.5},
     "js_def": {"anchor_eta": 0.2},
 }
+
+
+# the metric each regularizer logs (its masked mean)
+_REG_METRIC = {"kl": "kl", "entropy": "entropy", "diff_entropy": "entropy", "js_def_online": "js_def_online"}
 
 
 @dataclass(frozen=True)
@@ -305,68 +309,109 @@ class Method:
 
     # -------------------------------------------------------------- training side
     def online_loss(self, b: LossInputs) -> Tuple[torch.Tensor, Dict[str, float]]:
-        """Per-token loss ``[B, T]`` on rollout tokens: policy loss + regularizers."""
+        """Per-token loss ``[B, T]`` on rollout tokens: policy loss + regularizers.
+
+        PPO-clip runs as a fused per-token loss (``_fused``: value and hand-derived gradient,
+        one backward product); the logged metrics reuse its intermediate sums. Other
+        components go through autograd.
+        Metrics are masked means over valid tokens, read back to the host in one transfer.
+        """
         h = self.hparams
         name = self.name
         adv = b.advantages
         if adv.dim() == 1:
             adv = adv.to(b.log_probs.dtype).unsqueeze(-1).expand_as(b.log_probs)
-        metrics: Dict[str, float] = {}
         if "entadv" in self.adv_reshaping:
             H = _require(b, "entropy", name, "entropy")
             adv = entropy_advantages(adv, H, b.mask, float(h["entadv_alpha"]), float(h["entadv_kappa"]))
+        check_same_shape("log_probs", b.log_probs, old_log_probs=b.old_log_probs, mask=b.mask)
+        keep = Keep(b.mask)
+        sums: Dict[str, torch.Tensor] = {}  # metric -> sum over valid tokens
+        fused = self._fused_regularizers(b)
         pl = self.policy_loss
-        if pl == "ppo_clip":
-            loss = ppo_clip_loss(b.log_probs, b.old_log_probs, adv, b.mask,
-                                 h["eps_low"], h["eps_high"], h["dual_clip"])
-        elif pl == "cispo":
-            loss = cispo_loss(b.log_probs, b.old_log_probs, adv, b.mask, h["eps_low"], h["eps_high"])
-        elif pl == "clip_cov":
-            loss = clip_cov_loss(b.log_probs, b.old_log_probs, adv, b.mask, h["eps_low"], h["eps_high"],
-                                 h["dual_clip"], h["clip_cov_ratio"], h["clip_cov_lb"], h["clip_cov_ub"],
-                                 generator=b.generator)
-        elif pl == "kl_cov":
-            loss = kl_cov_loss(b.log_probs, b.old_log_probs, adv, b.mask, h["kl_cov_ratio"], h["kl_cov_k"])
-        elif pl == "lad":
-            clip = h["lad_clip"]
-            loss = lad_loss(b.log_probs, b.old_log_probs, adv, b.mask, h["lad_divergence"], float(h["lad_eta"]),
-                            h["lad_granularity"], tuple(clip) if clip is not None else None)
-        elif pl == "flowrl":
-            ref = _require(b, "ref_log_probs", name, "ref_log_probs")
-            log_z = _require(b, "log_z", name, "prompt_hidden")
-            seq_adv = masked_mean(adv, b.mask, dim=1)
-            loss = flowrl_loss(b.log_probs, b.old_log_probs, ref, seq_adv, log_z, b.mask,
-                               float(h["flowrl_beta"]), float(h["flowrl_max_weight"]))
-        else:  # pragma: no cover - guarded by register_method
-            raise unknown_name_error("policy loss", pl, POLICY_LOSSES)
-        with torch.no_grad():
-            log_r = (b.log_probs - b.old_log_probs).clamp(-20, 20)
-            metrics["clipfrac"] = float(masked_mean(
-                ppo_clip_mask(torch.exp(log_r), adv, float(h.get("eps_low", 0.2)),
-                              float(h.get("eps_high", 0.2))).float(), b.mask))
-            metrics["policy_loss"] = float(masked_mean(loss, b.mask))
+        if fused is not None:
+            A = broadcast_seq("advantages", adv, b.log_probs).detach()
+            loss = per_token(lambda need_coef: self._fused_online(b, A, keep, fused, need_coef, sums),
+                             b.log_probs)
+        else:
+            fused = ()
+            if pl == "ppo_clip":
+                loss = ppo_clip_loss(b.log_probs, b.old_log_probs, adv, b.mask,
+                                     h["eps_low"], h["eps_high"], h["dual_clip"])
+            elif pl == "cispo":
+                loss = cispo_loss(b.log_probs, b.old_log_probs, adv, b.mask, h["eps_low"], h["eps_high"])
+            elif pl == "clip_cov":
+                loss = clip_cov_loss(b.log_probs, b.old_log_probs, adv, b.mask, h["eps_low"], h["eps_high"],
+                                     h["dual_clip"], h["clip_cov_ratio"], h["clip_cov_lb"], h["clip_cov_ub"],
+                                     generator=b.generator)
+            elif pl == "kl_cov":
+                loss = kl_cov_loss(b.log_probs, b.old_log_probs, adv, b.mask, h["kl_cov_ratio"], h["kl_cov_k"])
+            elif pl == "lad":
+                clip = h["lad_clip"]
+                loss = lad_loss(b.log_probs, b.old_log_probs, adv, b.mask, h["lad_divergence"],
+                                float(h["lad_eta"]), h["lad_granularity"], tuple(clip) if clip is not None else None)
+            elif pl == "flowrl":
+                ref = _require(b, "ref_log_probs", name, "ref_log_probs")
+                log_z = _require(b, "log_z", name, "prompt_hidden")
+                seq_adv = masked_mean(adv, b.mask, dim=1)
+                loss = flowrl_loss(b.log_probs, b.old_log_probs, ref, seq_adv, log_z, b.mask,
+                                   float(h["flowrl_beta"]), float(h["flowrl_max_weight"]))
+            else:  # pragma: no cover - guarded by register_method
+                raise unknown_name_error("policy loss", pl, POLICY_LOSSES)
+            with torch.no_grad():
+                A = broadcast_seq("advantages", adv, b.log_probs)
+                sums["clipfrac"] = clipped_count(b.log_probs, b.old_log_probs, A, keep,
+                                                 float(h.get("eps_low", 0.2)), float(h.get("eps_high", 0.2)))
+                sums["policy_loss"] = loss.detach().sum()  # every policy loss is 0 at masked tokens
         for reg in self.regularizers:
+            if reg in fused:
+                continue
             if reg == "kl":
                 ref = _require(b, "ref_log_probs", name, "ref_log_probs")
                 kl = kl_estimate(b.log_probs, ref, b.mask, h["kl_estimator"])
                 loss = loss + float(h["kl_coef"]) * kl
-                metrics["kl"] = float(masked_mean(kl.detach(), b.mask))
+                sums["kl"] = kl.detach().sum()
             elif reg == "entropy":
                 H = _require(b, "entropy", name, "entropy")
                 loss = loss + entropy_loss(H, b.mask, float(h["entropy_coef"]))
-                metrics["entropy"] = float(masked_mean(H.detach(), b.mask))
+                sums["entropy"] = masked_sum(H.detach(), b.mask)
             elif reg == "diff_entropy":
                 H = _require(b, "entropy", name, "entropy")
                 c = _require(b, "correct", name, "correct")
                 loss = loss + diff_entropy_loss(H, c, b.mask, float(h["entropy_coef_pos"]),
                                                 float(h["entropy_coef_neg"]))
-                metrics["entropy"] = float(masked_mean(H.detach(), b.mask))
+                sums["entropy"] = masked_sum(H.detach(), b.mask)
             elif reg == "js_def_online":
                 ref = _require(b, "ref_log_probs", name, "ref_log_probs")
                 js = dph_js_def_loss(b.log_probs, ref, b.mask, on="online")
                 loss = loss + self.anchor_weight * float(h["js_def_lambda"]) * js
-                metrics["js_def_online"] = float(masked_mean(js.detach(), b.mask))
-        return loss, metrics
+                sums["js_def_online"] = js.detach().sum()
+        # masked means, in the order the components were listed (one device -> host copy)
+        keys = ["clipfrac", "policy_loss"] + [k for k in dict.fromkeys(_REG_METRIC[r] for r in self.regularizers)]
+        with torch.no_grad():
+            n = b.mask.to(b.log_probs.dtype).sum().clamp(min=1.0).double()
+            vals = (torch.stack([sums[k].double() for k in keys]) / n).tolist()
+        return loss, dict(zip(keys, vals))
+
+    def _fused_regularizers(self, b: LossInputs) -> Optional[Tuple[str, ...]]:
+        """The regularizers that join the fused policy loss, or None when the fused path does
+        not apply (another policy loss, or a gradient wanted for the old log-probs)."""
+        if self.policy_loss != "ppo_clip" or b.old_log_probs.requires_grad:
+            return None
+        return ()
+
+    def _fused_online(self, b, A, keep, regs, need_coef, sums):
+        """``(value, coef)`` of the policy loss plus the fused regularizers (``_fused``)."""
+        h = self.hparams
+        lp, old = b.log_probs.detach(), b.old_log_probs.detach()
+        stats: Dict[str, torch.Tensor] = {}
+        if h["dual_clip"] is not None and h["dual_clip"] <= 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {h['dual_clip']}")
+        value, coef = ppo_clip_terms(lp, old, A, keep, h["eps_low"], h["eps_high"], h["dual_clip"],
+                                     need_coef, stats)
+        sums["clipfrac"] = stats["clipped"].sum()
+        sums["policy_loss"] = value.sum()
+        return value, coef
 
     def anchor_loss(self, a: AnchorInputs) -> torch.Tensor:
         """Unweighted per-token anchor loss ``[B, T]`` on ``D_pef`` tokens."""
@@ -392,20 +437,23 @@ class Method:
         """
         total = None
         metrics: Dict[str, float] = {}
+        parts: Dict[str, torch.Tensor] = {}
         if online is not None:
             per_tok, metrics = self.online_loss(online)
-            l_exp = aggregate_loss(per_tok, online.mask, self.aggregation, num_online_tokens, num_online_seqs)
-            metrics["loss_exp"] = float(l_exp.detach())
+            l_exp = aggregate_loss(per_tok, online.mask, self.aggregation, num_online_tokens, num_online_seqs,
+                                   masked_zero=True)
+            parts["loss_exp"] = l_exp.detach()
             total = l_exp
         if anchor is not None:
             per_tok = self.anchor_loss(anchor)
-            l_pef = aggregate_loss(per_tok, anchor.mask, "token-mean", num_anchor_tokens)
-            metrics["loss_pef"] = float(l_pef.detach())
+            l_pef = aggregate_loss(per_tok, anchor.mask, "token-mean", num_anchor_tokens, masked_zero=True)
+            parts["loss_pef"] = l_pef.detach()
             weighted = self.anchor_weight * l_pef
             total = weighted if total is None else total + weighted
         if total is None:
             raise ValueError("Method.loss needs online inputs, anchor inputs, or both")
-        metrics["loss"] = float(total.detach())
+        parts["loss"] = total.detach()
+        metrics.update(zip(parts, torch.stack([p.double() for p in parts.values()]).tolist()))
         return total, metrics
 
 

@@ -1,0 +1,192 @@
+"""The fused losses (``algorithms/_fused.py``: value + hand-derived gradient, one backward
+product) against the plain autograd expressions of the same formulas, written here with
+``torch.where`` masking and autograd's own derivatives; plus gradcheck in float64, the
+registry's fused composition and its logged metrics, and Clip-Cov's random pick."""
+import math
+
+import pytest
+import torch
+
+import openrlhf_div.algorithms._fused as fused
+from openrlhf_div.algorithms import (
+    LossInputs,
+    dph_js_def_loss,
+    get_method,
+    kl_estimate,
+    ppo_clip_loss,
+)
+
+F64 = torch.float64
+
+
+# ------------------------------------------------------------------ autograd references
+def _w(mask, x):
+    return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype))
+
+
+def ref_ppo(lp, old, A, mask, el=0.2, eh=0.2, c=3.0):
+    A = _w(mask, A)
+    r = torch.exp(_w(mask, lp - old).clamp(-20, 20))
+    loss = torch.maximum(-A * r, -A * r.clamp(1 - el, 1 + eh))
+    if c is not None:
+        loss = torch.where(A < 0, torch.minimum(loss, -c * A), loss)
+    return _w(mask, loss)
+
+
+def ref_k3(lp, ref, mask, clamp=10.0):
+    lr = _w(mask, lp - ref).clamp(-20, 20)
+    return _w(mask, (torch.expm1(-lr) + lr).clamp(-clamp, clamp))
+
+
+def ref_js_def(lp, ref, mask, on):
+    log_m = torch.logsumexp(torch.stack([ref, lp]), 0) - math.log(2.0)
+    s = _w(mask, log_m - (ref if on == "anchor" else lp)).clamp(-20, 20)
+    return _w(mask, torch.exp(s) - s - 1)
+
+
+def inputs(seed=0, B=6, T=11, spread=0.6, dtype=F64, extremes=True):
+    g = torch.Generator().manual_seed(seed)
+    lp = -torch.rand(B, T, generator=g, dtype=F64) * 4
+    old = lp + spread * torch.randn(B, T, generator=g, dtype=F64)
+    ref = lp + spread * torch.randn(B, T, generator=g, dtype=F64)
+    A = torch.randn(B, generator=g, dtype=F64)
+    A[0] = 0.0  # a group whose rewards were all equal
+    mask = torch.ones(B, T, dtype=F64)
+    for b in range(B):
+        mask[b, T - 1 - b % 4:] = 0
+    A = A.unsqueeze(-1) * mask
+    A[1, 0] = -A[1, 0]  # token-level advantages of both signs in one row
+    # clamps that bind: |lp - old| > 20, r > dual clip, |lp - ref| > 20
+    if extremes:
+        old[2, 0], old[3, 1], ref[4, 0], ref[5, 1] = lp[2, 0] + 25, lp[3, 1] - 1.5, lp[4, 0] + 30, lp[5, 1] - 30
+        A[3, 1] = -abs(A[3, 1]) - 0.1
+    return {k: v.to(dtype) for k, v in dict(lp=lp, old=old, ref=ref, A=A, mask=mask).items()}
+
+
+def value_and_grad(fn, i, *extra_leaves):
+    lp = i["lp"].clone().requires_grad_(True)
+    leaves = [lp] + [i[k].clone().requires_grad_(True) for k in extra_leaves]
+    kw = dict(i, lp=lp, **dict(zip(extra_leaves, leaves[1:])))
+    out = fn(kw)
+    out.backward(torch.linspace(0.5, 1.5, out.numel(), dtype=out.dtype).view_as(out))
+    return out.detach(), [x.grad for x in leaves]
+
+
+def assert_close(a, b, rtol=1e-12, atol=1e-14):
+    assert torch.allclose(a, b, rtol=rtol, atol=atol), (a - b).abs().max()
+
+
+# ------------------------------------------------------------------ PPO-clip
+@pytest.mark.parametrize("el,eh,c", [(0.2, 0.2, 3.0), (0.2, 0.28, 3.0), (0.1, 0.3, None), (1.0, 0.28, 3.0),
+                                     (-0.5, 0.2, 3.0)])  # the last: bounds cross (lo > hi)
+def test_ppo_matches_autograd(el, eh, c):
+    i = inputs(1)
+    got, (g,) = value_and_grad(lambda k: ppo_clip_loss(k["lp"], k["old"], k["A"], k["mask"], el, eh, c), i)
+    want, (gw,) = value_and_grad(lambda k: ref_ppo(k["lp"], k["old"], k["A"], k["mask"], el, eh, c), i)
+    assert torch.equal(got, want)  # the same products, picked by sign instead of max / min
+    assert_close(g, gw)
+
+
+def test_ppo_gradient_reaches_old_log_probs_and_mixed_dtypes():
+    i = inputs(2)
+    _, (g_lp, g_old) = value_and_grad(lambda k: ppo_clip_loss(k["lp"], k["old"], k["A"], k["mask"]), i, "old")
+    _, (w_lp, w_old) = value_and_grad(lambda k: ref_ppo(k["lp"], k["old"], k["A"], k["mask"]), i, "old")
+    assert_close(g_lp, w_lp)
+    assert_close(g_old, w_old)
+    # bfloat16 log-probs with float32 old log-probs: float32 loss, bfloat16 gradient
+    lp = i["lp"].to(torch.bfloat16).requires_grad_(True)
+    out = ppo_clip_loss(lp, i["old"].float(), i["A"].float(), i["mask"].float())
+    out.sum().backward()
+    assert out.dtype == torch.float32 and lp.grad.dtype == torch.bfloat16
+
+
+def test_ppo_without_grad_gives_the_same_value():
+    i = inputs(3)
+    with torch.no_grad():
+        a = ppo_clip_loss(i["lp"].requires_grad_(True), i["old"], i["A"], i["mask"])
+    b = ppo_clip_loss(i["lp"], i["old"], i["A"], i["mask"])
+    assert torch.equal(a, b) and not a.requires_grad
+
+
+def test_ppo_clip_stats_is_ppo_clip_mask():
+    i = inputs(4)
+    for need in (True, False):
+        st = {}
+        fused.ppo_clip_terms(i["lp"], i["old"], i["A"], fused.Keep(i["mask"]), 0.2, 0.28, 3.0, need, st)
+        r = torch.exp(_w(i["mask"], i["lp"] - i["old"]).clamp(-20, 20))
+        A = i["A"]
+        want = _w(i["mask"], (((A > 0) & (r > 1.28)) | ((A < 0) & (r < 0.8))).to(F64))
+        assert torch.equal(st["clipped"], want)
+        got = fused.clipped_count(i["lp"], i["old"], i["A"], fused.Keep(i["mask"]), 0.2, 0.28)
+        assert float(got) == float(want.sum())
+
+
+@pytest.mark.parametrize("name", ["ppo"])
+def test_gradcheck(name):
+    i = inputs(8, B=3, T=5, spread=0.4, extremes=False)
+    fns = {
+        "ppo": lambda x: ppo_clip_loss(x, i["old"], i["A"], i["mask"], 0.2, 0.28),
+    }
+    lp = i["lp"].clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(fns[name], (lp,), eps=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------ the registry's fused path
+def _metrics_reference(m, lp, old, A, mask, ref):
+    h = m.hparams
+    r = torch.exp(_w(mask, lp - old).clamp(-20, 20))
+    el, eh = h.get("eps_low", 0.2), h.get("eps_high", 0.2)
+    clip = ((A > 0) & (r > 1 + eh)) | ((A < 0) & (r < 1 - el))
+    n = mask.sum()
+    out = {"clipfrac": float(_w(mask, clip.to(F64)).sum() / n)}
+    pol = ref_ppo(lp, old, A, mask, el, eh, h.get("dual_clip", 3.0))
+    out["policy_loss"] = float(pol.sum() / n)
+    if "kl" in m.regularizers:
+        out["kl"] = float(ref_k3(lp, ref, mask).sum() / n)
+    if "js_def_online" in m.regularizers:
+        out["js_def_online"] = float(ref_js_def(lp, ref, mask, "online").sum() / n)
+    return out
+
+
+@pytest.mark.parametrize("name", ["grpo", "rkl", "dph_js_def"])
+def test_registry_fused_loss_metrics_and_gradients(name):
+    m = get_method(name)
+    i = inputs(10)
+    lp = i["lp"].clone().requires_grad_(True)
+    gen = torch.Generator().manual_seed(0)
+    total, metrics = m.loss(online=LossInputs(lp, i["old"], i["A"], i["mask"], ref_log_probs=i["ref"],
+                                              generator=gen))
+    total.backward()
+    want = _metrics_reference(m, i["lp"], i["old"], i["A"], i["mask"], i["ref"])
+    for k, v in want.items():
+        assert metrics[k] == pytest.approx(v, rel=1e-12, abs=1e-15), k
+    assert list(metrics)[:2] == ["clipfrac", "policy_loss"]
+    # the unfused composition (a gradient wanted for old_log_probs turns the fusion off)
+    lp2 = i["lp"].clone().requires_grad_(True)
+    old2 = i["old"].clone().requires_grad_(True)
+    total2, metrics2 = m.loss(online=LossInputs(lp2, old2, i["A"], i["mask"], ref_log_probs=i["ref"],
+                                                generator=torch.Generator().manual_seed(0)))
+    total2.backward()
+    assert float(total2.detach()) == pytest.approx(float(total.detach()), rel=1e-12)
+    for k, v in metrics.items():
+        assert metrics2[k] == pytest.approx(v, rel=1e-12, abs=1e-15), k
+    if name != "clip_cov":  # clip_cov: its random pick differs between the two paths' draws
+        assert_close(lp.grad, lp2.grad)
+    assert_close(old2.grad[i["mask"] > 0], -lp2.grad[i["mask"] > 0]) if name == "grpo" else None
+
+
+def test_registry_masked_garbage_changes_nothing():
+    m = get_method("rkl")
+    i = inputs(11)
+    outs = []
+    for fill in (0.0, float("nan"), float("inf")):
+        j = {k: v.clone() for k, v in i.items()}
+        off = j["mask"] == 0
+        for k in ("lp", "old", "ref", "A"):
+            j[k][off] = fill
+        lp = j["lp"].requires_grad_(True)
+        total, metrics = m.loss(online=LossInputs(lp, j["old"], j["A"], j["mask"], ref_log_probs=j["ref"]))
+        total.backward()
+        outs.append((float(total.detach()), metrics, lp.grad))
+    for t, mt, g in outs[1:]:
+        assert t == outs[0][0] and mt == outs[0][1] and torch.equal(g, outs[0][2])
