@@ -34,8 +34,9 @@ def ref_ppo(lp, old, A, mask, el=0.2, eh=0.2, c=3.0):
 
 
 def ref_k3(lp, ref, mask, clamp=10.0):
+    """The spec's k3 = exp(ref - lp) - (ref - lp) - 1, as written (exp, not expm1)."""
     lr = _w(mask, lp - ref).clamp(-20, 20)
-    return _w(mask, (torch.expm1(-lr) + lr).clamp(-clamp, clamp))
+    return _w(mask, ((torch.exp(-lr) - 1) + lr).clamp(-clamp, clamp))
 
 
 def ref_js_def(lp, ref, mask, on):
@@ -121,14 +122,40 @@ def test_ppo_clip_stats_is_ppo_clip_mask():
         assert float(got) == float(want.sum())
 
 
-@pytest.mark.parametrize("name", ["ppo"])
+# ------------------------------------------------------------------ k3
+@pytest.mark.parametrize("clamp", [10.0, 1.0, 25.0])  # 25: the log-ratio clamp binds on its own
+def test_k3_matches_autograd(clamp):
+    i = inputs(5)
+    got, (g, gr) = value_and_grad(lambda k: kl_estimate(k["lp"], k["ref"], k["mask"], "k3", clamp), i, "ref")
+    want, (gw, grw) = value_and_grad(lambda k: ref_k3(k["lp"], k["ref"], k["mask"], clamp), i, "ref")
+    assert torch.equal(got, want)
+    assert_close(g, gw)
+    assert_close(gr, grw)
+
+
+@pytest.mark.parametrize("name", ["ppo", "k3", "k3_clamp25"])
 def test_gradcheck(name):
     i = inputs(8, B=3, T=5, spread=0.4, extremes=False)
     fns = {
         "ppo": lambda x: ppo_clip_loss(x, i["old"], i["A"], i["mask"], 0.2, 0.28),
+        "k3": lambda x: kl_estimate(x, i["ref"], i["mask"], "k3"),
+        "k3_clamp25": lambda x: kl_estimate(x, i["ref"], i["mask"], "k3", 25.0),
     }
     lp = i["lp"].clone().requires_grad_(True)
     assert torch.autograd.gradcheck(fns[name], (lp,), eps=1e-6, atol=1e-6)
+
+
+def test_cpu_shortcut_equals_the_full_path(monkeypatch):
+    """``within`` skips clamps that cannot bind (CPU); forcing the full path changes nothing."""
+    i = inputs(9, spread=0.2)
+    i["ref"][4, 0], i["ref"][5, 1] = i["lp"][4, 0], i["lp"][5, 1]  # no clamp binds
+    fns = [lambda k: kl_estimate(k["lp"], k["ref"], k["mask"], "k3")]
+    fast = [value_and_grad(f, i) for f in fns]
+    assert fused.within(i["lp"], -10.0, 1.0)
+    monkeypatch.setattr(fused, "within", lambda x, lo, hi: False)
+    for f, (v, (g,)) in zip(fns, fast):
+        v2, (g2,) = value_and_grad(f, i)
+        assert torch.equal(v, v2) and torch.equal(g, g2)
 
 
 # ------------------------------------------------------------------ the registry's fused path
