@@ -122,7 +122,7 @@ def test_ppo_clip_stats_is_ppo_clip_mask():
         assert float(got) == float(want.sum())
 
 
-# ------------------------------------------------------------------ k3
+# ------------------------------------------------------------------ k3 and JS-definition
 @pytest.mark.parametrize("clamp", [10.0, 1.0, 25.0])  # 25: the log-ratio clamp binds on its own
 def test_k3_matches_autograd(clamp):
     i = inputs(5)
@@ -133,13 +133,44 @@ def test_k3_matches_autograd(clamp):
     assert_close(gr, grw)
 
 
-@pytest.mark.parametrize("name", ["ppo", "k3", "k3_clamp25"])
+@pytest.mark.parametrize("on", ["anchor", "online"])
+def test_js_def_matches_autograd(on):
+    i = inputs(6, spread=1.5)
+    i["ref"][0, 0] = i["lp"][0, 0] + (25.0 if on == "online" else -25.0)  # s clamped at 20
+    got, (g,) = value_and_grad(lambda k: dph_js_def_loss(k["lp"], k["ref"], k["mask"], on), i)
+    want, (gw,) = value_and_grad(lambda k: ref_js_def(k["lp"], k["ref"].detach(), k["mask"], on), i)
+    assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert_close(g, gw, rtol=1e-10, atol=1e-12)
+    assert float(g[0, 0]) == 0.0 and float(got[0, 0]) == pytest.approx(math.expm1(20) - 20, rel=1e-12)
+
+
+def test_float32_accuracy_no_worse_than_the_plain_expressions():
+    i32 = {k: v.float() for k, v in inputs(7, B=32, T=64, spread=0.3, extremes=False).items()}
+    i64 = {k: v.double() for k, v in i32.items()}  # the same (rounded) inputs, exactly
+    pairs = [(lambda k: kl_estimate(k["lp"], k["ref"], k["mask"], "k3"), lambda k: ref_k3(k["lp"], k["ref"], k["mask"]))]
+    for on in ("online", "anchor"):
+        pairs.append(((lambda o: lambda k: dph_js_def_loss(k["lp"], k["ref"], k["mask"], o))(on),
+                      (lambda o: lambda k: ref_js_def(k["lp"], k["ref"], k["mask"], o))(on)))
+    for n, (fn, ref) in enumerate(pairs):
+        v64, (g64,) = value_and_grad(ref, i64)
+        errs = []
+        for f in (fn, ref):
+            v32, (g32,) = value_and_grad(f, i32)
+            errs.append(((v32.double() - v64).abs().max(), (g32.double() - g64).abs().max()))
+        (ev, eg), (rv, rg) = errs
+        assert ev <= 2 * rv + 1e-8 and eg <= 2 * rg + 1e-8, errs
+        assert ev < 2.5e-7 and eg < 2.5e-7, errs  # exp(d) is within an ulp: ~1.2e-7 near 1
+
+
+@pytest.mark.parametrize("name", ["ppo", "k3", "k3_clamp25", "js_anchor", "js_online"])
 def test_gradcheck(name):
     i = inputs(8, B=3, T=5, spread=0.4, extremes=False)
     fns = {
         "ppo": lambda x: ppo_clip_loss(x, i["old"], i["A"], i["mask"], 0.2, 0.28),
         "k3": lambda x: kl_estimate(x, i["ref"], i["mask"], "k3"),
         "k3_clamp25": lambda x: kl_estimate(x, i["ref"], i["mask"], "k3", 25.0),
+        "js_anchor": lambda x: dph_js_def_loss(x, i["ref"], i["mask"], "anchor"),
+        "js_online": lambda x: dph_js_def_loss(x, i["ref"], i["mask"], "online"),
     }
     lp = i["lp"].clone().requires_grad_(True)
     assert torch.autograd.gradcheck(fns[name], (lp,), eps=1e-6, atol=1e-6)
@@ -149,7 +180,8 @@ def test_cpu_shortcut_equals_the_full_path(monkeypatch):
     """``within`` skips clamps that cannot bind (CPU); forcing the full path changes nothing."""
     i = inputs(9, spread=0.2)
     i["ref"][4, 0], i["ref"][5, 1] = i["lp"][4, 0], i["lp"][5, 1]  # no clamp binds
-    fns = [lambda k: kl_estimate(k["lp"], k["ref"], k["mask"], "k3")]
+    fns = [lambda k: kl_estimate(k["lp"], k["ref"], k["mask"], "k3"),
+           lambda k: dph_js_def_loss(k["lp"], k["ref"], k["mask"], "online")]
     fast = [value_and_grad(f, i) for f in fns]
     assert fused.within(i["lp"], -10.0, 1.0)
     monkeypatch.setattr(fused, "within", lambda x, lo, hi: False)

@@ -204,6 +204,48 @@ def _k3(lp, ref, keep, clamp, need_coef):
     return value, e
 
 
+# ------------------------------------------------------------------ divergence-definition JS
+_JS_DEF_Y_MAX = 30.0  # exp(30) is finite in float32; beyond y = 20.7 the clamp below binds anyway
+
+
+def js_def_terms(lp: torch.Tensor, ref: torch.Tensor, keep: Keep, on: str, need_coef: bool) -> Terms:
+    """``l = exp(s) - s - 1`` with ``s = log m - ref`` (``on="anchor"``) or ``s = log m - lp``
+    (``on="online"``), ``log m = logsumexp(ref, lp) - log 2``, ``s`` clamped to [-20, 20].
+
+    With ``y = lp - ref`` (anchor) or ``y = ref - lp`` (online), ``s = log((1 + e^y) / 2)``,
+    so with ``w = e^y``: ``q = expm1(s) = (w - 1) / 2`` and ``s = log(1 + q)``, and
+    ``l = q - log(1 + q)``: one ``exp`` and one ``log`` instead of ``softplus`` (an exp and
+    a log1p) and ``expm1``; the rounding error is the same order (~1e-7 absolute in
+    float32). ``s >= -log 2`` always; ``s > 20`` exactly when ``q > expm1(20)``, where the
+    value is ``expm1(20) - 20`` and the gradient 0. Elsewhere
+    ``d l / d y = (e^s - 1) ds/dy = q w / (1 + w) = q (q + 1/2) / (q + 1)``.
+    """
+    value, coef, sign = _js_def(lp, ref, keep, on, need_coef)
+    return value, coef.neg_() if coef is not None and sign < 0 else coef
+
+
+def _js_def(lp, ref, keep, on, need_coef):
+    """:func:`js_def_terms` as ``(value, c, sign)`` with ``coef = sign * c``."""
+    y = keep.fill_(torch.sub(lp, ref) if on == "anchor" else torch.sub(ref, lp))
+    half_w = y.clamp_(max=_JS_DEF_Y_MAX).exp_().mul_(0.5)  # w / 2 = q + 1/2
+    q = torch.sub(half_w, 0.5)                               # (w - 1) / 2 = expm1(s)
+    q_max = float(torch.expm1(torch.tensor(LOG_CLAMP, dtype=q.dtype)))
+    g = None
+    if not within(q, -1.0, q_max):  # the clamp of s at 20 binds somewhere
+        if need_coef:
+            g = _gate(q, q.clamp(max=q_max))
+        q.clamp_(max=q_max)
+        torch.add(q, 0.5, out=half_w)
+    t = torch.add(q, 1.0)                                    # (1 + w) / 2 = e^s
+    coef = None
+    if need_coef:
+        coef = half_w.mul_(q).div_(t)
+        if g is not None:
+            coef.mul_(g)
+    value = q.sub_(t.log_())                                 # q - s
+    return value, coef, (1.0 if on == "anchor" else -1.0)
+
+
 def within(x: torch.Tensor, lo: float, hi: float) -> bool:
     """True when every element of ``x`` lies in ``[lo, hi]`` (a clamp to it is then the
     identity and its gradient gate all ones), checked with one read of ``x``. CPU only: on

@@ -21,7 +21,7 @@ from ._utils import (
     unknown_name_error,
     zero_masked,
 )
-from ._fused import Keep, per_token, ppo_clip_terms
+from ._fused import Keep, js_def_terms, per_token, ppo_clip_terms
 from .divergences import LAD_DIVERGENCES, check_alpha, f_divergence
 
 LOG2 = math.log(2.0)
@@ -261,16 +261,11 @@ def dph_js_def_loss(log_probs, ref_log_probs, mask, on: str = "anchor"):
     (estimates ``KL(pi_theta || M)``).
     """
     check_same_shape("log_probs", log_probs, ref_log_probs=ref_log_probs, mask=mask)
-    # log m - ref = log((1 + u)/2) = softplus(log u) - log 2 and log m - lp = softplus(-log u)
-    # - log 2 with log u = lp - ref: the same numbers as logsumexp, one pass cheaper
-    log_u = fill_masked(log_probs - ref_log_probs.detach(), mask)
-    if on == "anchor":
-        d = clamp_log(F.softplus(log_u, threshold=40.0) - LOG2)
-    elif on == "online":
-        d = clamp_log(F.softplus(-log_u, threshold=40.0) - LOG2)
-    else:
+    if on not in ("anchor", "online"):
         raise unknown_name_error("dph_js_def side", on, ("anchor", "online"))
-    return zero_masked(torch.expm1(d) - d, mask)
+    keep = Keep(mask)
+    ref = ref_log_probs.detach()
+    return per_token(lambda need_coef: js_def_terms(log_probs.detach(), ref, keep, on, need_coef), log_probs)
 
 
 # ---------------------------------------------------------------- LAD

@@ -31,7 +31,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
-from ._fused import Keep, _k3, clipped_count, per_token, ppo_clip_terms
+from ._fused import Keep, _js_def, _k3, clipped_count, per_token, ppo_clip_terms
 from ._utils import broadcast_seq, check_same_shape, masked_mean, masked_sum, unknown_name_error
 from .advantages import (
     ds_reshape_advantages,
@@ -311,9 +311,9 @@ class Method:
     def online_loss(self, b: LossInputs) -> Tuple[torch.Tensor, Dict[str, float]]:
         """Per-token loss ``[B, T]`` on rollout tokens: policy loss + regularizers.
 
-        PPO-clip with the k3 KL runs as one fused per-token loss (``_fused``: value and
-        hand-derived gradient, one backward product); the logged metrics reuse its
-        intermediate sums. Other components go through autograd.
+        PPO-clip with the k3 KL and the online JS-definition term runs as one fused per-token
+        loss (``_fused``: value and hand-derived gradient, one backward product); the logged
+        metrics reuse its intermediate sums. Other components go through autograd.
         Metrics are masked means over valid tokens, read back to the host in one transfer.
         """
         h = self.hparams
@@ -400,7 +400,7 @@ class Method:
             return None
         regs = []
         for reg in self.regularizers:
-            if reg == "kl" and self.hparams["kl_estimator"] == "k3":
+            if reg == "js_def_online" or (reg == "kl" and self.hparams["kl_estimator"] == "k3"):
                 ref = _require(b, "ref_log_probs", self.name, "ref_log_probs")
                 check_same_shape("log_probs", b.log_probs, ref_log_probs=ref)
                 if ref.requires_grad:
@@ -419,13 +419,19 @@ class Method:
                                      need_coef, stats)
         sums["clipfrac"] = stats["clipped"].sum()
         sums["policy_loss"] = value.sum()
-        for reg in regs:  # the k3 KL; the sign of its coefficient is folded into the weight
-            v, c = _k3(lp, b.ref_log_probs.detach(), keep, 10.0, need_coef)
-            w = float(h["kl_coef"])
+        for reg in regs:
+            ref = b.ref_log_probs.detach()
+            if reg == "kl":  # k3; the sign of its coefficient is folded into the weight
+                v, c = _k3(lp, ref, keep, 10.0, need_coef)
+                w, cw = float(h["kl_coef"]), -float(h["kl_coef"])
+            else:  # js_def_online
+                v, c, sign = _js_def(lp, ref, keep, "online", need_coef)
+                w = self.anchor_weight * float(h["js_def_lambda"])
+                cw = sign * w
             sums[_REG_METRIC[reg]] = v.sum()
             value.add_(v, alpha=w)
             if need_coef:
-                coef.add_(c, alpha=-w)
+                coef.add_(c, alpha=cw)
         return value, coef
 
     def anchor_loss(self, a: AnchorInputs) -> torch.Tensor:
