@@ -10,11 +10,13 @@ import torch
 import openrlhf_div.algorithms._fused as fused
 from openrlhf_div.algorithms import (
     LossInputs,
+    clip_cov_loss,
     dph_js_def_loss,
     get_method,
     kl_estimate,
     ppo_clip_loss,
 )
+from openrlhf_div.algorithms.losses import _uniform_pick
 
 F64 = torch.float64
 
@@ -162,7 +164,7 @@ def test_float32_accuracy_no_worse_than_the_plain_expressions():
         assert ev < 2.5e-7 and eg < 2.5e-7, errs  # exp(d) is within an ulp: ~1.2e-7 near 1
 
 
-@pytest.mark.parametrize("name", ["ppo", "k3", "k3_clamp25", "js_anchor", "js_online"])
+@pytest.mark.parametrize("name", ["ppo", "k3", "k3_clamp25", "js_anchor", "js_online", "clip_cov_none"])
 def test_gradcheck(name):
     i = inputs(8, B=3, T=5, spread=0.4, extremes=False)
     fns = {
@@ -171,6 +173,7 @@ def test_gradcheck(name):
         "k3_clamp25": lambda x: kl_estimate(x, i["ref"], i["mask"], "k3", 25.0),
         "js_anchor": lambda x: dph_js_def_loss(x, i["ref"], i["mask"], "anchor"),
         "js_online": lambda x: dph_js_def_loss(x, i["ref"], i["mask"], "online"),
+        "clip_cov_none": lambda x: clip_cov_loss(x, i["old"], i["A"], i["mask"], lb=1e6, ub=1e7),
     }
     lp = i["lp"].clone().requires_grad_(True)
     assert torch.autograd.gradcheck(fns[name], (lp,), eps=1e-6, atol=1e-6)
@@ -190,6 +193,29 @@ def test_cpu_shortcut_equals_the_full_path(monkeypatch):
         assert torch.equal(v, v2) and torch.equal(g, g2)
 
 
+# ------------------------------------------------------------------ Clip-Cov's pick
+def test_uniform_pick_is_uniform_distinct_and_seeded():
+    cand = torch.zeros(400)
+    cand[torch.arange(0, 400, 7)] = 1.0  # 58 candidates
+    n = int(cand.sum())
+    counts = torch.zeros(400)
+    for seed in range(600):
+        p = _uniform_pick(cand, n, 5, torch.Generator().manual_seed(seed))
+        assert p.numel() == 5 and p.unique().numel() == 5 and torch.all(cand[p] == 1)
+        counts[p] += 1
+    assert torch.equal(_uniform_pick(cand, n, 5, torch.Generator().manual_seed(3)),
+                       _uniform_pick(cand, n, 5, torch.Generator().manual_seed(3)))
+    c = counts[cand == 1]
+    expect = 600 * 5 / n  # ~51.7 per candidate; a chi-square test at ~1e-4 significance
+    chi2 = float(((c - expect) ** 2 / expect).sum())
+    assert chi2 < 110, chi2  # 57 degrees of freedom
+    # sparse candidates (fallback: nonzero + permutation) and k = all candidates
+    sparse = torch.zeros(1000)
+    sparse[[3, 500, 999]] = 1.0
+    assert sorted(_uniform_pick(sparse, 3, 3, None).tolist()) == [3, 500, 999]
+    assert set(_uniform_pick(sparse, 3, 2, torch.Generator().manual_seed(0)).tolist()) <= {3, 500, 999}
+
+
 # ------------------------------------------------------------------ the registry's fused path
 def _metrics_reference(m, lp, old, A, mask, ref):
     h = m.hparams
@@ -207,7 +233,7 @@ def _metrics_reference(m, lp, old, A, mask, ref):
     return out
 
 
-@pytest.mark.parametrize("name", ["grpo", "rkl", "dph_js_def"])
+@pytest.mark.parametrize("name", ["grpo", "rkl", "dph_js_def", "clip_cov"])
 def test_registry_fused_loss_metrics_and_gradients(name):
     m = get_method(name)
     i = inputs(10)

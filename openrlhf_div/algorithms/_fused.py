@@ -58,6 +58,13 @@ class Keep:
             x.view(bits.dtype).bitwise_and_(bits)
         return x
 
+    def filled(self, x: torch.Tensor) -> torch.Tensor:
+        """A new tensor: ``x`` with +0.0 at masked tokens (one pass, no copy first)."""
+        if self.mask is None:
+            return x.clone()
+        bits = self.bits(x)
+        return torch.bitwise_and(x.view(bits.dtype), bits).view(x.dtype)
+
     def as_float(self, dtype: torch.dtype) -> torch.Tensor:
         """1.0 at kept tokens, 0.0 at masked ones."""
         return self._bool.to(dtype)

@@ -49,6 +49,7 @@ from .losses import (
     aggregate_loss,
     cispo_loss,
     clip_cov_loss,
+    clip_cov_terms,
     diff_entropy_loss,
     dph_anchor_loss,
     dph_js_def_loss,
@@ -311,9 +312,9 @@ class Method:
     def online_loss(self, b: LossInputs) -> Tuple[torch.Tensor, Dict[str, float]]:
         """Per-token loss ``[B, T]`` on rollout tokens: policy loss + regularizers.
 
-        PPO-clip with the k3 KL and the online JS-definition term runs as one fused per-token
-        loss (``_fused``: value and hand-derived gradient, one backward product); the logged
-        metrics reuse its intermediate sums. Other components go through autograd.
+        PPO-clip / Clip-Cov with the k3 KL and the online JS-definition term run as one fused
+        per-token loss (``_fused``: value and hand-derived gradient, one backward product);
+        the logged metrics reuse its intermediate sums. Other components go through autograd.
         Metrics are masked means over valid tokens, read back to the host in one transfer.
         """
         h = self.hparams
@@ -396,7 +397,7 @@ class Method:
     def _fused_regularizers(self, b: LossInputs) -> Optional[Tuple[str, ...]]:
         """The regularizers that join the fused policy loss, or None when the fused path does
         not apply (another policy loss, or a gradient wanted for old / reference log-probs)."""
-        if self.policy_loss != "ppo_clip" or b.old_log_probs.requires_grad:
+        if self.policy_loss not in ("ppo_clip", "clip_cov") or b.old_log_probs.requires_grad:
             return None
         regs = []
         for reg in self.regularizers:
@@ -413,10 +414,17 @@ class Method:
         h = self.hparams
         lp, old = b.log_probs.detach(), b.old_log_probs.detach()
         stats: Dict[str, torch.Tensor] = {}
-        if h["dual_clip"] is not None and h["dual_clip"] <= 1.0:
-            raise ValueError(f"dual_clip must be > 1, got {h['dual_clip']}")
-        value, coef = ppo_clip_terms(lp, old, A, keep, h["eps_low"], h["eps_high"], h["dual_clip"],
-                                     need_coef, stats)
+        if self.policy_loss == "ppo_clip":
+            if h["dual_clip"] is not None and h["dual_clip"] <= 1.0:
+                raise ValueError(f"dual_clip must be > 1, got {h['dual_clip']}")
+            value, coef = ppo_clip_terms(lp, old, A, keep, h["eps_low"], h["eps_high"], h["dual_clip"],
+                                         need_coef, stats)
+        else:
+            if h["dual_clip"] is not None and h["dual_clip"] <= 1.0:
+                raise ValueError(f"dual_clip must be > 1, got {h['dual_clip']}")
+            value, coef = clip_cov_terms(lp, old, A, keep, h["eps_low"], h["eps_high"], h["dual_clip"],
+                                         h["clip_cov_ratio"], h["clip_cov_lb"], h["clip_cov_ub"],
+                                         b.generator, need_coef, stats)
         sums["clipfrac"] = stats["clipped"].sum()
         sums["policy_loss"] = value.sum()
         for reg in regs:
