@@ -9,11 +9,18 @@ import torch
 
 import openrlhf_div.algorithms._fused as fused
 from openrlhf_div.algorithms import (
+    AnchorInputs,
     LossInputs,
+    cispo_loss,
     clip_cov_loss,
+    dph_anchor_loss,
     dph_js_def_loss,
+    entropy_advantages,
+    f_divergence,
     get_method,
+    kl_cov_loss,
     kl_estimate,
+    lad_loss,
     ppo_clip_loss,
 )
 from openrlhf_div.algorithms.losses import _uniform_pick
@@ -45,6 +52,45 @@ def ref_js_def(lp, ref, mask, on):
     log_m = torch.logsumexp(torch.stack([ref, lp]), 0) - math.log(2.0)
     s = _w(mask, log_m - (ref if on == "anchor" else lp)).clamp(-20, 20)
     return _w(mask, torch.exp(s) - s - 1)
+
+
+def ref_cispo(lp, old, A, mask, el=1.0, eh=0.28):
+    r = torch.exp(_w(mask, lp - old).clamp(-20, 20))
+    w = r.clamp(1 - el, 1 + eh).detach()
+    return _w(mask, -w * _w(mask, A) * lp)
+
+
+def ref_kl_cov(lp, old, A, mask, ratio=2e-3, k=1.0):
+    A = _w(mask, A)
+    log_r = _w(mask, lp - old).clamp(-20, 20)
+    loss = -A * torch.exp(log_r)
+    valid = mask.bool()
+    n_pick = int(math.floor(ratio * int(valid.sum())))
+    if n_pick > 0:
+        lpd = lp.detach()
+        cov = (A - A.sum() / mask.sum()) * (lpd - _w(mask, lpd).sum() / mask.sum())
+        top = torch.topk(cov.masked_fill(~valid, -math.inf).reshape(-1), n_pick).indices
+        sel = torch.zeros(loss.numel(), dtype=loss.dtype)
+        sel[top] = 1.0
+        loss = loss + k * log_r.abs() * sel.view_as(loss)
+    return _w(mask, loss)
+
+
+def ref_lad(lp, old, A, mask, div, eta=0.25, clip_eps=None):
+    A = _w(mask, A)
+    log_r = _w(mask, lp - old)
+    z = (A / eta).clamp(-20, 20)
+    loss = torch.exp(z) * f_divergence(div, (log_r - z).clamp(-20, 20))
+    if clip_eps is not None:
+        r = torch.exp(log_r.detach().clamp(-20, 20))
+        clipped = ((A > 0) & (r > 1 + clip_eps[1])) | ((A < 0) & (r < 1 - clip_eps[0]))
+        loss = torch.where(clipped, loss.detach(), loss)
+    return _w(mask, loss)
+
+
+def ref_dph(lp, ref, mask, div, alpha=0.5):
+    name = {"forward_kl": "dph_forward_kl", "js": "dph_js", "alpha": "dph_alpha"}[div]
+    return _w(mask, f_divergence(name, _w(mask, lp - ref.detach()), alpha=alpha))
 
 
 def inputs(seed=0, B=6, T=11, spread=0.6, dtype=F64, extremes=True):
@@ -193,6 +239,82 @@ def test_cpu_shortcut_equals_the_full_path(monkeypatch):
         assert torch.equal(v, v2) and torch.equal(g, g2)
 
 
+# ------------------------------------------------------------------ the other fused losses
+def test_cispo_matches_autograd():
+    i = inputs(12)
+    got, (g,) = value_and_grad(lambda k: cispo_loss(k["lp"], k["old"], k["A"], k["mask"], 0.2, 0.28), i)
+    want, (gw,) = value_and_grad(lambda k: ref_cispo(k["lp"], k["old"], k["A"], k["mask"], 0.2, 0.28), i)
+    assert torch.equal(got, want)
+    assert_close(g, gw)
+
+
+@pytest.mark.parametrize("masked_top", [False, True])
+def test_kl_cov_matches_autograd(masked_top):
+    i = inputs(13, B=8, T=40, spread=0.3)
+    if masked_top:  # every masked token's covariance, (0 - mean A)(0 - mean lp), beats the valid ones
+        i["A"] = i["A"].abs() * -0.01
+        i["A"][0, :10] = -5.0
+    got, (g, go) = value_and_grad(lambda k: kl_cov_loss(k["lp"], k["old"], k["A"], k["mask"], 0.05, 1.5), i, "old")
+    want, (gw, gow) = value_and_grad(lambda k: ref_kl_cov(k["lp"], k["old"], k["A"], k["mask"], 0.05, 1.5), i, "old")
+    assert torch.equal(got, want)
+    assert_close(g, gw)
+    assert_close(go, gow)
+
+
+@pytest.mark.parametrize("div", ["kl", "reverse_kl", "jeffreys", "tv", "hellinger", "js"])
+@pytest.mark.parametrize("clip_eps", [None, (0.2, 0.28)])
+def test_lad_matches_autograd(div, clip_eps):
+    i = inputs(14)
+    i["lp"][1, 1] = i["old"][1, 1] + 30.0  # the clamp of log x binds
+    got, (g,) = value_and_grad(lambda k: lad_loss(k["lp"], k["old"], k["A"], k["mask"], div, 0.25,
+                                                  clip_eps=clip_eps), i)
+    want, (gw,) = value_and_grad(lambda k: ref_lad(k["lp"], k["old"], k["A"], k["mask"], div, 0.25, clip_eps), i)
+    if div == "js":  # log1p(exp(.)) for softplus, within an ulp
+        assert_close(got, want, rtol=1e-14, atol=1e-15)
+    else:
+        assert torch.equal(got, want)
+    assert_close(g, gw, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("div", ["forward_kl", "js", "alpha"])
+def test_dph_anchor_matches_autograd(div):
+    i = inputs(15, spread=1.5)
+    got, (g,) = value_and_grad(lambda k: dph_anchor_loss(k["lp"], k["ref"], k["mask"], div, alpha=0.3), i)
+    want, (gw,) = value_and_grad(lambda k: ref_dph(k["lp"], k["ref"], k["mask"], div, alpha=0.3), i)
+    if div == "js":  # log1p(exp(.)) stands for softplus: the same within an ulp, not always equal
+        assert_close(got, want, rtol=1e-14, atol=1e-15)
+    else:
+        assert torch.equal(got, want)
+    assert_close(g, gw, rtol=1e-10, atol=1e-12)
+
+
+def test_entropy_advantages_in_place_path_is_the_same():
+    i = inputs(16)
+    H = torch.rand(6, 11, dtype=F64) * 2
+    H[i["mask"] == 0] = math.nan
+    got = entropy_advantages(i["A"], H, i["mask"])
+    A = _w(i["mask"], i["A"])  # the expression it replaces
+    want = _w(i["mask"], A + torch.minimum(0.4 * _w(i["mask"], H), A.abs() / 2.0))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["cispo", "kl_cov", "lad_js", "lad_tv", "dph_js", "dph_alpha"])
+def test_gradcheck_more(name):
+    i = inputs(17, B=3, T=5, spread=0.4, extremes=False)
+    fns = {
+        "cispo": lambda x: cispo_loss(x, i["old"], i["A"], i["mask"], 0.2, 0.28),
+        "kl_cov": lambda x: kl_cov_loss(x, i["old"], i["A"], i["mask"], 0.2),
+        "lad_js": lambda x: lad_loss(x, i["old"], i["A"], i["mask"], "js"),
+        "lad_tv": lambda x: lad_loss(x, i["old"], i["A"], i["mask"], "tv"),
+        "dph_js": lambda x: dph_anchor_loss(x, i["ref"], i["mask"], "js"),
+        "dph_alpha": lambda x: dph_anchor_loss(x, i["ref"], i["mask"], "alpha"),
+    }
+    lp = i["lp"].clone().requires_grad_(True)
+    if name == "cispo":  # its weight is detached: gradcheck where it is constant (r clipped)
+        i["old"] = i["lp"] - 0.5
+    assert torch.autograd.gradcheck(fns[name], (lp,), eps=1e-6, atol=1e-6)
+
+
 # ------------------------------------------------------------------ Clip-Cov's pick
 def test_uniform_pick_is_uniform_distinct_and_seeded():
     cand = torch.zeros(400)
@@ -258,6 +380,70 @@ def test_registry_fused_loss_metrics_and_gradients(name):
     if name != "clip_cov":  # clip_cov: its random pick differs between the two paths' draws
         assert_close(lp.grad, lp2.grad)
     assert_close(old2.grad[i["mask"] > 0], -lp2.grad[i["mask"] > 0]) if name == "grpo" else None
+
+
+def _policy_reference(m, lp, old, A, mask):
+    h = m.hparams
+    if m.policy_loss == "cispo":
+        return ref_cispo(lp, old, A, mask, h["eps_low"], h["eps_high"])
+    if m.policy_loss == "kl_cov":
+        return ref_kl_cov(lp, old, A, mask, h["kl_cov_ratio"], h["kl_cov_k"])
+    if m.policy_loss == "lad":
+        return ref_lad(lp, old, A, mask, h["lad_divergence"], h["lad_eta"], h["lad_clip"])
+    return ref_ppo(lp, old, A, mask, h["eps_low"], h["eps_high"], h["dual_clip"])
+
+
+@pytest.mark.parametrize("name", ["cispo", "kl_cov", "lad_js", "lad_hellinger", "entropy_bonus", "entropy_penalty",
+                                  "diff_entropy", "entadv"])
+def test_registry_other_fused_methods(name):
+    m = get_method(name, **({"kl_cov_ratio": 0.05} if name == "kl_cov" else {}))
+    h = m.hparams
+    i = inputs(18)
+    H0 = torch.rand(6, 11, generator=torch.Generator().manual_seed(1), dtype=F64) * 2
+    correct = torch.tensor([True, False, True, True, False, False])
+    lp, H = i["lp"].clone().requires_grad_(True), H0.clone().requires_grad_(True)
+    total, metrics = m.loss(online=LossInputs(lp, i["old"], i["A"], i["mask"], correct=correct, entropy=H))
+    total.backward()
+    # reference: autograd expressions, token mean
+    lp2, H2 = i["lp"].clone().requires_grad_(True), H0.clone().requires_grad_(True)
+    mask = i["mask"]
+    A = i["A"]
+    if name == "entadv":
+        A = _w(mask, A + torch.minimum(0.4 * _w(mask, H2.detach()), A.abs() / 2.0))
+    pol = _policy_reference(m, lp2, i["old"], A, mask)
+    per_tok = pol
+    if name.startswith("entropy"):
+        per_tok = per_tok + _w(mask, -h["entropy_coef"] * H2)
+    if name == "diff_entropy":
+        per_tok = per_tok + _w(mask, torch.where(correct.unsqueeze(-1), -h["entropy_coef_pos"] * H2,
+                                                 h["entropy_coef_neg"] * H2))
+    want = per_tok.sum() / mask.sum()
+    want.backward()
+    assert float(total.detach()) == pytest.approx(float(want.detach()), rel=1e-12)
+    assert_close(lp.grad, lp2.grad)
+    if name in ("entropy_bonus", "entropy_penalty", "diff_entropy"):
+        assert_close(H.grad, H2.grad)
+        assert metrics["entropy"] == pytest.approx(float(_w(mask, H0).sum() / mask.sum()), rel=1e-12)
+    r = torch.exp(_w(mask, i["lp"] - i["old"]).clamp(-20, 20))
+    el, eh = h.get("eps_low", 0.2), h.get("eps_high", 0.2)
+    clip = _w(mask, (((A > 0) & (r > 1 + eh)) | ((A < 0) & (r < 1 - el))).to(F64))
+    assert metrics["clipfrac"] == pytest.approx(float(clip.sum() / mask.sum()), rel=1e-12, abs=1e-15)
+    assert metrics["policy_loss"] == pytest.approx(float(pol.detach().sum() / mask.sum()), rel=1e-12)
+
+
+def test_registry_anchor_losses_fused():
+    i = inputs(19, spread=1.0)
+    for name, div in (("dph_f", "forward_kl"), ("dph_js", "js"), ("dph_alpha", "alpha")):
+        m = get_method(name)
+        lp = i["lp"].clone().requires_grad_(True)
+        total, metrics = m.loss(anchor=AnchorInputs(lp, i["ref"], i["mask"]))
+        total.backward()
+        lp2 = i["lp"].clone().requires_grad_(True)
+        want = m.anchor_weight * ref_dph(lp2, i["ref"], i["mask"], div, m.hparams.get("anchor_alpha", 0.5)).sum() \
+            / i["mask"].sum()
+        want.backward()
+        assert float(total.detach()) == pytest.approx(float(want.detach()), rel=1e-12)
+        assert_close(lp.grad, lp2.grad)
 
 
 def test_registry_masked_garbage_changes_nothing():

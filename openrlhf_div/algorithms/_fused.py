@@ -28,6 +28,8 @@ from torch.autograd.function import once_differentiable
 
 from ._utils import _INT_VIEW, LOG_CLAMP
 
+LOG2 = math.log(2.0)
+
 Terms = Tuple[torch.Tensor, Optional[torch.Tensor]]
 
 
@@ -71,31 +73,39 @@ class Keep:
 
 
 class _PerToken(torch.autograd.Function):
-    """``value = fn()`` with ``d value / d log_probs = coef`` and ``d value / d x = -coef``
-    for each ``x`` in ``minus`` (terms that depend on ``log_probs - x`` only)."""
+    """``value = fn(True)[0]`` with ``d value / d log_probs = coef`` and ``d value / d x = -coef``
+    for each ``x`` in ``minus`` (terms that depend on ``log_probs - x`` only); for each ``x``
+    in ``others`` the gradient is ``extra(grad)`` (``fn(True)[2]``, one callable each)."""
 
     @staticmethod
-    def forward(ctx, fn, log_probs, *minus):
-        value, coef = fn(True)
-        ctx.save_for_backward(coef)
-        return value
+    def forward(ctx, fn, n_minus, log_probs, *inputs):
+        out = fn(True)
+        ctx.save_for_backward(out[1])
+        ctx.n_minus = n_minus
+        ctx.extras = out[2] if len(out) > 2 else ()
+        return out[0]
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         (coef,) = ctx.saved_tensors
-        g = grad * coef
-        needs = ctx.needs_input_grad
-        return (None, g if needs[1] else None) + tuple(-g if n else None for n in needs[2:])
+        needs = ctx.needs_input_grad[2:]  # log_probs, *minus, *others
+        minus, others = needs[1:1 + ctx.n_minus], needs[1 + ctx.n_minus:]
+        g = grad * coef if needs[0] or any(minus) else None
+        return ((None, None, g if needs[0] else None)
+                + tuple(-g if n else None for n in minus)
+                + tuple(f(grad) if n else None for f, n in zip(ctx.extras, others)))
 
 
-def per_token(fn: Callable[[bool], Terms], log_probs: torch.Tensor, *minus: torch.Tensor) -> torch.Tensor:
-    """Run ``fn(need_coef) -> (value, coef)`` and attach its gradient (see :class:`_PerToken`).
+def per_token(fn: Callable, log_probs: torch.Tensor, *minus: torch.Tensor,
+              others: Tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+    """Run ``fn(need_coef) -> (value, coef[, extras])`` and attach its gradient (see
+    :class:`_PerToken`).
 
     Without a gradient to compute (no input requires one, or grad mode is off) ``fn`` runs
     with ``need_coef=False`` and skips the derivative's work."""
-    if torch.is_grad_enabled() and (log_probs.requires_grad or any(m.requires_grad for m in minus)):
-        return _PerToken.apply(fn, log_probs, *minus)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (log_probs, *minus, *others)):
+        return _PerToken.apply(fn, len(minus), log_probs, *minus, *others)
     with torch.no_grad():
         return fn(False)[0]
 
@@ -164,6 +174,209 @@ def clipped_count(lp, old, A, keep: Keep, eps_low: float, eps_high: float) -> to
         pos = torch.gt(r, 1.0 + eps_high, out=torch.empty_like(r)).mul_(sA.clamp(min=0.0))
         neg = torch.lt(r, 1.0 - eps_low, out=r).mul_(sA.clamp_(max=0.0))
         return pos.sum() - neg.sum()
+
+
+def _clip_count(r: torch.Tensor, nA: torch.Tensor, eps_low: float, eps_high: float,
+                sign: float = -1.0) -> torch.Tensor:
+    """Number of tokens where ``ppo_clip_mask(r, A)`` holds, from ``r`` and ``nA = sign * A``
+    (``sign=1``: ``A`` itself; 0 at masked tokens), as a 0-dim tensor: two float comparisons
+    and a dot product per side."""
+    pos, neg = (torch.lt, torch.gt) if sign < 0 else (torch.gt, torch.lt)
+    a = torch.gt(r, 1.0 + eps_high, out=torch.empty_like(r)).view(-1)
+    b = pos(nA, 0.0, out=torch.empty_like(r)).view(-1)
+    n = torch.dot(a, b)
+    torch.lt(r, 1.0 - eps_low, out=a.view_as(r))
+    neg(nA, 0.0, out=b.view_as(r))
+    return n + torch.dot(a, b)
+
+
+# ------------------------------------------------------------------ CISPO
+def cispo_terms(lp, old, A, keep: Keep, eps_low: float, eps_high: float, need_coef: bool,
+                stats: Optional[dict] = None, clip_eps: Tuple[float, float] = (0.2, 0.2)) -> Terms:
+    """CISPO, ``l = -sg(clip(r, 1-eps_low, 1+eps_high)) A lp``: ``coef = -w A`` (the weight is
+    detached, so every token keeps this gradient). Values bit-identical to ``-w * A * lp``.
+    ``stats["clip_count"]``: ``ppo_clip_mask``'s count at ``clip_eps``."""
+    r = keep.fill_(torch.sub(lp, old)).clamp_(-LOG_CLAMP, LOG_CLAMP).exp_()
+    nA = keep.fill_(torch.neg(A))
+    if stats is not None:
+        stats["clip_count"] = _clip_count(r, nA, *clip_eps)
+    coef = r.clamp_(1.0 - eps_low, 1.0 + eps_high).mul_(nA)  # -w A
+    return keep.fill_(torch.mul(coef, lp)), coef
+
+
+# ------------------------------------------------------------------ KL-Cov
+def kl_cov_terms(lp, old, A, keep: Keep, ratio: float, k: float, need_coef: bool,
+                 stats: Optional[dict] = None, clip_eps: Tuple[float, float] = (0.2, 0.2)) -> Terms:
+    """KL-Cov: ``l = -A r``, plus ``k |log r|`` on the top ``floor(ratio * N)`` valid tokens by
+    ``Cov_t = (A_t - mean A)(lp_t - mean lp)``; ``coef = -A r`` (+ ``k sign(log r)`` there),
+    both 0 where the log-ratio clamp binds. The top tokens come from ``torch.topk`` as before;
+    masked tokens, which all hold the same covariance, are set to -inf only if one of them
+    made the top (then the pick is redone), the usual case costs no masking pass."""
+    lr = keep.fill_(torch.sub(lp, old))
+    log_r = lr.clamp(-LOG_CLAMP, LOG_CLAMP)
+    g_lr = _gate(lr, log_r, out=lr) if need_coef else None
+    r = torch.exp(log_r)
+    nA = keep.fill_(torch.neg(A))
+    if stats is not None:
+        stats["clip_count"] = _clip_count(r, nA, *clip_eps)
+    value = r.mul_(nA)  # -A r
+    n_valid = value.numel() if keep.mask is None else -_count(keep.bits(value))
+    n_pick = int(math.floor(ratio * n_valid))
+    top = None
+    if n_pick > 0:
+        dt = value.dtype
+        denom = (torch.ones_like(value) if keep.mask is None else keep.mask.to(dt)).sum().clamp(min=1.0)
+        lp_f = keep.filled(lp.to(dt))
+        m_na, m_lp = nA.sum() / denom, lp_f.sum() / denom  # m_na = -mean A
+        cov = torch.sub(m_na, nA, out=nA).mul_(lp_f.sub_(m_lp))  # (A - mean A)(lp - mean lp)
+        top = torch.topk(cov.view(-1), n_pick).indices
+        if keep.mask is not None and not bool(keep.mask.reshape(-1)[top].bool().all()):
+            bits = keep.bits(cov)  # a masked token made the top: mask with -inf and pick again
+            cov.view(bits.dtype).bitwise_and_(bits).bitwise_or_(
+                torch.bitwise_not(bits).bitwise_and_(_bits_of(-math.inf, cov)))
+            top = torch.topk(cov.view(-1), n_pick).indices
+        lr_top = log_r.view(-1)[top]
+    coef = None
+    if need_coef:
+        g_top = None if top is None else g_lr.view(-1)[top]
+        coef = g_lr.mul_(value)
+        if top is not None:
+            coef.view(-1).index_add_(0, top, k * torch.sign(lr_top) * g_top)
+    if top is not None:
+        value.view(-1).index_add_(0, top, k * lr_top.abs())
+    return value, coef
+
+
+def _bits_of(x: float, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(x, dtype=like.dtype, device=like.device).view(_INT_VIEW[like.element_size()])
+
+
+def _count(bits: torch.Tensor) -> int:
+    """Sum of an integer tensor, accumulated in int32 where that cannot overflow (4x faster
+    on CPU than torch's default int64 accumulation)."""
+    return int(bits.sum(dtype=torch.int32 if bits.numel() < 2**31 else torch.int64))
+
+
+# ------------------------------------------------------------------ LAD
+def lad_terms(lp, old, A, keep: Keep, divergence: str, eta: float, clip_eps, need_coef: bool,
+              stats: Optional[dict] = None, clip_eps_metric: Tuple[float, float] = (0.2, 0.2)) -> Terms:
+    """LAD at token granularity: ``z = clamp(A / eta)``, ``log x = clamp(lp - old - z)``,
+    ``l = e^z f(x)`` with the generator written on ``log x`` (``F(log x) = f(x)``, the very
+    expressions of ``divergences.py``, so the values are bit-identical, except that ``js``
+    takes ``log1p`` of the ``exp`` it already has for ``softplus``: equal within an ulp) and
+    ``coef = e^z F'(log x)`` where the clamp of ``log x`` passes (``F' = x f'(x)``, the spec's
+    ``r f'(x)`` after the ``e^z``), 0 where ``clip_eps`` says PPO-clip would clip.
+    ``stats["clip_count"]``: ``ppo_clip_mask``'s count at ``clip_eps_metric``."""
+    lr = keep.fill_(torch.sub(lp, old))           # log r, unclamped
+    Af = keep.filled(A)
+    z = torch.div(Af, eta).clamp_(-LOG_CLAMP, LOG_CLAMP)
+    lx_raw = torch.sub(lr, z)
+    lx = lx_raw.clamp(-LOG_CLAMP, LOG_CLAMP)
+    g = _gate(lx_raw, lx, out=lx_raw) if need_coef else None
+    clipped = None
+    if stats is not None or (need_coef and clip_eps is not None):
+        r = lr.clamp_(-LOG_CLAMP, LOG_CLAMP).exp_()
+        if stats is not None:
+            stats["clip_count"] = _clip_count(r, Af, *clip_eps_metric, sign=1.0)
+        if need_coef and clip_eps is not None:  # 1 - ppo_clip_mask(r, A), into g
+            lo, hi = 1.0 - clip_eps[0], 1.0 + clip_eps[1]
+            c = torch.gt(r, hi, out=torch.empty_like(r)).mul_(torch.gt(Af, 0.0, out=torch.empty_like(r)))
+            c.addcmul_(torch.lt(r, lo, out=r), torch.lt(Af, 0.0, out=Af))
+            clipped = c
+    F, dF = _LAD_GENERATORS[divergence](lx, need_coef)
+    ez = z.exp_()
+    value = keep.fill_(F.mul_(ez))
+    if not need_coef:
+        return value, None
+    coef = dF.mul_(ez).mul_(g)
+    if clipped is not None:
+        coef.addcmul_(coef, clipped, value=-1.0)
+    return value, keep.fill_(coef)
+
+
+def _lad_kl(lx, need):
+    x = torch.exp(lx)
+    F = torch.mul(x, lx)
+    return F, (torch.add(F, x) if need else None)           # x log x; x (log x + 1)
+
+
+def _lad_reverse_kl(lx, need):
+    return torch.neg(lx), (torch.full_like(lx, -1.0) if need else None)
+
+
+def _lad_jeffreys(lx, need):
+    em = torch.expm1(lx)
+    F = torch.mul(em, lx)                                    # (x - 1) log x
+    return F, (torch.add(em, 1.0).mul_(lx).add_(em) if need else None)
+
+
+def _lad_tv(lx, need):
+    em = torch.expm1(lx)
+    F = torch.abs(em)                                        # |x - 1|; x sign(x - 1)
+    return F, (torch.sign(em).mul_(em.add_(1.0)) if need else None)
+
+
+def _lad_hellinger(lx, need):
+    h = torch.mul(lx, 0.5).expm1_()                          # sqrt(x) - 1
+    F = torch.mul(h, h).mul_(0.5)
+    return F, (torch.add(h, 1.0).mul_(h).mul_(0.5) if need else None)
+
+
+def _lad_js(lx, need):
+    x = torch.exp(lx)
+    t = torch.log1p(x).sub_(LOG2)                            # softplus(log x) - log 2 (log x <= 20)
+    F = torch.mul(x, lx).sub_(torch.add(x, 1.0).mul_(t)).mul_(0.5)
+    return F, (torch.sub(lx, t).mul_(x).mul_(0.5) if need else None)  # x log(2x / (x + 1)) / 2
+
+
+_LAD_GENERATORS = {"kl": _lad_kl, "reverse_kl": _lad_reverse_kl, "jeffreys": _lad_jeffreys,
+                   "tv": _lad_tv, "hellinger": _lad_hellinger, "js": _lad_js}
+
+
+# ------------------------------------------------------------------ DPH generator anchors
+def dph_anchor_terms(lp, ref, keep: Keep, divergence: str, alpha: float, need_coef: bool) -> Terms:
+    """The DPH generator-form anchor losses on ``log u = clamp(lp - ref, -20, 20)`` (the
+    expressions of ``divergences.py``, bit-identical values but for ``js``'s ``softplus``,
+    taken as ``log1p`` of the ``exp`` already computed: within an ulp), with ``coef = F'(log u)``
+    where the clamp passes: ``forward_kl``: ``F = clamp(expm1(lu) - lu, -10, 10)``,
+    ``F' = expm1(lu)`` inside the value clamp (which also covers the log-ratio clamp:
+    ``F(+-20) > 10``); ``js``: ``F = u lu - (u + 1)(softplus(lu) - log 2)``,
+    ``F' = u (lu - softplus(lu) + log 2)``; ``alpha``: ``F = (u^(1-a) - (1-a) u - a) / (a (a-1))``,
+    ``F' = (1-a)(u^(1-a) - u) / (a (a-1))``."""
+    lu_raw = keep.fill_(torch.sub(lp, ref))
+    g = None
+    if divergence != "dph_forward_kl" and need_coef and not within(lu_raw, -LOG_CLAMP, LOG_CLAMP):
+        lu = lu_raw.clamp(-LOG_CLAMP, LOG_CLAMP)
+        g = _gate(lu_raw, lu, out=lu_raw)
+    else:
+        lu = lu_raw.clamp_(-LOG_CLAMP, LOG_CLAMP)
+    dF = None
+    if divergence == "dph_forward_kl":
+        em = torch.expm1(lu)
+        F = torch.sub(em, lu, out=lu)
+        if within(F, -10.0, 10.0):
+            dF = em if need_coef else None
+        else:
+            value = F.clamp(-10.0, 10.0)
+            dF = em.mul_(_gate(F, value, out=F)) if need_coef else None
+            F = value
+    elif divergence == "dph_js":
+        u = torch.exp(lu)
+        t = torch.log1p(u).sub_(LOG2)                         # softplus(lu) - log 2 (lu <= 20)
+        F = torch.mul(u, lu).sub_(torch.add(u, 1.0).mul_(t))
+        dF = torch.sub(lu, t, out=t).mul_(u) if need_coef else None
+    else:  # dph_alpha
+        a = alpha
+        u = torch.exp(lu)
+        ua = torch.mul(lu, 1.0 - a).exp_()                     # u^(1 - a)
+        F = torch.sub(ua, torch.mul(u, 1.0 - a)).sub_(a).div_(a * (a - 1.0))
+        dF = ua.sub_(u).mul_((1.0 - a) / (a * (a - 1.0))) if need_coef else None
+    value = keep.fill_(F)
+    if not need_coef:
+        return value, None
+    if g is not None:
+        dF.mul_(g)
+    return value, keep.fill_(dF)
 
 
 # ------------------------------------------------------------------ k3 KL estimate

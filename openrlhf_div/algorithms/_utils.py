@@ -75,6 +75,11 @@ def _and_bits(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return torch.bitwise_and(x.view(bits.dtype), bits).view(x.dtype)
 
 
+def _and_bits_(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    x.view(bits.dtype).bitwise_and_(bits)
+    return x
+
+
 class _Select(torch.autograd.Function):
     """``where(keep, x, 0)`` by bit mask; its gradient is selected the same way."""
 

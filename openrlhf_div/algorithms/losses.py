@@ -10,18 +10,26 @@ import math
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
+from ._fused import (
+    Keep,
+    _count,
+    cispo_terms,
+    dph_anchor_terms,
+    js_def_terms,
+    kl_cov_terms,
+    lad_terms,
+    per_token,
+    ppo_clip_terms,
+)
 from ._utils import (
     broadcast_seq,
     check_same_shape,
     clamp_log,
     fill_masked,
-    masked_mean,
     unknown_name_error,
     zero_masked,
 )
-from ._fused import Keep, js_def_terms, per_token, ppo_clip_terms
 from .divergences import LAD_DIVERGENCES, check_alpha, f_divergence
 
 LOG2 = math.log(2.0)
@@ -74,12 +82,6 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(dim=-1)
 
 
-def _ratio(log_probs, old_log_probs, mask):
-    """``r = exp(clamp(lp - old, -20, 20))``, with the log-ratio set to 0 at masked tokens."""
-    log_ratio = clamp_log(fill_masked(log_probs - old_log_probs, mask))
-    return torch.exp(log_ratio), log_ratio
-
-
 def _adv(advantages, like, mask):
     return fill_masked(broadcast_seq("advantages", advantages, like).detach(), mask)
 
@@ -118,19 +120,10 @@ def cispo_loss(log_probs, old_log_probs, advantages, mask, eps_low: float = 1.0,
     Default ``eps_low = 1.0`` (no lower bound, as MiniMax-M1), ``eps_high = 0.28``.
     """
     check_same_shape("log_probs", log_probs, old_log_probs=old_log_probs, mask=mask)
-    A = _adv(advantages, log_probs, mask)  # 0 at masked tokens: no 0 * inf there
-    r, _ = _ratio(log_probs, old_log_probs, mask)
-    w = r.clamp(1.0 - eps_low, 1.0 + eps_high).detach()
-    return zero_masked(-w * A * log_probs, mask)
-
-
-def _covariance(advantages, log_probs, mask):
-    """``Cov_t = (A_t - mean A)(lp_t - mean lp)`` over valid tokens (detached)."""
-    A = advantages.detach()
-    lp = log_probs.detach()
-    mA = masked_mean(A, mask)
-    mlp = masked_mean(lp, mask)
-    return (A - mA) * (lp - mlp)
+    A = broadcast_seq("advantages", advantages, log_probs).detach()
+    keep = Keep(mask)
+    return per_token(lambda need_coef: cispo_terms(log_probs.detach(), old_log_probs.detach(), A, keep,
+                                                   eps_low, eps_high, need_coef), log_probs)
 
 
 def clip_cov_loss(
@@ -197,12 +190,6 @@ def clip_cov_terms(lp, old, A, keep, eps_low, eps_high, dual_clip, ratio, lb, ub
     return value, coef
 
 
-def _count(bits: torch.Tensor) -> int:
-    """Sum of an integer tensor, accumulated in int32 where that cannot overflow (4x faster
-    on CPU than torch's default int64 accumulation)."""
-    return int(bits.sum(dtype=torch.int32 if bits.numel() < 2**31 else torch.int64))
-
-
 def _uniform_pick(cand: torch.Tensor, n_cand: int, k: int, generator) -> torch.Tensor:
     """``k`` distinct positions drawn uniformly without replacement among the ``n_cand``
     nonzero entries of the 0/1 vector ``cand``, with ``generator`` (CPU).
@@ -234,19 +221,10 @@ def kl_cov_loss(log_probs, old_log_probs, advantages, mask, ratio: float = 2e-3,
     """KL-Cov (Cui et al. 2025): the top ``floor(ratio * N)`` tokens by ``Cov_t`` get
     ``-A r + k |log r|``, all others ``-A r`` (no ratio clipping)."""
     check_same_shape("log_probs", log_probs, old_log_probs=old_log_probs, mask=mask)
-    A = _adv(advantages, log_probs, mask)
-    r, log_r = _ratio(log_probs, old_log_probs, mask)
-    loss = -A * r
-    valid = mask.bool()
-    n_valid = int(valid.sum().item())
-    n_pick = int(math.floor(ratio * n_valid))
-    if n_pick > 0:
-        cov = _covariance(A, log_probs, mask).masked_fill(~valid, float("-inf"))
-        top = torch.topk(cov.reshape(-1), n_pick).indices
-        sel = torch.zeros(loss.numel(), dtype=torch.bool, device=loss.device)
-        sel[top] = True
-        loss = loss + k * log_r.abs() * sel.view_as(loss).to(loss.dtype)
-    return zero_masked(loss, mask)
+    A = broadcast_seq("advantages", advantages, log_probs).detach()
+    keep = Keep(mask)
+    return per_token(lambda need_coef: kl_cov_terms(log_probs.detach(), old_log_probs.detach(), A, keep,
+                                                    ratio, k, need_coef), log_probs, old_log_probs)
 
 
 # ---------------------------------------------------------------- entropy terms
@@ -261,11 +239,24 @@ def diff_entropy_loss(entropy, correct, mask, coef_pos: float, coef_neg: float):
     correct responses, penalty ``-coef_neg H`` on incorrect ones, i.e.
     ``l_t = -coef_pos H_t`` (correct) and ``l_t = +coef_neg H_t`` (incorrect)."""
     check_same_shape("entropy", entropy, mask=mask)
+    c = _correct(correct, entropy)
+    loss = torch.where(c.unsqueeze(-1), -coef_pos * entropy, coef_neg * entropy)
+    return zero_masked(loss, mask)
+
+
+def _correct(correct, entropy):
     c = torch.as_tensor(correct, device=entropy.device).to(torch.bool)
     if c.dim() != 1 or c.shape[0] != entropy.shape[0]:
         raise ValueError(f"correct must be [B] = [{entropy.shape[0]}], got shape {tuple(c.shape)}")
-    loss = torch.where(c.unsqueeze(-1), -coef_pos * entropy, coef_neg * entropy)
-    return zero_masked(loss, mask)
+    return c
+
+
+def diff_entropy_weights(correct, entropy, coef_pos: float, coef_neg: float) -> torch.Tensor:
+    """``[B, 1]`` per-response weight of ``H`` in :func:`diff_entropy_loss`: ``-coef_pos``
+    (correct) or ``+coef_neg`` (incorrect), in ``entropy``'s dtype."""
+    c = _correct(correct, entropy)
+    w = torch.full((c.shape[0], 1), coef_neg, dtype=entropy.dtype, device=entropy.device)
+    return w.masked_fill_(c.unsqueeze(-1), -coef_pos)
 
 
 # ---------------------------------------------------------------- FlowRL
@@ -316,8 +307,10 @@ def dph_anchor_loss(log_probs, ref_log_probs, mask, divergence: str = "forward_k
         raise unknown_name_error("DPH anchor divergence", divergence, DPH_ANCHOR_DIVERGENCES)
     if divergence == "alpha":
         check_alpha(alpha)
-    log_u = fill_masked(log_probs - ref_log_probs.detach(), mask)
-    return zero_masked(f_divergence(name, log_u, alpha=alpha), mask)
+    keep = Keep(mask)
+    ref = ref_log_probs.detach()
+    return per_token(lambda need_coef: dph_anchor_terms(log_probs.detach(), ref, keep, name, alpha, need_coef),
+                     log_probs)
 
 
 def dph_js_def_loss(log_probs, ref_log_probs, mask, on: str = "anchor"):
@@ -360,10 +353,14 @@ def lad_loss(
         raise unknown_name_error("LAD divergence", divergence, LAD_DIVERGENCES)
     if not eta > 0:
         raise ValueError(f"eta must be > 0, got {eta}")
+    if granularity == "token":  # elementwise: value and gradient fused (_fused.lad_terms)
+        A = broadcast_seq("advantages", advantages, log_probs).detach()
+        keep = Keep(mask)
+        return per_token(lambda need_coef: lad_terms(log_probs.detach(), old_log_probs.detach(), A, keep,
+                                                     divergence, eta, clip_eps, need_coef),
+                         log_probs, old_log_probs)
     A = _adv(advantages, log_probs, mask)
-    if granularity == "token":
-        log_r = fill_masked(log_probs - old_log_probs, mask)
-    elif granularity == "sequence":
+    if granularity == "sequence":
         m = mask.to(log_probs.dtype)
         log_r = fill_masked(log_probs - old_log_probs, mask).sum(1, keepdim=True).expand_as(log_probs)
         A = A.sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1.0)

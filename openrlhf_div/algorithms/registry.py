@@ -31,7 +31,17 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
-from ._fused import Keep, _js_def, _k3, clipped_count, per_token, ppo_clip_terms
+from ._fused import (
+    Keep,
+    _js_def,
+    _k3,
+    cispo_terms,
+    clipped_count,
+    kl_cov_terms,
+    lad_terms,
+    per_token,
+    ppo_clip_terms,
+)
 from ._utils import broadcast_seq, check_same_shape, masked_mean, masked_sum, unknown_name_error
 from .advantages import (
     ds_reshape_advantages,
@@ -51,6 +61,7 @@ from .losses import (
     clip_cov_loss,
     clip_cov_terms,
     diff_entropy_loss,
+    diff_entropy_weights,
     dph_anchor_loss,
     dph_js_def_loss,
     entropy_loss,
@@ -312,10 +323,12 @@ class Method:
     def online_loss(self, b: LossInputs) -> Tuple[torch.Tensor, Dict[str, float]]:
         """Per-token loss ``[B, T]`` on rollout tokens: policy loss + regularizers.
 
-        PPO-clip / Clip-Cov with the k3 KL and the online JS-definition term run as one fused
-        per-token loss (``_fused``: value and hand-derived gradient, one backward product);
-        the logged metrics reuse its intermediate sums. Other components go through autograd.
-        Metrics are masked means over valid tokens, read back to the host in one transfer.
+        The policy loss and the regularizers run as one fused per-token loss where they can
+        (``_fused``: value and hand-derived gradient, one backward product for all of them;
+        every policy loss but FlowRL and sequence-level LAD, and the k3 KL, the online
+        JS-definition term and the entropy terms); the logged metrics reuse its intermediate
+        sums. The rest goes through autograd. Metrics are masked means over valid tokens, read
+        back to the host in one transfer.
         """
         h = self.hparams
         name = self.name
@@ -332,8 +345,9 @@ class Method:
         pl = self.policy_loss
         if fused is not None:
             A = broadcast_seq("advantages", adv, b.log_probs).detach()
+            others = (b.entropy,) if {"entropy", "diff_entropy"} & set(fused) else ()
             loss = per_token(lambda need_coef: self._fused_online(b, A, keep, fused, need_coef, sums),
-                             b.log_probs)
+                             b.log_probs, others=others)
         else:
             fused = ()
             if pl == "ppo_clip":
@@ -395,51 +409,93 @@ class Method:
         return loss, dict(zip(keys, vals))
 
     def _fused_regularizers(self, b: LossInputs) -> Optional[Tuple[str, ...]]:
-        """The regularizers that join the fused policy loss, or None when the fused path does
-        not apply (another policy loss, or a gradient wanted for old / reference log-probs)."""
-        if self.policy_loss not in ("ppo_clip", "clip_cov") or b.old_log_probs.requires_grad:
+        """The regularizers that join the fused policy loss (the others go through autograd),
+        or None when the policy loss itself is not fused (FlowRL, sequence-level LAD, or a
+        gradient wanted for the old log-probs)."""
+        h = self.hparams
+        if (self.policy_loss == "flowrl" or (self.policy_loss == "lad" and h["lad_granularity"] != "token")
+                or b.old_log_probs.requires_grad):
             return None
         regs = []
         for reg in self.regularizers:
-            if reg == "js_def_online" or (reg == "kl" and self.hparams["kl_estimator"] == "k3"):
+            if reg == "js_def_online" or (reg == "kl" and h["kl_estimator"] == "k3"):
                 ref = _require(b, "ref_log_probs", self.name, "ref_log_probs")
                 check_same_shape("log_probs", b.log_probs, ref_log_probs=ref)
-                if ref.requires_grad:
-                    return None
+                if not ref.requires_grad:
+                    regs.append(reg)
+            elif reg in ("entropy", "diff_entropy"):
+                H = _require(b, "entropy", self.name, "entropy")
+                check_same_shape("entropy", H, mask=b.mask)
+                if reg == "diff_entropy":
+                    _require(b, "correct", self.name, "correct")
                 regs.append(reg)
         return tuple(regs)
 
     def _fused_online(self, b, A, keep, regs, need_coef, sums):
-        """``(value, coef)`` of the policy loss plus the fused regularizers (``_fused``)."""
+        """``(value, coef, extras)`` of the policy loss plus the fused regularizers (``_fused``);
+        ``extras``: the entropy's gradient, when an entropy term is fused."""
         h = self.hparams
+        pl = self.policy_loss
         lp, old = b.log_probs.detach(), b.old_log_probs.detach()
+        clip_eps = (float(h.get("eps_low", 0.2)), float(h.get("eps_high", 0.2)))  # clipfrac's
         stats: Dict[str, torch.Tensor] = {}
-        if self.policy_loss == "ppo_clip":
-            if h["dual_clip"] is not None and h["dual_clip"] <= 1.0:
-                raise ValueError(f"dual_clip must be > 1, got {h['dual_clip']}")
+        if pl in ("ppo_clip", "clip_cov") and h["dual_clip"] is not None and h["dual_clip"] <= 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {h['dual_clip']}")
+        if pl == "ppo_clip":
             value, coef = ppo_clip_terms(lp, old, A, keep, h["eps_low"], h["eps_high"], h["dual_clip"],
                                          need_coef, stats)
-        else:
-            if h["dual_clip"] is not None and h["dual_clip"] <= 1.0:
-                raise ValueError(f"dual_clip must be > 1, got {h['dual_clip']}")
+        elif pl == "clip_cov":
             value, coef = clip_cov_terms(lp, old, A, keep, h["eps_low"], h["eps_high"], h["dual_clip"],
                                          h["clip_cov_ratio"], h["clip_cov_lb"], h["clip_cov_ub"],
                                          b.generator, need_coef, stats)
-        sums["clipfrac"] = stats["clipped"].sum()
+        elif pl == "cispo":
+            value, coef = cispo_terms(lp, old, A, keep, h["eps_low"], h["eps_high"], need_coef, stats, clip_eps)
+        elif pl == "kl_cov":
+            value, coef = kl_cov_terms(lp, old, A, keep, h["kl_cov_ratio"], h["kl_cov_k"], need_coef, stats,
+                                       clip_eps)
+        else:  # lad, token granularity
+            clip = h["lad_clip"]
+            value, coef = lad_terms(lp, old, A, keep, h["lad_divergence"], float(h["lad_eta"]),
+                                    tuple(clip) if clip is not None else None, need_coef, stats, clip_eps)
+        sums["clipfrac"] = stats["clipped"].sum() if "clipped" in stats else stats["clip_count"]
         sums["policy_loss"] = value.sum()
+        extras = []
+        H_f = None
         for reg in regs:
-            ref = b.ref_log_probs.detach()
-            if reg == "kl":  # k3; the sign of its coefficient is folded into the weight
-                v, c = _k3(lp, ref, keep, 10.0, need_coef)
-                w, cw = float(h["kl_coef"]), -float(h["kl_coef"])
-            else:  # js_def_online
-                v, c, sign = _js_def(lp, ref, keep, "online", need_coef)
-                w = self.anchor_weight * float(h["js_def_lambda"])
-                cw = sign * w
-            sums[_REG_METRIC[reg]] = v.sum()
-            value.add_(v, alpha=w)
-            if need_coef:
-                coef.add_(c, alpha=cw)
+            if reg in ("kl", "js_def_online"):
+                ref = b.ref_log_probs.detach()
+                if reg == "kl":  # k3; the sign of its coefficient is folded into the weight
+                    v, c = _k3(lp, ref, keep, 10.0, need_coef)
+                    w, cw = float(h["kl_coef"]), -float(h["kl_coef"])
+                else:
+                    v, c, sign = _js_def(lp, ref, keep, "online", need_coef)
+                    w = self.anchor_weight * float(h["js_def_lambda"])
+                    cw = sign * w
+                sums[_REG_METRIC[reg]] = v.sum()
+                value.add_(v, alpha=w)
+                if need_coef:
+                    coef.add_(c, alpha=cw)
+                continue
+            # entropy terms: -c_H H (entropy), -c_pos H / +c_neg H by correctness (diff_entropy);
+            # no gradient to log_probs, d / d H = that weight at valid tokens
+            if H_f is None:
+                H_f = keep.filled(b.entropy.detach())
+                sums["entropy"] = H_f.sum()
+            if reg == "entropy":
+                w = -float(h["entropy_coef"])
+                value.add_(H_f, alpha=w)
+            else:
+                w = diff_entropy_weights(b.correct, H_f, float(h["entropy_coef_pos"]), float(h["entropy_coef_neg"]))
+                value.addcmul_(H_f, w)
+            extras.append(w)
+        if extras:  # the entropy's gradient: the weights summed, at valid tokens
+            def grad_entropy(g, ws=tuple(extras)):
+                gf = keep.filled(g)
+                out = gf * ws[0]
+                for w in ws[1:]:
+                    out.add_(gf * w)
+                return out
+            return value, coef, (grad_entropy,)
         return value, coef
 
     def anchor_loss(self, a: AnchorInputs) -> torch.Tensor:
