@@ -182,12 +182,12 @@ def _clip_count(r: torch.Tensor, nA: torch.Tensor, eps_low: float, eps_high: flo
     (``sign=1``: ``A`` itself; 0 at masked tokens), as a 0-dim tensor: two float comparisons
     and a dot product per side."""
     pos, neg = (torch.lt, torch.gt) if sign < 0 else (torch.gt, torch.lt)
-    a = torch.gt(r, 1.0 + eps_high, out=torch.empty_like(r)).view(-1)
-    b = pos(nA, 0.0, out=torch.empty_like(r)).view(-1)
-    n = torch.dot(a, b)
-    torch.lt(r, 1.0 - eps_low, out=a.view_as(r))
-    neg(nA, 0.0, out=b.view_as(r))
-    return n + torch.dot(a, b)
+    a = torch.gt(r, 1.0 + eps_high, out=torch.empty(r.shape, dtype=r.dtype, device=r.device))
+    b = pos(nA, 0.0, out=torch.empty(r.shape, dtype=r.dtype, device=r.device))
+    n = torch.dot(a.view(-1), b.view(-1))
+    torch.lt(r, 1.0 - eps_low, out=a)
+    neg(nA, 0.0, out=b)
+    return n + torch.dot(a.view(-1), b.view(-1))
 
 
 # ------------------------------------------------------------------ CISPO
@@ -229,22 +229,29 @@ def kl_cov_terms(lp, old, A, keep: Keep, ratio: float, k: float, need_coef: bool
         lp_f = keep.filled(lp.to(dt))
         m_na, m_lp = nA.sum() / denom, lp_f.sum() / denom  # m_na = -mean A
         cov = torch.sub(m_na, nA, out=nA).mul_(lp_f.sub_(m_lp))  # (A - mean A)(lp - mean lp)
-        top = torch.topk(cov.view(-1), n_pick).indices
+        top = torch.topk(cov.reshape(-1), n_pick).indices
         if keep.mask is not None and not bool(keep.mask.reshape(-1)[top].bool().all()):
             bits = keep.bits(cov)  # a masked token made the top: mask with -inf and pick again
             cov.view(bits.dtype).bitwise_and_(bits).bitwise_or_(
                 torch.bitwise_not(bits).bitwise_and_(_bits_of(-math.inf, cov)))
-            top = torch.topk(cov.view(-1), n_pick).indices
-        lr_top = log_r.view(-1)[top]
+            top = torch.topk(cov.reshape(-1), n_pick).indices
+        lr_top = log_r.reshape(-1)[top]
+        top = unflat(top, value)
     coef = None
     if need_coef:
-        g_top = None if top is None else g_lr.view(-1)[top]
+        g_top = None if top is None else g_lr[top]
         coef = g_lr.mul_(value)
         if top is not None:
-            coef.view(-1).index_add_(0, top, k * torch.sign(lr_top) * g_top)
+            coef.index_put_(top, k * torch.sign(lr_top) * g_top, accumulate=True)
     if top is not None:
-        value.view(-1).index_add_(0, top, k * lr_top.abs())
+        value.index_put_(top, k * lr_top.abs(), accumulate=True)
     return value, coef
+
+
+def unflat(idx: torch.Tensor, like: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Row-major flat indices into ``like`` ``[B, T]`` as ``(rows, cols)`` (any memory layout)."""
+    T = like.shape[1]
+    return idx.div(T, rounding_mode="floor"), idx.remainder(T)
 
 
 def _bits_of(x: float, like: torch.Tensor) -> torch.Tensor:

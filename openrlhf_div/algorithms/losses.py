@@ -21,6 +21,7 @@ from ._fused import (
     lad_terms,
     per_token,
     ppo_clip_terms,
+    unflat,
 )
 from ._utils import (
     broadcast_seq,
@@ -185,8 +186,8 @@ def clip_cov_terms(lp, old, A, keep, eps_low, eps_high, dual_clip, ratio, lb, ub
     n_cand = int(cand.sum(dtype=torch.float32 if cand.numel() < 2**24 else torch.float64))  # exact
     n_pick = min(max(1, int(math.floor(ratio * n_valid))), n_cand)
     if n_pick > 0:
-        picked = _uniform_pick(cand.view(-1), n_cand, n_pick, generator)
-        coef.view(-1).index_fill_(0, picked.to(coef.device), 0.0)
+        picked = _uniform_pick(cand.reshape(-1), n_cand, n_pick, generator)
+        coef.index_put_(unflat(picked.to(coef.device), coef), torch.zeros((), dtype=coef.dtype, device=coef.device))
     return value, coef
 
 

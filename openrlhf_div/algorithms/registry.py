@@ -457,7 +457,12 @@ class Method:
             clip = h["lad_clip"]
             value, coef = lad_terms(lp, old, A, keep, h["lad_divergence"], float(h["lad_eta"]),
                                     tuple(clip) if clip is not None else None, need_coef, stats, clip_eps)
-        sums["clipfrac"] = stats["clipped"].sum() if "clipped" in stats else stats["clip_count"]
+        if "clipped" in stats:
+            sums["clipfrac"] = stats["clipped"].sum()
+        elif "clip_count" in stats:
+            sums["clipfrac"] = stats["clip_count"]
+        else:  # a term that does not report it
+            sums["clipfrac"] = clipped_count(lp, old, A, keep, *clip_eps)
         sums["policy_loss"] = value.sum()
         extras = []
         H_f = None
