@@ -1,22 +1,27 @@
 """Fused per-token losses: the value and its hand-derived gradient, without an autograd graph.
 
-Why (measured in ``docs/benchmarks.md``, "Policy losses"): written as plain torch
-expressions, PPO-clip on a ``[256, 4096]`` float32 batch ran ~25 element-wise ops forward and
-as many again backward (``maximum`` / ``minimum`` / ``where`` / ``clamp`` backward are each
-several passes), and autograd kept most intermediates alive until ``backward``: 20+ MB of
-fresh buffers per step that glibc hands back to the kernel and faults in again (a third of
-the CPU time was page faults). Here each loss is computed under ``no_grad``, mostly in place,
-together with ``coef = d value / d log_probs`` (every loss in this module is elementwise in
-``log_probs``), and the backward pass is the single product ``grad * coef``.
+Why (measured, ``docs/benchmarks.md`` "Policy losses"): written as plain torch expressions,
+PPO-clip on a ``[256, 4096]`` float32 batch ran ~25 element-wise ops forward and as many
+backward (the backward of ``maximum`` / ``minimum`` / ``where`` / ``clamp`` is several passes
+each; ``where`` / ``masked_fill`` and comparisons returning bool are 3-15x slower on CPU than
+an arithmetic pass), and autograd kept most intermediates alive until ``backward``. Here each
+loss runs under ``no_grad``, mostly in place on a few buffers, together with
+``coef = d value / d log_probs``, and the backward pass is the single product ``grad * coef``
+(``-grad * coef`` for ``old_log_probs`` / ``ref_log_probs`` where the loss depends on
+``lp - old`` / ``lp - ref`` only). Every loss here is elementwise in ``log_probs`` (Clip-Cov's
+and KL-Cov's token choice depends on ``lp`` but is not differentiated, as before).
 
-Each ``*_terms`` function returns ``(value, coef)`` on ``[B, T]`` (``coef`` is None when not
-asked for); both are exactly 0 at masked tokens, whatever the inputs hold there. The
-gradient conventions are autograd's for the same expressions: a ``clamp`` passes the gradient
-on its boundary, so the unclipped branch of PPO-clip keeps its gradient at ``r = 1 + eps``;
-the one difference is an exact tie ``r = c`` of the dual clip (probability zero), where
-autograd's ``minimum`` splits the gradient in halves and this module gives the unclipped
-branch all of it. ``tests/test_fused.py`` checks values and gradients against the plain
-autograd expressions and with ``gradcheck`` in float64.
+Each ``*_terms`` function returns ``(value, coef)`` on ``[B, T]`` (``coef`` None when not
+asked for); both are exactly 0 at masked tokens, whatever the inputs hold there (selection by
+bit mask, :class:`Keep`). The formulas are ALGORITHMS.md's; the values are the same floats
+as the autograd expressions they replace except where noted at each function (k3 written
+with ``exp`` as the spec does instead of ``expm1``; the JS-definition loss as one ``exp`` and
+one ``log``; ``softplus(x)`` as ``log1p`` of an ``exp`` already computed, within an ulp). The
+gradient conventions are autograd's (a ``clamp`` passes the gradient on its boundary, so
+PPO-clip's unclipped branch keeps it at ``r = 1 + eps``), with one difference at an exact tie
+``r = c`` of the dual clip (probability zero): autograd's ``minimum`` splits the gradient in
+halves, here the unclipped branch gets all of it. ``tests/test_fused.py`` checks values and
+gradients against the autograd expressions, and with ``gradcheck`` in float64.
 """
 from __future__ import annotations
 
@@ -66,10 +71,6 @@ class Keep:
             return x.clone()
         bits = self.bits(x)
         return torch.bitwise_and(x.view(bits.dtype), bits).view(x.dtype)
-
-    def as_float(self, dtype: torch.dtype) -> torch.Tensor:
-        """1.0 at kept tokens, 0.0 at masked ones."""
-        return self._bool.to(dtype)
 
 
 class _PerToken(torch.autograd.Function):
