@@ -25,6 +25,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import platform
 import random
@@ -61,6 +62,22 @@ def sync(device):
 def clock_fn(name):
     # process CPU time: on a shared CPU box it ignores the time other jobs hold the cores
     return time.process_time if name == "cpu" else time.perf_counter
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc to keep freed heap memory in the process: no trimming of the heap top and no
+    ``mmap`` for blocks up to 32 MiB (glibc's ceiling). By default glibc hands the buffers a
+    loss run freed back to the kernel whenever they sit at the top of the heap, and the next
+    run faults them in again (a few ms of system time per 4 MiB buffer); whether that happens
+    depends on the order of allocations of every configuration timed in the same process, and
+    it made one configuration's time vary 3x between identical runs. Returns False where it
+    does not apply (not glibc)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+    except (OSError, AttributeError):
+        return False
 
 
 def time_once(fn, device, clock):
@@ -191,6 +208,9 @@ def main(argv=None):
                    help="process CPU time (default on CPU) or wall time (default on CUDA)")
     p.add_argument("--entropy-vocab", type=int, default=64,
                    help="vocabulary for the entropy-from-logits timing (default 64)")
+    p.add_argument("--malloc", choices=("keep", "default"), default="keep",
+                   help="keep (default): glibc keeps freed memory (mallopt), so runs do not page-fault "
+                        "their buffers again at random; default: leave glibc as it is")
     p.add_argument("--methods", default=None, help="comma-separated subset (default: all registered)")
     p.add_argument("--output", default=str(ROOT / "docs" / "benchmarks.md"),
                    help="markdown file whose 'Policy losses' section is (re)written")
@@ -202,6 +222,7 @@ def main(argv=None):
         p.error("--device cuda but torch.cuda.is_available() is False")
     if args.threads:
         torch.set_num_threads(args.threads)
+    args.malloc_kept = args.malloc == "keep" and device.type == "cpu" and keep_freed_memory()
     clock_name = args.clock or ("wall" if device.type == "cuda" else "cpu")
     clock = clock_fn(clock_name)
     names = list(list_methods()) if args.methods is None else args.methods.split(",")
@@ -276,6 +297,10 @@ def render(rows, t_grpo, spread, t_ent, args, device, cmd, wall, clock_name):
         "",
         f"- Command: `{cmd}`",
         f"- Machine: {machine(device)}; the cores were shared with other jobs during the run.",
+        "- Allocator: " + ("glibc told to keep freed memory (`mallopt`: no heap trimming, no `mmap` "
+                           "below 32 MiB), so a run does not page-fault the buffers of the previous one "
+                           "again; `--malloc default` leaves glibc as it is (slower and noisier, see the "
+                           "notes below)." if args.malloc_kept else "as the platform sets it."),
         f"- GRPO: {t_grpo * 1e3:.1f} ms (max/min over its rounds {1 + spread:.2f}); whole run {wall:.0f} s.",
         f"- **Goal: every method within {GOAL}x of GRPO.**",
         "",

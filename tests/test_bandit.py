@@ -128,6 +128,8 @@ def test_the_losses_come_from_the_library(monkeypatch):
     from openrlhf_div.algorithms import registry
 
     monkeypatch.setattr(registry, "lad_loss", lambda lp, *a, **k: lp * 0.0)
+    # token-level LAD runs as a fused term inside Method.online_loss (value, d value / d lp)
+    monkeypatch.setattr(registry, "lad_terms", lambda lp, *a, **k: (lp * 0.0, torch.zeros_like(lp)))
     res = B.run_bandit("lad_js", B.BanditConfig(steps=50))
     np.testing.assert_allclose(res["policy"], np.full(50, 0.02), atol=1e-12)
 

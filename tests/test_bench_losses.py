@@ -20,7 +20,7 @@ def test_bench_table_and_section_rewrite(tmp_path, capsys):
     out = tmp_path / "benchmarks.md"
     out.write_text("# Benchmarks\n\n## Engine\n\nkeep me\n")
     args = ["--batch", "16", "--seq", "8", "--repeats", "1", "--warmup", "0", "--threads", "0",
-            "--entropy-vocab", "4", "--output", str(out)]
+            "--entropy-vocab", "4", "--malloc", "default", "--output", str(out)]
     bench.main(args)
     text = out.read_text()
     assert text.startswith("# Benchmarks\n\n## Engine\n\nkeep me\n")

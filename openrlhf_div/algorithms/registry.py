@@ -31,7 +31,18 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
-from ._utils import check_same_shape, masked_mean, unknown_name_error
+from ._fused import (
+    Keep,
+    _js_def,
+    _k3,
+    cispo_terms,
+    clipped_count,
+    kl_cov_terms,
+    lad_terms,
+    per_token,
+    ppo_clip_terms,
+)
+from ._utils import broadcast_seq, check_same_shape, masked_mean, masked_sum, unknown_name_error
 from .advantages import (
     ds_reshape_advantages,
     dynamic_sampling_mask,
@@ -48,7 +59,9 @@ from .losses import (
     aggregate_loss,
     cispo_loss,
     clip_cov_loss,
+    clip_cov_terms,
     diff_entropy_loss,
+    diff_entropy_weights,
     dph_anchor_loss,
     dph_js_def_loss,
     entropy_loss,
@@ -56,7 +69,6 @@ from .losses import (
     kl_cov_loss,
     lad_loss,
     ppo_clip_loss,
-    ppo_clip_mask,
 )
 from .divergences import check_alpha
 
@@ -101,6 +113,10 @@ ANCHORS: Dict[str, Dict[str, Any]] = {
     "alpha": {"anchor_eta": 0.01, "anchor_alpha": 0.5},
     "js_def": {"anchor_eta": 0.2},
 }
+
+
+# the metric each regularizer logs (its masked mean)
+_REG_METRIC = {"kl": "kl", "entropy": "entropy", "diff_entropy": "entropy", "js_def_online": "js_def_online"}
 
 
 @dataclass(frozen=True)
@@ -305,68 +321,187 @@ class Method:
 
     # -------------------------------------------------------------- training side
     def online_loss(self, b: LossInputs) -> Tuple[torch.Tensor, Dict[str, float]]:
-        """Per-token loss ``[B, T]`` on rollout tokens: policy loss + regularizers."""
+        """Per-token loss ``[B, T]`` on rollout tokens: policy loss + regularizers.
+
+        The policy loss and the regularizers run as one fused per-token loss where they can
+        (``_fused``: value and hand-derived gradient, one backward product for all of them;
+        every policy loss but FlowRL and sequence-level LAD, and the k3 KL, the online
+        JS-definition term and the entropy terms); the logged metrics reuse its intermediate
+        sums. The rest goes through autograd. Metrics are masked means over valid tokens, read
+        back to the host in one transfer.
+        """
         h = self.hparams
         name = self.name
         adv = b.advantages
         if adv.dim() == 1:
             adv = adv.to(b.log_probs.dtype).unsqueeze(-1).expand_as(b.log_probs)
-        metrics: Dict[str, float] = {}
         if "entadv" in self.adv_reshaping:
             H = _require(b, "entropy", name, "entropy")
             adv = entropy_advantages(adv, H, b.mask, float(h["entadv_alpha"]), float(h["entadv_kappa"]))
+        check_same_shape("log_probs", b.log_probs, old_log_probs=b.old_log_probs, mask=b.mask)
+        keep = Keep(b.mask)
+        sums: Dict[str, torch.Tensor] = {}  # metric -> sum over valid tokens
+        fused = self._fused_regularizers(b)
         pl = self.policy_loss
-        if pl == "ppo_clip":
-            loss = ppo_clip_loss(b.log_probs, b.old_log_probs, adv, b.mask,
-                                 h["eps_low"], h["eps_high"], h["dual_clip"])
-        elif pl == "cispo":
-            loss = cispo_loss(b.log_probs, b.old_log_probs, adv, b.mask, h["eps_low"], h["eps_high"])
-        elif pl == "clip_cov":
-            loss = clip_cov_loss(b.log_probs, b.old_log_probs, adv, b.mask, h["eps_low"], h["eps_high"],
-                                 h["dual_clip"], h["clip_cov_ratio"], h["clip_cov_lb"], h["clip_cov_ub"],
-                                 generator=b.generator)
-        elif pl == "kl_cov":
-            loss = kl_cov_loss(b.log_probs, b.old_log_probs, adv, b.mask, h["kl_cov_ratio"], h["kl_cov_k"])
-        elif pl == "lad":
-            clip = h["lad_clip"]
-            loss = lad_loss(b.log_probs, b.old_log_probs, adv, b.mask, h["lad_divergence"], float(h["lad_eta"]),
-                            h["lad_granularity"], tuple(clip) if clip is not None else None)
-        elif pl == "flowrl":
-            ref = _require(b, "ref_log_probs", name, "ref_log_probs")
-            log_z = _require(b, "log_z", name, "prompt_hidden")
-            seq_adv = masked_mean(adv, b.mask, dim=1)
-            loss = flowrl_loss(b.log_probs, b.old_log_probs, ref, seq_adv, log_z, b.mask,
-                               float(h["flowrl_beta"]), float(h["flowrl_max_weight"]))
-        else:  # pragma: no cover - guarded by register_method
-            raise unknown_name_error("policy loss", pl, POLICY_LOSSES)
-        with torch.no_grad():
-            log_r = (b.log_probs - b.old_log_probs).clamp(-20, 20)
-            metrics["clipfrac"] = float(masked_mean(
-                ppo_clip_mask(torch.exp(log_r), adv, float(h.get("eps_low", 0.2)),
-                              float(h.get("eps_high", 0.2))).float(), b.mask))
-            metrics["policy_loss"] = float(masked_mean(loss, b.mask))
+        if fused is not None:
+            A = broadcast_seq("advantages", adv, b.log_probs).detach()
+            others = (b.entropy,) if {"entropy", "diff_entropy"} & set(fused) else ()
+            loss = per_token(lambda need_coef: self._fused_online(b, A, keep, fused, need_coef, sums),
+                             b.log_probs, others=others)
+        else:
+            fused = ()
+            if pl == "ppo_clip":
+                loss = ppo_clip_loss(b.log_probs, b.old_log_probs, adv, b.mask,
+                                     h["eps_low"], h["eps_high"], h["dual_clip"])
+            elif pl == "cispo":
+                loss = cispo_loss(b.log_probs, b.old_log_probs, adv, b.mask, h["eps_low"], h["eps_high"])
+            elif pl == "clip_cov":
+                loss = clip_cov_loss(b.log_probs, b.old_log_probs, adv, b.mask, h["eps_low"], h["eps_high"],
+                                     h["dual_clip"], h["clip_cov_ratio"], h["clip_cov_lb"], h["clip_cov_ub"],
+                                     generator=b.generator)
+            elif pl == "kl_cov":
+                loss = kl_cov_loss(b.log_probs, b.old_log_probs, adv, b.mask, h["kl_cov_ratio"], h["kl_cov_k"])
+            elif pl == "lad":
+                clip = h["lad_clip"]
+                loss = lad_loss(b.log_probs, b.old_log_probs, adv, b.mask, h["lad_divergence"],
+                                float(h["lad_eta"]), h["lad_granularity"], tuple(clip) if clip is not None else None)
+            elif pl == "flowrl":
+                ref = _require(b, "ref_log_probs", name, "ref_log_probs")
+                log_z = _require(b, "log_z", name, "prompt_hidden")
+                seq_adv = masked_mean(adv, b.mask, dim=1)
+                loss = flowrl_loss(b.log_probs, b.old_log_probs, ref, seq_adv, log_z, b.mask,
+                                   float(h["flowrl_beta"]), float(h["flowrl_max_weight"]))
+            else:  # pragma: no cover - guarded by register_method
+                raise unknown_name_error("policy loss", pl, POLICY_LOSSES)
+            with torch.no_grad():
+                A = broadcast_seq("advantages", adv, b.log_probs)
+                sums["clipfrac"] = clipped_count(b.log_probs, b.old_log_probs, A, keep,
+                                                 float(h.get("eps_low", 0.2)), float(h.get("eps_high", 0.2)))
+                sums["policy_loss"] = loss.detach().sum()  # every policy loss is 0 at masked tokens
         for reg in self.regularizers:
+            if reg in fused:
+                continue
             if reg == "kl":
                 ref = _require(b, "ref_log_probs", name, "ref_log_probs")
                 kl = kl_estimate(b.log_probs, ref, b.mask, h["kl_estimator"])
                 loss = loss + float(h["kl_coef"]) * kl
-                metrics["kl"] = float(masked_mean(kl.detach(), b.mask))
+                sums["kl"] = kl.detach().sum()
             elif reg == "entropy":
                 H = _require(b, "entropy", name, "entropy")
                 loss = loss + entropy_loss(H, b.mask, float(h["entropy_coef"]))
-                metrics["entropy"] = float(masked_mean(H.detach(), b.mask))
+                sums["entropy"] = masked_sum(H.detach(), b.mask)
             elif reg == "diff_entropy":
                 H = _require(b, "entropy", name, "entropy")
                 c = _require(b, "correct", name, "correct")
                 loss = loss + diff_entropy_loss(H, c, b.mask, float(h["entropy_coef_pos"]),
                                                 float(h["entropy_coef_neg"]))
-                metrics["entropy"] = float(masked_mean(H.detach(), b.mask))
+                sums["entropy"] = masked_sum(H.detach(), b.mask)
             elif reg == "js_def_online":
                 ref = _require(b, "ref_log_probs", name, "ref_log_probs")
                 js = dph_js_def_loss(b.log_probs, ref, b.mask, on="online")
                 loss = loss + self.anchor_weight * float(h["js_def_lambda"]) * js
-                metrics["js_def_online"] = float(masked_mean(js.detach(), b.mask))
-        return loss, metrics
+                sums["js_def_online"] = js.detach().sum()
+        # masked means, in the order the components were listed (one device -> host copy)
+        keys = ["clipfrac", "policy_loss"] + [k for k in dict.fromkeys(_REG_METRIC[r] for r in self.regularizers)]
+        with torch.no_grad():
+            n = b.mask.to(b.log_probs.dtype).sum().clamp(min=1.0).double()
+            vals = (torch.stack([sums[k].double() for k in keys]) / n).tolist()
+        return loss, dict(zip(keys, vals))
+
+    def _fused_regularizers(self, b: LossInputs) -> Optional[Tuple[str, ...]]:
+        """The regularizers that join the fused policy loss (the others go through autograd),
+        or None when the policy loss itself is not fused (FlowRL, sequence-level LAD, or a
+        gradient wanted for the old log-probs)."""
+        h = self.hparams
+        if (self.policy_loss == "flowrl" or (self.policy_loss == "lad" and h["lad_granularity"] != "token")
+                or b.old_log_probs.requires_grad):
+            return None
+        regs = []
+        for reg in self.regularizers:
+            if reg == "js_def_online" or (reg == "kl" and h["kl_estimator"] == "k3"):
+                ref = _require(b, "ref_log_probs", self.name, "ref_log_probs")
+                check_same_shape("log_probs", b.log_probs, ref_log_probs=ref)
+                if not ref.requires_grad:
+                    regs.append(reg)
+            elif reg in ("entropy", "diff_entropy"):
+                H = _require(b, "entropy", self.name, "entropy")
+                check_same_shape("entropy", H, mask=b.mask)
+                if reg == "diff_entropy":
+                    _require(b, "correct", self.name, "correct")
+                regs.append(reg)
+        return tuple(regs)
+
+    def _fused_online(self, b, A, keep, regs, need_coef, sums):
+        """``(value, coef, extras)`` of the policy loss plus the fused regularizers (``_fused``);
+        ``extras``: the entropy's gradient, when an entropy term is fused."""
+        h = self.hparams
+        pl = self.policy_loss
+        lp, old = b.log_probs.detach(), b.old_log_probs.detach()
+        clip_eps = (float(h.get("eps_low", 0.2)), float(h.get("eps_high", 0.2)))  # clipfrac's
+        stats: Dict[str, torch.Tensor] = {}
+        if pl in ("ppo_clip", "clip_cov") and h["dual_clip"] is not None and h["dual_clip"] <= 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {h['dual_clip']}")
+        if pl == "ppo_clip":
+            value, coef = ppo_clip_terms(lp, old, A, keep, h["eps_low"], h["eps_high"], h["dual_clip"],
+                                         need_coef, stats)
+        elif pl == "clip_cov":
+            value, coef = clip_cov_terms(lp, old, A, keep, h["eps_low"], h["eps_high"], h["dual_clip"],
+                                         h["clip_cov_ratio"], h["clip_cov_lb"], h["clip_cov_ub"],
+                                         b.generator, need_coef, stats)
+        elif pl == "cispo":
+            value, coef = cispo_terms(lp, old, A, keep, h["eps_low"], h["eps_high"], need_coef, stats, clip_eps)
+        elif pl == "kl_cov":
+            value, coef = kl_cov_terms(lp, old, A, keep, h["kl_cov_ratio"], h["kl_cov_k"], need_coef, stats,
+                                       clip_eps)
+        else:  # lad, token granularity
+            clip = h["lad_clip"]
+            value, coef = lad_terms(lp, old, A, keep, h["lad_divergence"], float(h["lad_eta"]),
+                                    tuple(clip) if clip is not None else None, need_coef, stats, clip_eps)
+        if "clipped" in stats:
+            sums["clipfrac"] = stats["clipped"].sum()
+        elif "clip_count" in stats:
+            sums["clipfrac"] = stats["clip_count"]
+        else:  # a term that does not report it
+            sums["clipfrac"] = clipped_count(lp, old, A, keep, *clip_eps)
+        sums["policy_loss"] = value.sum()
+        extras = []
+        H_f = None
+        for reg in regs:
+            if reg in ("kl", "js_def_online"):
+                ref = b.ref_log_probs.detach()
+                if reg == "kl":  # k3; the sign of its coefficient is folded into the weight
+                    v, c = _k3(lp, ref, keep, 10.0, need_coef)
+                    w, cw = float(h["kl_coef"]), -float(h["kl_coef"])
+                else:
+                    v, c, sign = _js_def(lp, ref, keep, "online", need_coef)
+                    w = self.anchor_weight * float(h["js_def_lambda"])
+                    cw = sign * w
+                sums[_REG_METRIC[reg]] = v.sum()
+                value.add_(v, alpha=w)
+                if need_coef:
+                    coef.add_(c, alpha=cw)
+                continue
+            # entropy terms: -c_H H (entropy), -c_pos H / +c_neg H by correctness (diff_entropy);
+            # no gradient to log_probs, d / d H = that weight at valid tokens
+            if H_f is None:
+                H_f = keep.filled(b.entropy.detach())
+                sums["entropy"] = H_f.sum()
+            if reg == "entropy":
+                w = -float(h["entropy_coef"])
+                value.add_(H_f, alpha=w)
+            else:
+                w = diff_entropy_weights(b.correct, H_f, float(h["entropy_coef_pos"]), float(h["entropy_coef_neg"]))
+                value.addcmul_(H_f, w)
+            extras.append(w)
+        if extras:  # the entropy's gradient: the weights summed, at valid tokens
+            def grad_entropy(g, ws=tuple(extras)):
+                gf = keep.filled(g)
+                out = gf * ws[0]
+                for w in ws[1:]:
+                    out.add_(gf * w)
+                return out
+            return value, coef, (grad_entropy,)
+        return value, coef
 
     def anchor_loss(self, a: AnchorInputs) -> torch.Tensor:
         """Unweighted per-token anchor loss ``[B, T]`` on ``D_pef`` tokens."""
@@ -392,20 +527,23 @@ class Method:
         """
         total = None
         metrics: Dict[str, float] = {}
+        parts: Dict[str, torch.Tensor] = {}
         if online is not None:
             per_tok, metrics = self.online_loss(online)
-            l_exp = aggregate_loss(per_tok, online.mask, self.aggregation, num_online_tokens, num_online_seqs)
-            metrics["loss_exp"] = float(l_exp.detach())
+            l_exp = aggregate_loss(per_tok, online.mask, self.aggregation, num_online_tokens, num_online_seqs,
+                                   masked_zero=True)
+            parts["loss_exp"] = l_exp.detach()
             total = l_exp
         if anchor is not None:
             per_tok = self.anchor_loss(anchor)
-            l_pef = aggregate_loss(per_tok, anchor.mask, "token-mean", num_anchor_tokens)
-            metrics["loss_pef"] = float(l_pef.detach())
+            l_pef = aggregate_loss(per_tok, anchor.mask, "token-mean", num_anchor_tokens, masked_zero=True)
+            parts["loss_pef"] = l_pef.detach()
             weighted = self.anchor_weight * l_pef
             total = weighted if total is None else total + weighted
         if total is None:
             raise ValueError("Method.loss needs online inputs, anchor inputs, or both")
-        metrics["loss"] = float(total.detach())
+        parts["loss"] = total.detach()
+        metrics.update(zip(parts, torch.stack([p.double() for p in parts.values()]).tolist()))
         return total, metrics
 
 
