@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+import json
 import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Union
@@ -91,6 +92,19 @@ def render_prompt(prompt: Union[str, List[Dict[str, str]]], tokenizer=None) -> s
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     return "\n\n".join(m["content"] for m in prompt) + "\n"
+
+
+def decode_label(label: Any, task: str, expected: str) -> Dict[str, Any]:
+    """A structured label as a dict: labels may arrive JSON-encoded (OpenRLHF passes strings).
+    Raises ``ValueError`` naming the task and the expected keys."""
+    if isinstance(label, str):
+        try:
+            label = json.loads(label)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{task} label is not valid JSON ({exc}); expected {expected}") from None
+    if not isinstance(label, dict):
+        raise ValueError(f"{task} label must be a dict {expected}, got {type(label).__name__}")
+    return label
 
 
 # name -> factory(**options) -> Task; modules imported lazily on first use

@@ -19,13 +19,12 @@ in the whole response (TinyZero: only its last line).
 from __future__ import annotations
 
 import itertools
-import json
 import random
 import re
 from fractions import Fraction
 from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
-from .base import RewardResult, Task, register_task
+from .base import RewardResult, Task, decode_label, register_task
 
 __all__ = ["CountdownTask", "CountdownError", "evaluate_equation", "countdown_score", "generate_countdown",
            "solve_countdown", "COUNTDOWN_TEMPLATES"]
@@ -139,13 +138,7 @@ def evaluate_equation(expr: str) -> Tuple[Fraction, List[int]]:
 
 
 def _parse_label(label: Any) -> Tuple[int, List[int]]:
-    if isinstance(label, str):
-        try:
-            label = json.loads(label)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"countdown label is not valid JSON ({exc}); expected {{\"target\", \"numbers\"}}") from None
-    if not isinstance(label, dict):
-        raise ValueError(f"countdown label must be a dict {{'target', 'numbers'}}, got {type(label).__name__}")
+    label = decode_label(label, "countdown", '{"target", "numbers"}')
     nums = label.get("numbers", label.get("nums"))
     if "target" not in label or nums is None:
         raise ValueError(f"countdown label needs 'target' and 'numbers', got keys {sorted(label)}")

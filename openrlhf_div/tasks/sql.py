@@ -12,14 +12,13 @@ knowledge (BIRD's ``evidence``) and the question, asking for the query in a ```s
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import sqlite3
 import threading
 from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
 
-from .base import RewardResult, Task, register_task
+from .base import RewardResult, Task, decode_label, register_task
 from .sqlite_sandbox import SQLExecutor, open_readonly
 
 __all__ = ["SQLTask", "extract_sql", "split_statements", "normalize_sql", "schema_text", "SQL_TEMPLATES"]
@@ -156,13 +155,7 @@ _DB_ID_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\- ]*$")
 
 def parse_sql_label(label: Any) -> Tuple[str, str]:
     """``(db_id, gold_sql)`` from a label dict or its JSON string."""
-    if isinstance(label, str):
-        try:
-            label = json.loads(label)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"sql label is not valid JSON ({exc}); expected {{\"db_id\": ..., \"sql\": ...}}") from None
-    if not isinstance(label, dict):
-        raise ValueError(f"sql label must be a dict {{'db_id', 'sql'}}, got {type(label).__name__}")
+    label = decode_label(label, "sql", '{"db_id": ..., "sql": ...}')
     db_id = label.get("db_id")
     gold = label.get("sql", label.get("SQL", label.get("query")))
     if not db_id or not gold:
