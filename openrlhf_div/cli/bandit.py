@@ -18,26 +18,18 @@ import os
 import sys
 
 
-def _positive_int(flag):
+def _int_at_least(flag, lo):
+    """argparse type: an integer >= ``lo``, with an error naming the flag."""
+    what = "a positive integer" if lo == 1 else f"an integer >= {lo}"
+
     def parse(text):
         try:
             v = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} must be a positive integer, got {text!r}")
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{flag} must be a positive integer (>= 1), got {v}")
-        return v
-    return parse
-
-
-def _nonneg_int(flag):
-    def parse(text):
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= 0, got {text!r}")
-        if v < 0:
-            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= 0, got {v}")
+            raise argparse.ArgumentTypeError(f"{flag} must be {what}, got {text!r}")
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{flag} must be {what}" + (" (>= 1)" if lo == 1 else "")
+                                             + f", got {v}")
         return v
     return parse
 
@@ -76,7 +68,7 @@ def add_parser(sub):
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--method", type=_method, metavar="NAME", help="one bandit method")
     what.add_argument("--all", action="store_true", help="run every bandit method into --out")
-    p.add_argument("--steps", type=_positive_int("--steps"), default=4000, help="training steps (default 4000)")
+    p.add_argument("--steps", type=_int_at_least("--steps", 1), default=4000, help="training steps (default 4000)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--eta", type=_float("--eta"), default=1.0,
                    help="LAD eta = GRPO's KL(pi||pi_old) weight = DS beta (default 1)")
@@ -85,14 +77,14 @@ def add_parser(sub):
     p.add_argument("--out", metavar="DIR", default="runs/bandit", help="(--all) output folder (default runs/bandit)")
     p.add_argument("--exact-expectation", action="store_true",
                    help="use all arms weighted by pi_old instead of 32 samples at T=1.5 (removes sampling noise)")
-    p.add_argument("--batch", type=_positive_int("--batch"), default=32, help="samples per step (default 32)")
+    p.add_argument("--batch", type=_int_at_least("--batch", 1), default=32, help="samples per step (default 32)")
     p.add_argument("--temperature", type=_float("--temperature"), default=1.5, help="sampling temperature (default 1.5)")
     p.add_argument("--lr", type=_float("--lr"), default=5e-3, help="Adam learning rate (default 5e-3)")
-    p.add_argument("--refreshes", type=_nonneg_int("--refreshes"), default=2,
+    p.add_argument("--refreshes", type=_int_at_least("--refreshes", 0), default=2,
                    help="pi_old refreshes for LAD/GRPO (default 2: three phases)")
     p.add_argument("--gamma-p", type=_float("--gamma-p", positive=False), default=0.5, help="DS gamma_p (default 0.5)")
     p.add_argument("--gamma-n", type=_float("--gamma-n", positive=False), default=0.5, help="DS gamma_n (default 0.5)")
-    p.add_argument("--workers", type=_positive_int("--workers"), default=None,
+    p.add_argument("--workers", type=_int_at_least("--workers", 1), default=None,
                    help="(--all) parallel processes (default: min(2, CPU count))")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)

@@ -35,7 +35,10 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
 
 
 # ------------------------------------------------------------------ aggregation
-def _mean_tree(values: Sequence[Any]) -> Any:
+def _reduce_tree(values: Sequence[Any], leaf, other, drop_none: bool) -> Any:
+    """Reduce parallel nested dicts key by key: numeric leaves with ``leaf(list)``, anything
+    else with ``other(list)``; ``None`` values are skipped (and ``None`` results dropped from
+    dicts when ``drop_none``)."""
     vals = [v for v in values if v is not None]
     if not vals:
         return None
@@ -43,25 +46,20 @@ def _mean_tree(values: Sequence[Any]) -> Any:
         keys: List[str] = []
         for v in vals:
             keys += [k for k in v if k not in keys]
-        return {k: _mean_tree([v.get(k) for v in vals]) for k in keys}
+        out = {k: _reduce_tree([v.get(k) for v in vals], leaf, other, drop_none) for k in keys}
+        return {k: v for k, v in out.items() if v is not None} if drop_none else out
     if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
-        return float(np.mean(vals))
-    return vals[0]
+        return leaf(vals)
+    return other(vals)
+
+
+def _mean_tree(values: Sequence[Any]) -> Any:
+    return _reduce_tree(values, lambda v: float(np.mean(v)), lambda v: v[0], drop_none=False)
 
 
 def _sd_tree(values: Sequence[Any]) -> Any:
-    vals = [v for v in values if v is not None]
-    if not vals:
-        return None
-    if all(isinstance(v, Mapping) for v in vals):
-        keys: List[str] = []
-        for v in vals:
-            keys += [k for k in v if k not in keys]
-        out = {k: _sd_tree([v.get(k) for v in vals]) for k in keys}
-        return {k: v for k, v in out.items() if v is not None}
-    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
-        return float(np.std(vals, ddof=1)) if len(vals) >= 2 else None
-    return None
+    return _reduce_tree(values, lambda v: float(np.std(v, ddof=1)) if len(v) >= 2 else None, lambda v: None,
+                        drop_none=True)
 
 
 def aggregate_seeds(per_seed: Mapping[Any, Mapping[str, Any]]) -> Dict[str, Any]:
