@@ -188,8 +188,13 @@ def fused_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     temperature = float(temperature)
     if not temperature > 0:
         raise ValueError(f"{caller}: temperature must be > 0, got {temperature} (greedy decoding scores at T = 1)")
+    if group is not None and not (dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1):
+        group = None
     v_local = weight.shape[0]
-    total = v_local if vocab_size is None else int(vocab_size)
+    if vocab_size is not None:
+        total = int(vocab_size)
+    else:  # every row of every shard is valid (an even split over the group)
+        total = v_local * (dist.get_world_size(group) if group is not None else 1)
     n_valid = max(0, min(v_local, total - int(vocab_start)))
     chunk = default_chunk_size(v_local) if chunk_size is None else int(chunk_size)
     if chunk < 1:
@@ -199,8 +204,6 @@ def fused_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
         bad = t[(t < 0) | (t >= total)][0].item()
         raise ValueError(f"{caller}: target id {bad} is outside the vocabulary [0, {total}); replace ignore "
                          "indices (e.g. -100) by any valid id and mask those positions instead")
-    if group is not None and not (dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1):
-        group = None
     h = hidden.reshape(-1, hidden.shape[-1])
     lp, ent = _LinearLogProbs.apply(h, weight, bias, t, temperature, chunk, bool(return_entropy),
                                     int(vocab_start), n_valid, group)
