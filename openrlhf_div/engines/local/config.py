@@ -112,6 +112,9 @@ class PresampleConfig:
     n_pre: int = _f(8, "Responses sampled per training prompt from the base policy.")
     tau: Optional[int] = _f(None, "Near-perfect threshold: #correct >= tau (null: n_pre).")
     drop_unsolved: bool = _f(False, "Drop prompts with 0 correct from D_exp (the paper does for math).")
+    resample_anchor_responses: bool = _f(False, "Draw each near-perfect prompt's anchor response afresh (one "
+                                                "sample, kept only if correct) instead of reusing its first "
+                                                "correct pre-sample, as seamoke/DPH-RL's generate_sft pass does.")
     chunk_size: int = _f(32, "Prompts per resumable chunk.")
     output_dir: Optional[str] = _f(None, "Where d_pef.jsonl, d_exp.jsonl and summary.json go "
                                          "(null: OUTPUT_DIR/presample).")
