@@ -6,7 +6,8 @@ engines (``--vllm.num_engines`` x ``--vllm.tensor_parallel_size``) at the rollou
 scored by the task's reward-function file inside the vLLM actors (as in training). A prompt
 is near-perfect when ``#correct >= tau``; for each, the first correct response is kept and
 its per-token base log-probs ``ref_t`` are computed by the **training** forward (OpenRLHF's
-``Actor`` in a ``ReferenceModelActor`` group, ``--ref.num_nodes`` x ``--ref.num_gpus_per_node``,
+``Actor`` as :class:`~.logprob_actor.HiddenLogProbActor`, in a ``ReferenceModelActor`` group,
+``--ref.num_nodes`` x ``--ref.num_gpus_per_node``,
 temperature-scaled exactly like the trainer's), not taken from the sampler.
 
 Prompts are rendered with OpenRLHF's own ``PromptDataset`` (same ``--data.*`` flags as
