@@ -177,3 +177,20 @@ def test_vllm_path_same_schema(model_dir, monkeypatch):
                                   {"prompt_token_ids": tok("SELECT")["input_ids"]}]
     assert fn(["a"], n=2, greedy=True) == [["0#0", "0#0"]]
     assert seen["params"][-1].temperature == 0.0 and seen["params"][-1].n == 1
+
+
+def test_eval_defaults_to_the_engine_sampler_and_samples_carry_everything(model_dir, tmp_path):
+    out = tmp_path / "run"
+    rc = main(["eval", "--model", model_dir, "--task", "math", "--data", os.path.join(FIX, "math", "math500.jsonl"),
+               "--n", "2", "--k", "1", "--max-new-tokens", "5", "--limit", "2", "--out", str(out), "--no-progress",
+               "--task-opt", "timeout=2", "--task-opt", "num_workers=1"])
+    assert rc == 0
+    assert json.load(open(out / "results.json"))["engine"] == "local"  # vllm is not installed here
+    samples = [json.loads(line) for line in open(out / "samples.jsonl")]
+    for s in samples:
+        assert s["prompt"] and len(s["responses"]) == 2
+        for key in ("answers", "rewards", "reasons", "correct", "truncated"):
+            assert len(s[key]) == 2, key
+        assert all(isinstance(t, bool) for t in s["truncated"])
+    # 5 tokens are too few for this random model to end: at least one sample is marked truncated
+    assert any(t for s in samples for t in s["truncated"])

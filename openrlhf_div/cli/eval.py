@@ -5,7 +5,8 @@ exploration rates of a model on one or more dataset files.
         --n 16 --k 1,8,16 --temperature 0.6 --top-p 0.95 --greedy --out runs/eval/qwen
 
 Writes ``results.json``, ``results.md`` and ``samples.jsonl`` into ``--out``. Generation uses
-vLLM when it is installed (``--engine auto``), else the Hugging Face model in-process.
+vLLM when it is installed (``--engine auto``), else the training engine's KV-cache sampler on
+the Hugging Face model in-process (``--engine local``; ``--engine hf``: ``model.generate``).
 """
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def _parse_opt(text: str):
 def add_parser(sub) -> None:
     p = sub.add_parser("eval", help="evaluate a model: pass@k, mean@k, greedy, diversity, keep/explore",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="model folder (Hugging Face format)")
+    p.add_argument("--model", required=True, help="model: a Hugging Face folder, a .gguf file, or a Hub id already in "
+                                                  "the local Hugging Face cache")
     p.add_argument("--task", required=True, help="task name (math, sql, countdown, ...)")
     p.add_argument("--data", required=True, action="append",
                    help="dataset file or folder (.jsonl/.json/.parquet/saved HF dataset); repeat for several")
@@ -71,7 +73,9 @@ def add_parser(sub) -> None:
     p.add_argument("--on-error", choices=["raise", "skip"], default="raise",
                    help="malformed dataset rows: stop with an error (default) or skip and count them")
     p.add_argument("--limit", type=int, default=None, help="first N problems per dataset")
-    p.add_argument("--engine", choices=["auto", "hf", "vllm"], default="auto")
+    p.add_argument("--engine", choices=["auto", "local", "hf", "vllm"], default="auto",
+                   help="local: the training engine's KV-cache sampler; hf: Hugging Face generate; vllm; "
+                        "auto (default): vllm when installed, else local")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (Hugging Face engine)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--seed", type=int, default=0)
@@ -90,8 +94,12 @@ def run(args) -> int:
     if bad:
         print(f"error: --k {bad} exceed --n {args.n}; pass@k needs k <= n", file=sys.stderr)
         return 2
-    if not os.path.exists(args.model):
-        print(f"error: --model {args.model} does not exist (a local Hugging Face model folder)", file=sys.stderr)
+    from openrlhf_div.engines.local.models import ModelNotFoundError, resolve_model
+
+    try:
+        resolve_model(args.model)
+    except ModelNotFoundError as exc:
+        print(f"error: --model: {exc}", file=sys.stderr)
         return 2
     try:
         task = get_task(args.task, **dict(args.task_opt))
@@ -135,7 +143,7 @@ def run(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     out = args.out or os.path.join("runs", "eval", f"{os.path.basename(os.path.normpath(args.model))}-{args.task}")
-    extra = {"model": os.path.abspath(args.model), "engine": engine, "data": summaries, "seed": args.seed,
+    extra = {"model": os.path.abspath(args.model) if os.path.exists(args.model) else args.model, "engine": engine, "data": summaries, "seed": args.seed,
              "task_options": dict(args.task_opt), "base_results": args.base_results,
              "seconds": round(time.time() - t0, 2)}
     paths = write_results(result, out, extra)

@@ -102,7 +102,10 @@ def evaluate(task, examples: Sequence[Mapping[str, Any]], generate_fn: Callable[
                        "distinct_correct": len(set(keys)), "greedy_correct": None}
                 rec["_responses"] = list(resps)
                 if keep_responses:
-                    rec["responses"] = list(resps)
+                    rec["responses"] = [str(x) for x in resps]
+                    rec["prompt"] = cprompts[j]
+                    rec["answers"] = [extracted_answer(r) for r in rs]
+                    rec["truncated"] = [getattr(x, "truncated", None) for x in resps]
                 problems.append(rec)
             if bar is not None:
                 bar.update(len(chunk))
@@ -132,6 +135,16 @@ def evaluate(task, examples: Sequence[Mapping[str, Any]], generate_fn: Callable[
     return {"task": task.name, "n": n, "ks": ks, "greedy": bool(greedy), "keep_k": keep_k,
             "sampling": {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens},
             "metrics": metrics, "problems": problems}
+
+
+def extracted_answer(result) -> Optional[str]:
+    """What the verifier read from a response (math ``answer``, SQL ``sql``, Countdown
+    ``equation``), or None."""
+    info = getattr(result, "info", None) or {}
+    for key in ("answer", "sql", "equation"):
+        if info.get(key) is not None:
+            return str(info[key])
+    return None
 
 
 def _nan_to_none(x):
@@ -232,8 +245,10 @@ def _atomic_write(path: str, text: str) -> None:
 
 def write_results(result: Mapping[str, Any], out_dir: str, extra: Optional[Mapping[str, Any]] = None) -> Dict[str, str]:
     """Write ``results.json`` (metrics + per-problem correctness), ``results.md`` (the table)
-    and ``samples.jsonl`` (responses, one problem per line) atomically into ``out_dir``."""
-    problems = [{k: v for k, v in p.items() if k not in ("responses", "greedy_response")} for p in result["problems"]]
+    and ``samples.jsonl`` (one problem per line: prompt, responses, extracted answers, rewards,
+    reasons, correct, truncated flags) atomically into ``out_dir``."""
+    problems = [{k: v for k, v in p.items() if k not in ("responses", "greedy_response", "prompt", "answers")}
+                for p in result["problems"]]
     data = {**{k: v for k, v in result.items() if k != "problems"}, **(dict(extra) if extra else {}),
             "problems": problems}
     paths = {"json": os.path.join(out_dir, "results.json"), "markdown": os.path.join(out_dir, "results.md"),
@@ -243,7 +258,9 @@ def write_results(result: Mapping[str, Any], out_dir: str, extra: Optional[Mappi
     lines = []
     for p in result["problems"]:
         if "responses" in p:
-            lines.append(json.dumps({"id": p["id"], "source": p["source"], "responses": p["responses"],
-                                     "correct": p["correct"], "greedy_response": p.get("greedy_response")}))
+            lines.append(json.dumps({"id": p["id"], "source": p["source"], "prompt": p.get("prompt"),
+                                     "responses": p["responses"], "answers": p.get("answers"),
+                                     "rewards": p["rewards"], "reasons": p["reasons"], "correct": p["correct"],
+                                     "truncated": p.get("truncated"), "greedy_response": p.get("greedy_response")}))
     _atomic_write(paths["samples"], "\n".join(lines) + ("\n" if lines else ""))
     return paths
