@@ -228,3 +228,8 @@ def test_anchor_method_with_empty_d_pef_stops_with_the_histogram(tmp_path):
     with pytest.raises(EmptyAnchorError, match=r"holds no sample.*#correct histogram 0:4 1:0 2:0.*method.name=grpo"):
         Trainer(load_config(None, ov + ["method.name=dph_js", f"data.presample_dir={tmp_path / 'ps'}"]))
 
+
+
+def test_gsm8k_answer_is_parsed_for_any_task(tmp_path):
+    ex, _ = load_examples(str(_jsonl(tmp_path / "gsm8k.jsonl", GSM8K)), "toy_copy")
+    assert [e["label"] for e in ex] == ["42", "7", "1500"]

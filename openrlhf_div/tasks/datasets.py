@@ -289,6 +289,8 @@ def normalize_record(row: Any, task: str, *, prompt_field: Optional[str] = None,
     # the row's other fields kept too (a task's prompt() may read them)
     pk, p = _need(row, ("prompt", "question", "problem", "input"), "prompt", prompt_field)
     lk, lab = _need(row, ("label", "answer", "target"), "label", label_field)
+    if isinstance(lab, str) and "####" in lab:
+        lab = _answer_text(lab)  # a GSM8K rationale: its final answer
     if not isinstance(lab, _LABEL_TYPES):
         raise ValueError(f"label field {lk!r} holds a {type(lab).__name__}, expected text, a number, a list or "
                          f"a mapping")

@@ -37,7 +37,13 @@ class ModelConfig:
     tiny_heads: int = _f(4, "Attention heads of the tiny model.")
     tiny_kv_heads: int = _f(2, "Key/value heads of the tiny model (grouped-query attention).")
     init_seed: Optional[int] = _f(None, "Seed of the tiny model's initial weights (null: the run's seed).")
-    dtype: str = _f("float32", "Parameter dtype: float32, bfloat16 or float16.")
+    dtype: str = _f("float32", "Parameter dtype: float32, bfloat16 or float16 (checkpoints are saved in it).")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass (less memory, ~30% more "
+                                             "time).")
+    lora_rank: int = _f(0, "LoRA rank (peft); 0: train every weight.")
+    lora_alpha: Optional[float] = _f(None, "LoRA alpha (null: 2 x lora_rank).")
+    lora_dropout: float = _f(0.0, "LoRA dropout.")
+    lora_target_modules: Optional[List[str]] = _f(None, "Modules that get adapters (null: all linear layers).")
 
 
 @dataclass
@@ -85,7 +91,10 @@ class RolloutConfig:
 @dataclass
 class OptimConfig:
     steps: int = _f(100, "RL steps (rollout rounds) to train.")
-    learning_rate: float = _f(1e-4, "AdamW learning rate (constant).")
+    learning_rate: float = _f(1e-4, "AdamW peak learning rate.")
+    lr_schedule: str = _f("constant", "Learning-rate schedule after the warm-up: constant or cosine.")
+    warmup_steps: int = _f(0, "RL steps of linear learning-rate warm-up.")
+    min_lr_ratio: float = _f(0.0, "Cosine schedule: final learning rate / peak.")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     adam_betas: List[float] = _f(factory=lambda: [0.9, 0.999], help="AdamW betas.")
     adam_eps: float = _f(1e-8, "AdamW epsilon.")
@@ -149,8 +158,8 @@ class TrainConfig:
     seed: int = _f(0, "Seed of every random stream (prompt order, sampling, anchors, tiny-model init).")
     output_dir: str = _f("runs/local", "Run directory: config, metrics, checkpoints, TensorBoard.")
     device: str = _f("auto", "cpu, cuda, or auto (cuda when available).")
-    num_threads: Optional[int] = _f(1, "torch intra-op threads (tiny models are fastest single-threaded; null: "
-                                        "torch's default).")
+    num_threads: Optional[int] = _f(None, "torch intra-op threads (null: the cores available to this process; the "
+                                           "demo uses 1, its tiny model is fastest single-threaded).")
     method: Dict[str, Any] = _f(factory=lambda: {"name": "grpo"},
                                 help="`name` of a registered method plus any of its hyperparameters.")
     model: ModelConfig = _f(factory=ModelConfig, help="The initial policy.")
@@ -195,6 +204,12 @@ class TrainConfig:
             raise ConfigError(f"rollout.temperature must be >= 0, got {r.temperature}")
         if o.anchor_ratio <= 0:
             raise ConfigError(f"optim.anchor_ratio must be > 0, got {o.anchor_ratio}")
+        if self.optim.lr_schedule not in ("constant", "cosine"):
+            raise ConfigError(f"optim.lr_schedule must be constant or cosine, got {self.optim.lr_schedule!r}")
+        if self.optim.warmup_steps < 0 or not 0.0 <= self.optim.min_lr_ratio <= 1.0:
+            raise ConfigError("optim.warmup_steps must be >= 0 and optim.min_lr_ratio in [0, 1]")
+        if self.model.lora_rank < 0:
+            raise ConfigError(f"model.lora_rank must be >= 0, got {self.model.lora_rank}")
         if self.data.duplicate_ids not in ("error", "rename"):
             raise ConfigError(f"data.duplicate_ids must be error or rename, got {self.data.duplicate_ids!r}")
         if self.data.prompt_template is not None and "{prompt}" not in str(self.data.prompt_template):

@@ -143,8 +143,9 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
 
     from .trainer import build_policy, resolve_device
 
-    if cfg.num_threads:
-        torch.set_num_threads(int(cfg.num_threads))
+    from .realmodel import resolve_num_threads
+
+    torch.set_num_threads(resolve_num_threads(cfg.num_threads))
     out_dir = os.path.abspath(output_dir or cfg.presample.output_dir or os.path.join(cfg.output_dir, "presample"))
     if cfg.data.train is None:
         raise ValueError("presample needs data.train (the JSONL of training examples to split)")

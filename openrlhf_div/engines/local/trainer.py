@@ -84,6 +84,8 @@ class NonFiniteLossError(RuntimeError):
     """The loss (or gradient norm) became NaN/inf; the run stopped before the optimizer step."""
 
 
+from .realmodel import (absolute_paths, apply_lora, is_lora_dir, load_lora_checkpoint,  # noqa: E402
+                        lr_factor, merged_for_saving, resolve_num_threads)
 from .guards import (DegenerateMonitor, DegenerateRunError, EmptyAnchorError,  # noqa: E402,F401 (CLI uses them)
                      degenerate_stats, empty_anchor_message)
 
@@ -133,6 +135,9 @@ def build_policy(cfg: TrainConfig, device: torch.device, path: Optional[str] = N
     the config), or of ``path`` when given (a checkpoint)."""
     dtype = DTYPES[cfg.model.dtype]
     src = path or cfg.model.path
+    if path is not None and is_lora_dir(path):  # a LoRA checkpoint: its adapter on the initial policy
+        base, tok = build_policy(cfg, device)
+        return load_lora_checkpoint(base, path), tok
     if src is not None:
         model, tok = load_model(src, dtype=dtype, device=device)
     else:
@@ -259,8 +264,7 @@ class Trainer:
 
         self.cfg = cfg
         self.hooks = list(hooks)
-        if cfg.num_threads:
-            torch.set_num_threads(int(cfg.num_threads))
+        torch.set_num_threads(resolve_num_threads(cfg.num_threads))
         self.device = resolve_device(cfg.device)
         self.run_dir = os.path.abspath(resume_dir or cfg.output_dir)
         self.method = cfg.build_method()
@@ -279,6 +283,11 @@ class Trainer:
 
         # ---- models: the policy, and the reference only if the method asks for it
         self.model, self.tokenizer = build_policy(cfg, self.device, os.path.join(ckpt, "model") if ckpt else None)
+        m = cfg.model
+        if m.lora_rank > 0 and not hasattr(self.model, "peft_config"):
+            self.model = apply_lora(self.model, m.lora_rank, m.lora_alpha, m.lora_dropout, m.lora_target_modules)
+        if m.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
         self.ref_model = None
         if self.needs.ref_log_probs:
@@ -293,6 +302,7 @@ class Trainer:
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(params, lr=o.learning_rate, betas=tuple(o.adam_betas), eps=o.adam_eps,
                                            weight_decay=o.weight_decay)
+        self._base_lrs = [g["lr"] for g in self.optimizer.param_groups]
 
         # ---- data
         train_path, anchor_path = self._data_paths()
@@ -448,6 +458,9 @@ class Trainer:
         each step into micro-batches of ``micro_batch_size`` online rows (plus their share of
         the step's anchor samples)."""
         o = self.cfg.optim
+        lr_f = lr_factor(self.step, o.steps, o.lr_schedule, o.warmup_steps, o.min_lr_ratio)
+        for group, base_lr in zip(self.optimizer.param_groups, self._base_lrs):
+            group["lr"] = base_lr * lr_f
         sums: Dict[str, float] = {}
         counts: Dict[str, int] = {}
         n_opt = 0
@@ -494,6 +507,7 @@ class Trainer:
             else:
                 out[key] = val / counts[key]
         out["optimizer_steps"] = float(n_opt)
+        out["lr"] = float(self._base_lrs[0] * lr_f)
         return out
 
     def micro_step(self, exp: Experience, rows: List[int], anchors: List[Dict[str, Any]], num_online_tokens: float,
@@ -661,7 +675,15 @@ class Trainer:
         if not self.cfg.logging.tensorboard:
             return
         if self._tb is None:
-            from torch.utils.tensorboard import SummaryWriter
+            if getattr(self, "_tb_missing", False):
+                return
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                self._tb_missing = True
+                print("[openrlhf-div] TensorBoard logging is on but the `tensorboard` package is not installed: "
+                      "metrics go to metrics.jsonl only (pip install tensorboard, or logging.tensorboard=false)")
+                return
             self._tb = SummaryWriter(os.path.join(self.run_dir, "tb"))
         for k, v in scalars.items():
             if isinstance(v, (int, float)) and math.isfinite(float(v)):
@@ -672,7 +694,7 @@ class Trainer:
 
         from openrlhf_div import __version__
         os.makedirs(self.run_dir, exist_ok=True)
-        write_text_atomic(os.path.join(self.run_dir, "config.yaml"), dump_config(self.cfg))
+        write_text_atomic(os.path.join(self.run_dir, "config.yaml"), dump_config(absolute_paths(self.cfg)))
         info = {"seed": self.cfg.seed, "openrlhf_div": __version__, "git_commit": git_commit(),
                 "torch": torch.__version__, "transformers": transformers.__version__, "device": str(self.device),
                 "num_threads": torch.get_num_threads(), "method": self.method.describe(),
@@ -737,7 +759,7 @@ class Trainer:
             latest = self.latest_checkpoint()
             if latest is None or not latest.endswith(f"step_{self.step:06d}"):
                 self.save_checkpoint()
-            save_model(self.model, self.tokenizer, os.path.join(self.run_dir, "final_model"))
+            save_model(merged_for_saving(self.model), self.tokenizer, os.path.join(self.run_dir, "final_model"))
         finally:
             if old_handler is not None:
                 signal.signal(signal.SIGINT, old_handler)
