@@ -4,8 +4,9 @@ is already in the local Hugging Face cache (nothing is downloaded).
 :func:`resolve_model` turns ``model.path`` / ``eval --model`` into ``(folder, gguf_file)``;
 :func:`load_pretrained` loads model and tokenizer from it in the requested dtype, pads on
 the left and gives the tokenizer a pad token when it has none (:mod:`.tokens`).
-A GGUF file is de-quantized by transformers (it needs the ``gguf`` package); checkpoints
-written afterwards are ordinary safetensors folders in the training dtype.
+A GGUF file is de-quantized by transformers (it needs the ``gguf`` package) once and cached as
+a float32 folder (:func:`gguf_as_folder`); checkpoints written afterwards are ordinary
+safetensors folders in the training dtype.
 """
 from __future__ import annotations
 
@@ -57,20 +58,53 @@ def resolve_model(path: str) -> Tuple[str, Optional[str]]:
                              f"model from the model.tiny_* options)")
 
 
+def gguf_cache_dir(folder: str, gguf_file: str) -> str:
+    """Where the de-quantized copy of a GGUF file is kept: ``$OPENRLHF_DIV_CACHE`` (default
+    ``~/.cache/openrlhf_div``) ``/gguf/<name>-<hash of path, size, mtime>``."""
+    import hashlib
+
+    path = os.path.abspath(os.path.join(folder, gguf_file))
+    st = os.stat(path)
+    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = os.environ.get("OPENRLHF_DIV_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "openrlhf_div")
+    return os.path.join(root, "gguf", f"{os.path.splitext(gguf_file)[0]}-{key}")
+
+
+def gguf_as_folder(folder: str, gguf_file: str) -> str:
+    """A Hugging Face folder holding the GGUF model de-quantized to float32 and its tokenizer,
+    converted on first use and cached (:func:`gguf_cache_dir`): transformers parses a GGUF
+    file's metadata in pure Python (tens of CPU-seconds per load for a 49k vocabulary), the
+    cached folder loads like any checkpoint. The GGUF file stays the source of truth (a changed
+    file gets a new cache entry)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .tiny import quiet_hf_progress, save_model
+
+    out = gguf_cache_dir(folder, gguf_file)
+    if os.path.exists(os.path.join(out, "config.json")):
+        return out
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    with quiet_hf_progress():
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+    save_model(model, tokenizer, out)
+    return out
+
+
 def load_tokenizer(folder: str, gguf_file: Optional[str] = None):
     """The tokenizer of a resolved model, padding on the left, with a pad token."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     from .tokens import ensure_pad_token
 
-    if gguf_file is None and os.path.exists(os.path.join(folder, "tokenizer.json")):
+    if gguf_file is not None:
+        folder, gguf_file = gguf_as_folder(folder, gguf_file), None
+    if os.path.exists(os.path.join(folder, "tokenizer.json")):
         # Not AutoTokenizer: transformers 5 maps a Qwen2 config to Qwen2Tokenizer, which swaps in
         # Qwen's own pre-tokenizer (it drops the tiny vocabulary's spaces). The generic fast class
         # keeps tokenizer.json as written.
         tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
     else:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file) if gguf_file else \
-            AutoTokenizer.from_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.padding_side = "left"
     ensure_pad_token(tokenizer)
     return tokenizer
@@ -84,10 +118,11 @@ def load_pretrained(path: str, dtype: torch.dtype = torch.float32, device: Union
     from .tiny import quiet_hf_progress
 
     folder, gguf = resolve_model(path)
-    tokenizer = load_tokenizer(folder, gguf)
-    kw = {"gguf_file": gguf} if gguf else {}
+    if gguf is not None:
+        folder = gguf_as_folder(folder, gguf)
+    tokenizer = load_tokenizer(folder)
     with quiet_hf_progress():
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa", **kw)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
     model.to(device)
     if getattr(model.generation_config, "pad_token_id", None) is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
