@@ -158,3 +158,49 @@ AUTHORS_CLIP = {
     "cispo": ((10.0, 0.2, None), "[9b] volcengine/verl examples/cispo_trainer/run_cispo_qwen2_5_0_5b_gsm8k.sh "
                                  "clip_ratio_low 10, clip_ratio_high 0.2"),
 }
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) and not isinstance(b, bool):
+        return float(a) == float(b)
+    return a == b
+
+
+def authors_modes(method) -> dict:
+    """For each spec-vs-authors option a method has: its value, the spec's and the authors'
+    value, which one it follows (``spec`` / ``authors`` / ``both`` / ``other``) and the source."""
+    h = dict(getattr(method, "hparams", {}) or {})
+    h["aggregation"] = getattr(method, "aggregation", "token-mean")
+    out = {}
+    for opt, (spec, auth, src) in AUTHORS_OPTIONS.items():
+        if opt in ("eps_low", "eps_high", "dual_clip") or opt not in h:
+            continue
+        if opt == "micro_batch_seqs" and h["aggregation"] != MICRO_BATCH_TOKEN_MEAN:
+            continue
+        if opt == "aggregation" and h["aggregation"] not in (spec, auth):
+            continue  # a method whose own aggregation is neither (FlowRL's sequence mean)
+        v = h[opt]
+        follows = ("both" if _same(v, spec) and _same(v, auth) else "spec" if _same(v, spec)
+                   else "authors" if _same(v, auth) else "other")
+        out[opt] = {"value": v, "spec": spec, "authors": auth, "follows": follows, "source": src}
+    clip = AUTHORS_CLIP.get(getattr(method, "policy_loss", None))
+    if clip is not None and all(k in h for k in ("eps_low", "eps_high", "dual_clip")):
+        v = (h["eps_low"], h["eps_high"], h["dual_clip"])
+        out["eps_low/eps_high/dual_clip"] = {"value": v, "spec": "the preset's", "authors": clip[0],
+                                             "follows": "authors" if _same(v, clip[0]) else "spec",
+                                             "source": clip[1]}
+    return out
+
+
+def mode_summary(method) -> str:
+    """One line for reports: which form the method runs in (the spec's clean form, the authors'
+    code, or a mix) and the options' values."""
+    modes = authors_modes(method)
+    if not modes:
+        return "the spec's form (no authors'-code option applies)"
+    sides = {m["follows"] for m in modes.values()} - {"both"}
+    kind = ("the spec's clean form" if sides <= {"spec"} else "the authors' code" if sides == {"authors"}
+            else "mixed")
+    return kind + ": " + ", ".join(f"{k}={m['value']}" for k, m in modes.items())
