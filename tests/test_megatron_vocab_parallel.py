@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from openrlhf_div.engines.megatron.testing import run_multiprocess
+from mcore_cpu import run_multiprocess
 from openrlhf_div.engines.megatron.vocab_parallel import (
     vocab_parallel_entropy,
     vocab_parallel_log_probs,

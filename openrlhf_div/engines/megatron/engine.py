@@ -179,10 +179,7 @@ class MegatronEngine:
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.device = _device()
 
-        from .cpu_compat import megatron_cpu_compat
-        self._compat = megatron_cpu_compat
-        with self._compat():
-            self._build(pretrain, hf_weights, optim)
+        self._build(pretrain, hf_weights, optim)
 
     # ------------------------------------------------------------------ construction
     def _build(self, pretrain, hf_weights, optim):
@@ -344,23 +341,22 @@ class MegatronEngine:
             lp, h = self._log_probs_entropy(output, mb_, lefts, need_entropy)
             return output.new_zeros(()), {"lp": lp.float(), "h": None if h is None else h.float()}
 
-        with self._compat():
-            was_training = self.model.training
-            self.model.eval()
-            out = self._run([mb], forward_only=True, loss_fn=loss_fn)
-            if was_training:
-                self.model.train()
-            if self.is_last_stage:
-                lp = out[0]["lp"]
-                h = out[0]["h"] if need_entropy else None
-            else:
-                lp = torch.zeros(B, A, dtype=torch.float32, device=self.device)
-                h = torch.zeros(B, A, dtype=torch.float32, device=self.device) if need_entropy else None
-            if self.mcfg.pp > 1:  # hand the last stage's result to the whole replica
-                src = dist.get_global_rank(self.pp_group, self.mcfg.pp - 1)
-                dist.broadcast(lp, src=src, group=self.pp_group)
-                if h is not None:
-                    dist.broadcast(h, src=src, group=self.pp_group)
+        was_training = self.model.training
+        self.model.eval()
+        out = self._run([mb], forward_only=True, loss_fn=loss_fn)
+        if was_training:
+            self.model.train()
+        if self.is_last_stage:
+            lp = out[0]["lp"]
+            h = out[0]["h"] if need_entropy else None
+        else:
+            lp = torch.zeros(B, A, dtype=torch.float32, device=self.device)
+            h = torch.zeros(B, A, dtype=torch.float32, device=self.device) if need_entropy else None
+        if self.mcfg.pp > 1:  # hand the last stage's result to the whole replica
+            src = dist.get_global_rank(self.pp_group, self.mcfg.pp - 1)
+            dist.broadcast(lp, src=src, group=self.pp_group)
+            if h is not None:
+                dist.broadcast(h, src=src, group=self.pp_group)
         am = action_mask.to(lp.device, lp.dtype)
         return (lp * am).cpu(), (None if h is None else (h * am).cpu())
 
@@ -388,14 +384,13 @@ class MegatronEngine:
             loss, metrics, weights = registry_loss(self.method, lp, h, mb_dev, counts, generator=generator)
             return loss * scale, {"metrics": metrics, "weights": weights}
 
-        with self._compat():
-            self.model.train()
-            self.model.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            outs = self._run(batches, forward_only=False, loss_fn=loss_fn)
-            ok, grad_norm, _ = self.optimizer.step()
-            if ok:
-                self.scheduler.step(increment=1)
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outs = self._run(batches, forward_only=False, loss_fn=loss_fn)
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
         local = _reduce_microbatch_metrics(outs) if (self.is_last_stage and self.tp_rank == 0) else {}
         metrics = _allreduce_metrics(local)
         try:
@@ -436,40 +431,39 @@ class MegatronEngine:
             from .bridge import export_hf_with_bridge
             yield from export_hf_with_bridge(self.gpt)
             return
-        with self._compat():
-            own = [(n, p) for n, p in self.gpt.state_dict(keep_vars=True).items() if not n.endswith("_extra_state")]
-            # every stage learns every stage's (name, merged shape, dtype) list
-            meta_local = []
-            for n, p in own:
-                shape = list(p.shape)
-                kind_dim = _merge_dim(n, self.layer_map, self.te_names)
-                if kind_dim is not None:
-                    shape[kind_dim] *= self.mcfg.tp
-                meta_local.append((n, shape, str(p.dtype).replace("torch.", ""), dict(self.layer_map)))
-            metas = [meta_local]
-            if self.mcfg.pp > 1:
-                metas = [None] * self.mcfg.pp
-                dist.all_gather_object(metas, meta_local, group=self.pp_group)
-            for stage, meta in enumerate(metas):
-                mine = stage == self.pp_rank
-                params = dict(own) if mine else {}
-                for name, shape, dtype, layer_map in meta:
-                    layer_map = {int(k): v for k, v in layer_map.items()}
-                    full = None
-                    if mine:
-                        p = params[name].detach()
-                        shards = [p]
-                        if self.mcfg.tp > 1:
-                            shards = [torch.empty_like(p) for _ in range(self.mcfg.tp)]
-                            dist.all_gather(shards, p.contiguous(), group=self.tp_group)
-                        full = merge_tp_shards(name, shards, layer_map, self.te_names)
-                    if self.mcfg.pp > 1:
-                        if full is None:
-                            full = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
-                        dist.broadcast(full, src=dist.get_global_rank(self.pp_group, stage), group=self.pp_group)
-                    if self.pp_rank == 0 or all_ranks:
-                        for hf_name, t in megatron_param_to_hf(name, full, self.layout, layer_map, self.te_names):
-                            yield hf_name, t
+        own = [(n, p) for n, p in self.gpt.state_dict(keep_vars=True).items() if not n.endswith("_extra_state")]
+        # every stage learns every stage's (name, merged shape, dtype) list
+        meta_local = []
+        for n, p in own:
+            shape = list(p.shape)
+            kind_dim = _merge_dim(n, self.layer_map, self.te_names)
+            if kind_dim is not None:
+                shape[kind_dim] *= self.mcfg.tp
+            meta_local.append((n, shape, str(p.dtype).replace("torch.", ""), dict(self.layer_map)))
+        metas = [meta_local]
+        if self.mcfg.pp > 1:
+            metas = [None] * self.mcfg.pp
+            dist.all_gather_object(metas, meta_local, group=self.pp_group)
+        for stage, meta in enumerate(metas):
+            mine = stage == self.pp_rank
+            params = dict(own) if mine else {}
+            for name, shape, dtype, layer_map in meta:
+                layer_map = {int(k): v for k, v in layer_map.items()}
+                full = None
+                if mine:
+                    p = params[name].detach()
+                    shards = [p]
+                    if self.mcfg.tp > 1:
+                        shards = [torch.empty_like(p) for _ in range(self.mcfg.tp)]
+                        dist.all_gather(shards, p.contiguous(), group=self.tp_group)
+                    full = merge_tp_shards(name, shards, layer_map, self.te_names)
+                if self.mcfg.pp > 1:
+                    if full is None:
+                        full = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+                    dist.broadcast(full, src=dist.get_global_rank(self.pp_group, stage), group=self.pp_group)
+                if self.pp_rank == 0 or all_ranks:
+                    for hf_name, t in megatron_param_to_hf(name, full, self.layout, layer_map, self.te_names):
+                        yield hf_name, t
 
     def hf_state_dict(self) -> Dict[str, torch.Tensor]:
         """All HF weights on CPU (small models / tests; use :meth:`iter_hf_weights` at scale)."""
@@ -504,30 +498,29 @@ class MegatronEngine:
         ``max_num`` older tags beyond it are deleted. Resume with the same TP / PP sizes.
         """
         path = os.path.join(ckpt_dir, tag)
-        with self._compat():
-            if dist.get_rank() == 0:
-                if os.path.exists(path):
-                    shutil.rmtree(path)
-                os.makedirs(path, exist_ok=True)
-            dist.barrier()
-            rank_dir = self._rank_dir(path)
-            if self.dp_rank == 0:
-                os.makedirs(rank_dir, exist_ok=True)
-                state = {"model": self.gpt.state_dict(),
-                         "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
-                _atomic_torch_save(state, os.path.join(rank_dir, "model_optim.pt"))
-            dist.barrier()
-            if self.optimizer is not None and self.mcfg.distributed_optimizer:
-                self.optimizer.save_parameter_state(os.path.join(rank_dir, "distrib_optim.pt"))
-            if dist.get_rank() == 0:
-                extra = {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                         "client_state": client_state or {}, "mcfg": self.mcfg.to_dict(),
-                         "rng": torch.get_rng_state()}
-                _atomic_torch_save(extra, os.path.join(path, "extra.pt"))
-                _atomic_write(os.path.join(ckpt_dir, "latest"), tag)
-                if max_num:
-                    _rotate(ckpt_dir, keep=max_num, current=tag)
-            dist.barrier()
+        if dist.get_rank() == 0:
+            if os.path.exists(path):
+                shutil.rmtree(path)
+            os.makedirs(path, exist_ok=True)
+        dist.barrier()
+        rank_dir = self._rank_dir(path)
+        if self.dp_rank == 0:
+            os.makedirs(rank_dir, exist_ok=True)
+            state = {"model": self.gpt.state_dict(),
+                     "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
+            _atomic_torch_save(state, os.path.join(rank_dir, "model_optim.pt"))
+        dist.barrier()
+        if self.optimizer is not None and self.mcfg.distributed_optimizer:
+            self.optimizer.save_parameter_state(os.path.join(rank_dir, "distrib_optim.pt"))
+        if dist.get_rank() == 0:
+            extra = {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                     "client_state": client_state or {}, "mcfg": self.mcfg.to_dict(),
+                     "rng": torch.get_rng_state()}
+            _atomic_torch_save(extra, os.path.join(path, "extra.pt"))
+            _atomic_write(os.path.join(ckpt_dir, "latest"), tag)
+            if max_num:
+                _rotate(ckpt_dir, keep=max_num, current=tag)
+        dist.barrier()
         return path
 
     def _prime_optimizer_state(self) -> None:
@@ -568,7 +561,7 @@ class MegatronEngine:
                              f"resume with the same --megatron.tp / --megatron.pp (now {self.mcfg.tp} / {self.mcfg.pp})")
         rank_dir = self._rank_dir(path)
         state = torch.load(os.path.join(rank_dir, "model_optim.pt"), map_location="cpu", weights_only=False)
-        with self._compat(), torch.no_grad():
+        with torch.no_grad():
             has_optim = self.optimizer is not None and state.get("optimizer") is not None
             if has_optim:
                 # before the weights: its (zero-lr) step copies the optimiser's main params back
