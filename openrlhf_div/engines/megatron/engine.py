@@ -44,7 +44,7 @@ from openrlhf_div.algorithms.registry import Method
 
 from .config import MegatronConfig
 from .loss import ADDITIVE_METRICS, MicroBatch, StepCounts, registry_loss, step_counts
-from .vocab_parallel import vocab_parallel_log_probs_entropy
+from .vocab_parallel import output_layer_returns_hidden, output_weight, vocab_parallel_log_probs_from_hidden
 from .weights import GPTLayout, hf_to_megatron_param, megatron_param_to_hf, merge_tp_shards
 from openrlhf_div.io import atomic_write_text
 
@@ -284,27 +284,30 @@ class MegatronEngine:
         pos = torch.arange(Lp, device=seq.device)[None, :].expand(B, Lp)
         return ids.to(self.device), pos.to(self.device), lefts
 
-    def _log_probs_entropy(self, logits: torch.Tensor, mb: MicroBatch, lefts: torch.Tensor, need_entropy: bool):
-        """``[B, A]`` log-probs (and entropies) from this rank's ``[B, L', V/tp]`` logits."""
-        seq = mb.sequences.to(logits.device)
+    def _log_probs_entropy(self, hidden: torch.Tensor, mb: MicroBatch, lefts: torch.Tensor, need_entropy: bool):
+        """``[B, A]`` log-probs (and entropies) from the last hidden states ``[B, L', H]`` and this
+        rank's output-layer rows (never the ``[B, L', V/tp]`` logits, see :mod:`.vocab_parallel`)."""
+        weight = output_weight(self.gpt)
+        hidden = hidden.to(weight.dtype)  # Float16Module hands the last stage's output back in fp32
+        seq = mb.sequences.to(hidden.device)
         B, L = seq.shape
         A = mb.num_actions
-        amask = mb.action_mask.to(logits.device)
+        amask = mb.action_mask.to(hidden.device)
         has = amask.sum(dim=0) > 0
         j0 = int(torch.nonzero(has)[0]) if bool(has.any()) else A - 1   # first column any row trains on
-        cols = torch.arange(L - 1 - A + j0, L - 1, device=logits.device)       # predicting positions
-        lefts = lefts.to(logits.device)
+        cols = torch.arange(L - 1 - A + j0, L - 1, device=hidden.device)       # predicting positions
+        lefts = lefts.to(hidden.device)
         if bool((lefts > 0).any()):
             src = (cols[None, :] - lefts[:, None]).clamp(min=0)
-            pred = logits.gather(1, src[..., None].expand(B, src.shape[1], logits.shape[-1]))
+            pred = hidden.gather(1, src[..., None].expand(B, src.shape[1], hidden.shape[-1]))
         else:
-            pred = logits[:, L - 1 - A + j0: L - 1]
+            pred = hidden[:, L - 1 - A + j0: L - 1]
         target = seq[:, L - A + j0:]
         per = self.layout.padded_vocab_size // self.mcfg.tp
-        lp, h = vocab_parallel_log_probs_entropy(pred, target, vocab_start=self.tp_rank * per,
-                                                 vocab_size=self.layout.vocab_size, temperature=self.temperature,
-                                                 group=self.tp_group if self.mcfg.tp > 1 else None,
-                                                 need_entropy=need_entropy)
+        lp, h = vocab_parallel_log_probs_from_hidden(pred, weight, target, vocab_start=self.tp_rank * per,
+                                                     vocab_size=self.layout.vocab_size, temperature=self.temperature,
+                                                     group=self.tp_group if self.mcfg.tp > 1 else None,
+                                                     need_entropy=need_entropy)
         if j0 > 0:
             lp = torch.cat([lp.new_zeros(B, j0), lp], dim=1)
             if h is not None:
@@ -320,7 +323,8 @@ class MegatronEngine:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             ids, pos, lefts = self._prepare(mb)
-            out = model(ids, pos, None)
+            with output_layer_returns_hidden(self.gpt):  # last stage: hidden states [B, L', H], no logits
+                out = model(ids, pos, None)
             return out, partial(loss_fn, mb, lefts)
 
         max_len = max(int(mb.sequences.shape[1]) for mb in batches)

@@ -34,9 +34,9 @@ and tensor-parallel size ``tp`` (rank ``r``); HF names drop the ``model.`` prefi
   rows; **row-parallel** weights (``linear_proj``, ``linear_fc2``) split columns; norms are
   replicated on every rank.
 * **Vocabulary padding.** Megatron splits the vocabulary evenly over TP ranks; the embedding and
-  output layer get ``V' = ceil(V / (divisor * tp)) * divisor * tp`` rows (``divisor`` = 128, as
+  output layer get ``V' = ceil(V / m) * m`` rows, ``m = divisor * lcm(tp, 8)`` (``divisor`` = 128, as
   Megatron's ``--make-vocab-size-divisible-by``). Padding rows are zero on import and dropped on
-  export; the log-softmax masks them (``vocab_parallel.vocab_parallel_log_probs_entropy(...,
+  export; the log-softmax masks them (``vocab_parallel.vocab_parallel_log_probs_from_hidden(...,
   vocab_size=V)``) so probabilities equal the Hugging Face model's over its ``V`` entries.
 * **Tied embeddings** (``tie_word_embeddings``; small Qwen2 / Llama 3.2): Megatron's
   ``share_embeddings_and_output_weights`` drops ``output_layer.weight`` on the first pipeline
