@@ -6,7 +6,8 @@ engines (``--vllm.num_engines`` x ``--vllm.tensor_parallel_size``) at the rollou
 scored by the task's reward-function file inside the vLLM actors (as in training). A prompt
 is near-perfect when ``#correct >= tau``; for each, the first correct response is kept and
 its per-token base log-probs ``ref_t`` are computed by the **training** forward (OpenRLHF's
-``Actor`` in a ``ReferenceModelActor`` group, ``--ref.num_nodes`` x ``--ref.num_gpus_per_node``,
+``Actor`` as :class:`~.logprob_actor.HiddenLogProbActor`, in a ``ReferenceModelActor`` group,
+``--ref.num_nodes`` x ``--ref.num_gpus_per_node``,
 temperature-scaled exactly like the trainer's), not taken from the sampler.
 
 Prompts are rendered with OpenRLHF's own ``PromptDataset`` (same ``--data.*`` flags as
@@ -288,7 +289,9 @@ def run(args) -> Dict[str, Any]:
 
     from openrlhf.datasets import PromptDataset
     from openrlhf.trainer.ray import create_vllm_engines
-    from openrlhf.trainer.ray.launcher import RayActorGroup, ReferenceModelActor
+    from openrlhf.trainer.ray.launcher import RayActorGroup
+
+    from .logprob_actor import DivReferenceModelActor
     from openrlhf.utils import get_strategy, get_tokenizer
 
     if not ray.is_initialized():
@@ -307,7 +310,7 @@ def run(args) -> Dict[str, Any]:
             args.train.full_determinism_enable, args.vllm.enable_prefix_caching, args.vllm.enforce_eager,
             args.data.max_len, None, args.vllm.gpu_memory_utilization, False, None,
             remote_rm_url=args.reward.remote_url)
-        group = RayActorGroup(args.ref.num_nodes, args.ref.num_gpus_per_node, ReferenceModelActor,
+        group = RayActorGroup(args.ref.num_nodes, args.ref.num_gpus_per_node, DivReferenceModelActor,
                               duplicate_actors=args.ds.ring_attn_size * args.ds.tensor_parallel_size)
         ray.get(group.async_init_model_from_pretrained(strategy, model))
         bar = tqdm(total=len(rows), initial=len(rows) - sum(store.bounds(c)[1] - store.bounds(c)[0] for c in todo),
