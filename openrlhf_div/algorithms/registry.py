@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple
 
@@ -53,6 +54,16 @@ from .advantages import (
     pkpo_advantages,
     unlikeliness_rewards,
 )
+from .authors import (
+    ANCHOR_WEIGHTINGS,
+    JS_DEF_ONLINE_MODES,
+    LOG_Z_HEADS,
+    MICRO_BATCH_TOKEN_MEAN,
+    anchor_weight,
+    authors_modes,
+    clamp_k3,
+    js_def_online_gate,
+)
 from .kl import kl_estimate
 from .losses import (
     AGGREGATIONS,
@@ -79,6 +90,7 @@ COMMON_HPARAMS: Dict[str, Any] = {
     "correct_threshold": 1.0,   # correct_i = (R_i >= threshold) for binary verifiable rewards
     "overlong_max_len": None,   # DAPO overlong shaping L_max (None: off)
     "overlong_cache_len": None,  # DAPO overlong shaping L_c
+    "micro_batch_seqs": 2,      # sequences per micro-batch of aggregation "micro-batch-token-mean"
 }
 ESTIMATORS: Dict[str, Dict[str, Any]] = {
     "grpo": {}, "dr_grpo": {}, "rloo": {},
@@ -97,21 +109,25 @@ POLICY_LOSSES: Dict[str, Dict[str, Any]] = {
     "cispo": {"eps_low": 1.0, "eps_high": 0.28},
     "clip_cov": {"eps_low": 0.2, "eps_high": 0.2, "dual_clip": 3.0,
                  "clip_cov_ratio": 2e-4, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0},
-    "kl_cov": {"kl_cov_ratio": 2e-3, "kl_cov_k": 1.0},
-    "lad": {"lad_divergence": "js", "lad_eta": 0.25, "lad_granularity": "token", "lad_clip": None},
-    "flowrl": {"flowrl_beta": 15.0, "flowrl_max_weight": 10.0},
+    "kl_cov": {"kl_cov_ratio": 2e-3, "kl_cov_k": 1.0, "kl_cov_min_one": False},
+    "lad": {"lad_divergence": "js", "lad_eta": 0.25, "lad_granularity": "token", "lad_clip": None,
+            "lad_hellinger_half": True},
+    "flowrl": {"flowrl_beta": 15.0, "flowrl_max_weight": 10.0, "log_z_head": "small_detached"},
 }
 REGULARIZERS: Dict[str, Dict[str, Any]] = {
     "kl": {"kl_coef": 0.01, "kl_estimator": "k3"},
     "entropy": {"entropy_coef": 1e-3},
     "diff_entropy": {"entropy_coef_pos": 1e-3, "entropy_coef_neg": 1e-3},
-    "js_def_online": {"js_def_lambda": 0.125},
+    "js_def_online": {"js_def_lambda": 0.125, "js_def_online": "fixed", "js_def_ratio": 1, "js_def_clamp": None},
 }
+# anchor_weighting (docs/ALGORITHMS.md section 9, row 1): "token_mean" is L_exp + eta L_pef;
+# "microbatch_share" is the DPH-RL authors' code, eta x #anchor / #online sequences of the step
+_AW = {"anchor_weighting": "token_mean"}
 ANCHORS: Dict[str, Dict[str, Any]] = {
-    "forward_kl": {"anchor_eta": 0.01},
-    "js": {"anchor_eta": 0.2},
-    "alpha": {"anchor_eta": 0.01, "anchor_alpha": 0.5},
-    "js_def": {"anchor_eta": 0.2},
+    "forward_kl": {"anchor_eta": 0.01, **_AW},
+    "js": {"anchor_eta": 0.2, **_AW},
+    "alpha": {"anchor_eta": 0.01, "anchor_alpha": 0.5, **_AW},
+    "js_def": {"anchor_eta": 0.2, "js_def_clamp": None, **_AW},
 }
 
 
@@ -212,6 +228,16 @@ class Method:
         """``eta`` of ``L = L_exp + eta * L_pef`` (0 without an anchor)."""
         return float(self.hparams["anchor_eta"]) if self.anchor is not None else 0.0
 
+    def effective_anchor_weight(self, num_online_seqs: Optional[float] = None,
+                                num_anchor_seqs: Optional[float] = None) -> float:
+        """The weight of ``L_pef`` in one optimiser step: ``eta`` (``anchor_weighting:
+        token_mean``) or ``eta x num_anchor_seqs / num_online_seqs`` (``microbatch_share``, the
+        DPH-RL authors' code; :func:`~.authors.anchor_weight`)."""
+        if self.anchor is None:
+            return 0.0
+        return anchor_weight(self.anchor_weight, self.hparams.get("anchor_weighting", "token_mean"),
+                             num_online_seqs=num_online_seqs, num_anchor_seqs=num_anchor_seqs)
+
     def describe(self) -> Dict[str, Any]:
         return {
             "name": self.name, "summary": self.summary, "estimator": self.estimator,
@@ -220,6 +246,7 @@ class Method:
             "anchor": self.anchor, "aggregation": self.aggregation,
             "dynamic_sampling": self.dynamic_sampling, "hparams": dict(self.hparams),
             "needs": dataclasses.asdict(self.needs), "paper": self.paper,
+            "authors_modes": authors_modes(self),
         }
 
     def with_overrides(self, **overrides) -> "Method":
@@ -255,6 +282,16 @@ class Method:
             raise ValueError(f"lad_eta must be > 0, got {h['lad_eta']}")
         if "anchor_eta" in h and float(h["anchor_eta"]) < 0:
             raise ValueError(f"anchor_eta must be >= 0, got {h['anchor_eta']}")
+        for key, valid in (("anchor_weighting", ANCHOR_WEIGHTINGS), ("js_def_online", JS_DEF_ONLINE_MODES),
+                           ("log_z_head", LOG_Z_HEADS)):
+            if key in h and h[key] not in valid:
+                raise unknown_name_error(key, h[key], valid)
+        if int(h["micro_batch_seqs"]) < 1:
+            raise ValueError(f"micro_batch_seqs must be >= 1, got {h['micro_batch_seqs']}")
+        if h.get("js_def_clamp") is not None and not float(h["js_def_clamp"]) > 0:
+            raise ValueError(f"js_def_clamp must be > 0 or null, got {h['js_def_clamp']}")
+        if h.get("flowrl_max_weight") is not None and not float(h["flowrl_max_weight"]) > 0:
+            raise ValueError(f"flowrl_max_weight must be > 0 or null (unclipped), got {h['flowrl_max_weight']}")
 
     # -------------------------------------------------------------- rollout side
     def is_correct(self, rewards: torch.Tensor) -> torch.Tensor:
@@ -360,17 +397,19 @@ class Method:
                                      h["dual_clip"], h["clip_cov_ratio"], h["clip_cov_lb"], h["clip_cov_ub"],
                                      generator=b.generator)
             elif pl == "kl_cov":
-                loss = kl_cov_loss(b.log_probs, b.old_log_probs, adv, b.mask, h["kl_cov_ratio"], h["kl_cov_k"])
+                loss = kl_cov_loss(b.log_probs, b.old_log_probs, adv, b.mask, self._kl_cov_ratio(b), h["kl_cov_k"])
             elif pl == "lad":
                 clip = h["lad_clip"]
                 loss = lad_loss(b.log_probs, b.old_log_probs, adv, b.mask, h["lad_divergence"],
                                 float(h["lad_eta"]), h["lad_granularity"], tuple(clip) if clip is not None else None)
+                loss = loss * self._lad_scale()
             elif pl == "flowrl":
                 ref = _require(b, "ref_log_probs", name, "ref_log_probs")
                 log_z = _require(b, "log_z", name, "prompt_hidden")
                 seq_adv = masked_mean(adv, b.mask, dim=1)
                 loss = flowrl_loss(b.log_probs, b.old_log_probs, ref, seq_adv, log_z, b.mask,
-                                   float(h["flowrl_beta"]), float(h["flowrl_max_weight"]))
+                                   float(h["flowrl_beta"]),
+                                   None if h["flowrl_max_weight"] is None else float(h["flowrl_max_weight"]))
             else:  # pragma: no cover - guarded by register_method
                 raise unknown_name_error("policy loss", pl, POLICY_LOSSES)
             with torch.no_grad():
@@ -399,7 +438,9 @@ class Method:
             elif reg == "js_def_online":
                 ref = _require(b, "ref_log_probs", name, "ref_log_probs")
                 js = dph_js_def_loss(b.log_probs, ref, b.mask, on="online")
-                loss = loss + self.anchor_weight * float(h["js_def_lambda"]) * js
+                if h["js_def_clamp"] is not None:  # verl's kl_penalty clamp (docs/ALGORITHMS.md 9, row 3a)
+                    js = clamp_k3(js, float(h["js_def_clamp"]))
+                loss = loss + self._js_def_online_weight(b) * js
                 sums["js_def_online"] = js.detach().sum()
         # masked means, in the order the components were listed (one device -> host copy)
         keys = ["clipfrac", "policy_loss"] + [k for k in dict.fromkeys(_REG_METRIC[r] for r in self.regularizers)]
@@ -407,6 +448,33 @@ class Method:
             n = b.mask.to(b.log_probs.dtype).sum().clamp(min=1.0).double()
             vals = (torch.stack([sums[k].double() for k in keys]) / n).tolist()
         return loss, dict(zip(keys, vals))
+
+    def _kl_cov_ratio(self, b: LossInputs) -> float:
+        """KL-Cov's ratio; with ``kl_cov_min_one`` at least one token is penalised (verl's
+        ``max(1, int(N * ratio))``, docs/ALGORITHMS.md 9 row 9c)."""
+        ratio = float(self.hparams["kl_cov_ratio"])
+        if self.hparams.get("kl_cov_min_one"):
+            n = float(b.mask.sum())
+            if n >= 1 and math.floor(ratio * n) < 1:
+                return (1.0 + 1e-9) / n
+        return ratio
+
+    def _lad_scale(self) -> float:
+        """2 for Hellinger without the 1/2 (``lad_hellinger_half: false``, LAD Table 5's loss column)."""
+        h = self.hparams
+        return 2.0 if h["lad_divergence"] == "hellinger" and not h.get("lad_hellinger_half", True) else 1.0
+
+    def _js_def_online_weight(self, b: LossInputs) -> float:
+        """Weight of the online ``KL(pi || M)`` half: ``eta x js_def_lambda`` (``fixed``), or the
+        DPH-RL authors' ``eta`` on a micro-batch when ``randint(1, 10) <= js_def_ratio`` and 0
+        otherwise (``stochastic``, drawn from ``LossInputs.generator``)."""
+        h = self.hparams
+        if h["js_def_online"] == "fixed":
+            return self.anchor_weight * float(h["js_def_lambda"])
+        if b.generator is None:
+            raise ValueError(f"method {self.name!r} with js_def_online='stochastic' needs LossInputs.generator "
+                             "(a seeded torch.Generator; both engines pass theirs)")
+        return self.anchor_weight if js_def_online_gate(b.generator, int(h["js_def_ratio"])) else 0.0
 
     def _fused_regularizers(self, b: LossInputs) -> Optional[Tuple[str, ...]]:
         """The regularizers that join the fused policy loss (the others go through autograd),
@@ -418,6 +486,8 @@ class Method:
             return None
         regs = []
         for reg in self.regularizers:
+            if reg == "js_def_online" and (h["js_def_online"] != "fixed" or h["js_def_clamp"] is not None):
+                continue  # the authors' options go through autograd
             if reg == "js_def_online" or (reg == "kl" and h["kl_estimator"] == "k3"):
                 ref = _require(b, "ref_log_probs", self.name, "ref_log_probs")
                 check_same_shape("log_probs", b.log_probs, ref_log_probs=ref)
@@ -451,12 +521,16 @@ class Method:
         elif pl == "cispo":
             value, coef = cispo_terms(lp, old, A, keep, h["eps_low"], h["eps_high"], need_coef, stats, clip_eps)
         elif pl == "kl_cov":
-            value, coef = kl_cov_terms(lp, old, A, keep, h["kl_cov_ratio"], h["kl_cov_k"], need_coef, stats,
+            value, coef = kl_cov_terms(lp, old, A, keep, self._kl_cov_ratio(b), h["kl_cov_k"], need_coef, stats,
                                        clip_eps)
         else:  # lad, token granularity
             clip = h["lad_clip"]
             value, coef = lad_terms(lp, old, A, keep, h["lad_divergence"], float(h["lad_eta"]),
                                     tuple(clip) if clip is not None else None, need_coef, stats, clip_eps)
+            scale = self._lad_scale()
+            if scale != 1.0:
+                value = value * scale
+                coef = None if coef is None else coef * scale
         if "clipped" in stats:
             sums["clipfrac"] = stats["clipped"].sum()
         elif "clip_count" in stats:
@@ -508,7 +582,9 @@ class Method:
         if self.anchor is None:
             raise ValueError(f"method {self.name!r} has no anchor loss (needs.anchor_batch is False)")
         if self.anchor == "js_def":
-            return dph_js_def_loss(a.log_probs, a.ref_log_probs, a.mask, on="anchor")
+            loss = dph_js_def_loss(a.log_probs, a.ref_log_probs, a.mask, on="anchor")
+            c = self.hparams.get("js_def_clamp")
+            return loss if c is None else clamp_k3(loss, float(c))
         return dph_anchor_loss(a.log_probs, a.ref_log_probs, a.mask, self.anchor,
                                alpha=self.hparams.get("anchor_alpha", 0.5))
 
@@ -519,26 +595,38 @@ class Method:
         num_online_tokens: Optional[float] = None,
         num_anchor_tokens: Optional[float] = None,
         num_online_seqs: Optional[float] = None,
+        num_anchor_seqs: Optional[float] = None,
     ) -> Tuple[torch.Tensor, Dict[str, float]]:
         """Scalar ``L = L_exp + eta * L_pef`` for one micro-batch (either part may be absent).
 
         Each part is aggregated over its own tokens; the ``num_*`` arguments give the
-        global counts of the optimiser step so micro-batch losses add up exactly.
+        global counts of the optimiser step so micro-batch losses add up exactly. With
+        ``anchor_weighting: microbatch_share`` the anchor weight is ``eta x num_anchor_seqs /
+        num_online_seqs`` (both default to this micro-batch's rows); with aggregation
+        ``micro-batch-token-mean`` both parts are means of ``micro_batch_seqs``-sequence
+        token-means (docs/ALGORITHMS.md section 9).
         """
+        if num_online_seqs is None and online is not None:
+            num_online_seqs = float(online.log_probs.shape[0])
+        if num_anchor_seqs is None and anchor is not None:
+            num_anchor_seqs = float(anchor.log_probs.shape[0])
+        k = int(self.hparams["micro_batch_seqs"])
         total = None
         metrics: Dict[str, float] = {}
         parts: Dict[str, torch.Tensor] = {}
         if online is not None:
             per_tok, metrics = self.online_loss(online)
             l_exp = aggregate_loss(per_tok, online.mask, self.aggregation, num_online_tokens, num_online_seqs,
-                                   masked_zero=True)
+                                   masked_zero=True, micro_batch_seqs=k)
             parts["loss_exp"] = l_exp.detach()
             total = l_exp
         if anchor is not None:
             per_tok = self.anchor_loss(anchor)
-            l_pef = aggregate_loss(per_tok, anchor.mask, "token-mean", num_anchor_tokens, masked_zero=True)
+            agg = MICRO_BATCH_TOKEN_MEAN if self.aggregation == MICRO_BATCH_TOKEN_MEAN else "token-mean"
+            l_pef = aggregate_loss(per_tok, anchor.mask, agg, num_anchor_tokens, num_anchor_seqs, masked_zero=True,
+                                   micro_batch_seqs=k)
             parts["loss_pef"] = l_pef.detach()
-            weighted = self.anchor_weight * l_pef
+            weighted = self.effective_anchor_weight(num_online_seqs, num_anchor_seqs) * l_pef
             total = weighted if total is None else total + weighted
         if total is None:
             raise ValueError("Method.loss needs online inputs, anchor inputs, or both")
@@ -612,6 +700,8 @@ def _presets() -> None:
                hparams={"eps_high": 0.28}, paper=D),
         Method("ds_grpo", "DS-GRPO: A - gamma_p old_t on correct, A + gamma_n old_t on incorrect",
                adv_reshaping=("ds",), hparams={"eps_high": 0.25}, paper=S),
+        Method("ds_grpo_seq", "DS-GRPO as the paper's Eq. 6 writes it: gamma x log pi_old(y) of the whole response",
+               adv_reshaping=("ds",), hparams={"eps_high": 0.25, "ds_granularity": "seq_sum"}, paper=S),
         Method("ds_positive", "DS ablation: reshape correct responses only (gamma_n = 0)",
                adv_reshaping=("ds",), hparams={"eps_high": 0.25, "gamma_n": 0.0}, paper=S),
         Method("ds_negative", "DS ablation: reshape incorrect responses only (gamma_p = 0)",
