@@ -453,3 +453,67 @@ def _window_registry_loss(method, window, n_on, n_an):
         loss, _ = method.loss(online=online, anchor=anchor, num_online_tokens=n_on, num_anchor_tokens=n_an)
         total += float(loss)
     return total
+
+
+def test_ppo_train_authors_mode_microbatch_share_and_micro_batch_token_mean(world):
+    """The DPH-RL authors' aggregation through OpenRLHF's own ppo_train loop (gas 2, micro 2):
+    per optimizer step, the applied losses add up to [sum over 2-row groups of each kind of their
+    token-means] x 2 / N_kind, the anchor part weighted eta x N_anchor / N_online (written out
+    here from the per-token losses, not through Method.loss)."""
+    from openrlhf_div.algorithms import get_method
+    from openrlhf_div.algorithms.losses import dph_anchor_loss, ppo_clip_loss
+    from openrlhf_div.engines.openrlhf.anchors import append_rows
+
+    eta = 0.3
+    method = get_method("dph_f", anchor_eta=eta, anchor_weighting="microbatch_share",
+                        aggregation="micro-batch-token-mean", micro_batch_seqs=2)
+    mp = pytest.MonkeyPatch()
+    try:
+        tr = _build_trainer(world, mp, micro=2, train_batch=4, method=method)
+        exp = append_rows(_rollout(tr, method, [1.0, 0.0, 1.0, 1.0], seed=21, resp_lens=(4, 2, 5, 3)),
+                          _anchor_rows(tr, n=4, seed=22), pad_token_id=0)
+        tr.replay_buffer.append(exp)
+        seen = []
+        real_step = type(tr).training_step
+
+        def spy(self, experience, kl_ctl, step, loss_batch_info=None):
+            lp = _plain_log_probs(self, experience.sequences, experience.attention_mask,
+                                  experience.action_mask.shape[1])
+            out = real_step(self, experience, kl_ctl, step, loss_batch_info)
+            seen.append((experience, lp, float(self.last_loss)))
+            return out
+
+        mp.setattr(type(tr), "training_step", spy)
+        mp.setattr(torch.cuda, "current_device", lambda: "cpu")
+        tr.ppo_train(0.0)
+    finally:
+        mp.undo()
+    assert len(seen) == 4
+    h = method.hparams
+    mixed = [w for w in (seen[:2], seen[2:]) if any((~_flag(e)).any() for e, *_ in w) and any(_flag(e).any() for e, *_ in w)]
+    assert mixed  # at least one optimizer step shares the anchor weight with online rows
+    for w in (seen[:2], seen[2:]):
+        n_on = sum(int((~_flag(e)).sum()) for e, *_ in w)
+        n_an = sum(int(_flag(e).sum()) for e, *_ in w)
+        expected = 0.0
+        for e, lp, _ in w:
+            a = _flag(e)
+            m = e.action_mask.float()
+            for rows, kind in ((~a, "online"), (a, "anchor")):
+                if not rows.any():
+                    continue
+                if kind == "online":
+                    per_tok = ppo_clip_loss(lp[rows], e.action_log_probs[rows].float(), e.advantages[rows].float(),
+                                            m[rows], h["eps_low"], h["eps_high"], h["dual_clip"])
+                else:
+                    per_tok = dph_anchor_loss(lp[rows], e.base_action_log_probs[rows].float(), m[rows], "forward_kl")
+                mm = m[rows]
+                idx = list(range(per_tok.shape[0]))
+                groups = [idx[i:i + 2] for i in range(0, len(idx), 2)]
+                tms = sum(float((per_tok[g] * mm[g]).sum() / mm[g].sum()) for g in groups)
+                if kind == "online":
+                    expected += tms * 2 / n_on
+                else:  # a window without online rows has nothing to share with: eta (authors.anchor_weight)
+                    expected += eta * (n_an / n_on if n_on else 1.0) * tms * 2 / n_an
+        applied = sum(loss for *_, loss in w) / 2  # DeepSpeed's 1/gas
+        assert applied == pytest.approx(expected, rel=1e-5, abs=1e-7)

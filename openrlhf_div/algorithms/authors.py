@@ -160,6 +160,15 @@ AUTHORS_CLIP = {
 }
 
 
+# per preset: hyperparameters whose value in the authors' published scripts differs from the
+# preset's (which follows the paper's text): name -> {hparam: (authors' value, source)}
+AUTHORS_SCRIPT_VALUES = {
+    "dph_js": {"anchor_eta": (0.01, "[4e] seamoke/DPH-RL scripts/llama/js_kl.sh sft_loss_coeff=${2:-'0.01'} "
+                                    "(paper Table 5: 0.2)")},
+    "dph_alpha": {"anchor_alpha": (0.2, "[4e] seamoke/DPH-RL scripts/llama/alpha.sh alpha_coeff=${3:-'0.2'}")},
+}
+
+
 def _same(a, b) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
@@ -185,6 +194,10 @@ def authors_modes(method) -> dict:
         follows = ("both" if _same(v, spec) and _same(v, auth) else "spec" if _same(v, spec)
                    else "authors" if _same(v, auth) else "other")
         out[opt] = {"value": v, "spec": spec, "authors": auth, "follows": follows, "source": src}
+    for opt, (auth, src) in AUTHORS_SCRIPT_VALUES.get(getattr(method, "name", ""), {}).items():
+        if opt in h:
+            out[opt] = {"value": h[opt], "spec": "the preset's (paper text)", "authors": auth,
+                        "follows": "authors" if _same(h[opt], auth) else "spec", "source": src}
     clip = AUTHORS_CLIP.get(getattr(method, "policy_loss", None))
     if clip is not None and all(k in h for k in ("eps_low", "eps_high", "dual_clip")):
         v = (h["eps_low"], h["eps_high"], h["dual_clip"])
