@@ -81,6 +81,13 @@ def test_config_layout(path):
     assert rows % flags["train.batch_size"] == 0
     assert flags["train.batch_size"] % (flags["train.micro_batch_size"] * dp) == 0
     assert ("anchor_data" in div) == div["method"].startswith("dph")
+    if "presample" in cfg:      # the Megatron reference scores D_pef: its GPUs hold whole TP x PP replicas
+        pre = {**flags, **{k: v for k, v in cfg["presample"].items() if "." in k}}
+        ref = _parse(pre)
+        ref_gpus = pre["ref.num_nodes"] * pre["ref.num_gpus_per_node"]
+        assert ref_gpus % ref.model_parallel_size == 0
+        assert pre["vllm.num_engines"] * pre["vllm.tensor_parallel_size"] + ref_gpus <= gpus   # not colocated
+        assert 2 * total_params(QWEN25_32B) / ref.tp / 2 ** 30 < GPU_GIB / 2
     with_tp(QWEN25_32B, mcfg.tp).check_tp(mcfg.tp)
     seq = flags["data.max_len"]
     mem = estimate_memory(QWEN25_32B, mcfg, dp, seq).as_gib()
