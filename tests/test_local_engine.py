@@ -11,7 +11,7 @@ import torch
 
 from openrlhf_div.algorithms import get_method
 from openrlhf_div.engines.local.config import ConfigError, load_config
-from openrlhf_div.engines.local.data import load_examples, write_jsonl_atomic
+from openrlhf_div.engines.local.data import write_jsonl_atomic
 from openrlhf_div.engines.local.generation import generate, pack_sequences, sequence_log_probs
 from openrlhf_div.engines.local.presample import presample
 from openrlhf_div.engines.local.tiny import build_tiny_model, load_model, save_model
@@ -271,10 +271,10 @@ def test_presample_split_and_resume_is_byte_identical(data_dir, presample_dir, t
     import openrlhf_div.engines.local.presample as ps
     real = ps._process_chunk
 
-    def crash(model, tokenizer, task, examples, chunk, s, device):
+    def crash(model, tokenizer, task, examples, chunk, *args, **kw):
         if chunk == 1:
             raise KeyboardInterrupt
-        return real(model, tokenizer, task, examples, chunk, s, device)
+        return real(model, tokenizer, task, examples, chunk, *args, **kw)
 
     monkeypatch.setattr(ps, "_process_chunk", crash)
     with pytest.raises(KeyboardInterrupt):

@@ -157,10 +157,13 @@ def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def encode_prompts(tokenizer, prompts: Sequence[Union[str, Sequence[int]]]) -> List[List[int]]:
-    """Token ids of each prompt (strings are encoded without extra special tokens)."""
+    """Token ids of each prompt (strings: :func:`.tokens.encode_text`, no special tokens but
+    the BOS when the tokenizer adds one and the text lacks it)."""
+    from .tokens import encode_text
+
     out = []
     for i, p in enumerate(prompts):
-        ids = tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else [int(t) for t in p]
+        ids = encode_text(tokenizer, p) if isinstance(p, str) else [int(t) for t in p]
         if not ids:
             raise ValueError(f"prompt {i} encodes to no tokens: {p!r}")
         out.append(list(ids))
@@ -177,7 +180,8 @@ def generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]], *, 
     A hand-written loop: one prefill of the left-padded prompts, then one single-token
     forward per step through a KV cache (:mod:`.fastgen`: a lean decoder for Qwen2/Llama
     models, HF's ``DynamicCache`` path otherwise or with ``fast=False``); a row stops at
-    ``<eos>`` or after ``max_new_tokens``, and the loop ends when every row has stopped.
+    any stop id (:func:`.tokens.stop_token_ids`: every ``generation_config.eos_token_id`` and the
+    tokenizer's EOS) or after ``max_new_tokens``, and the loop ends when every row has stopped.
     Finished rows keep feeding ``<pad>`` with attention 0, exactly as the training forward
     sees them. Randomness comes only from ``generator`` (``torch.multinomial``), so a seeded
     generator reproduces the samples. ``batch_size`` splits very large requests into chunks.
@@ -200,8 +204,12 @@ def generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]], *, 
 def _generate_rows(model, tokenizer, rows, max_new_tokens, temperature, top_p, generator, fast=None) -> GenerationOutput:
     from .fastgen import make_decoder
 
+    from .tokens import ensure_pad_token, stop_token_ids
+
     device = next(model.parameters()).device
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    ensure_pad_token(tokenizer)
+    pad_id = tokenizer.pad_token_id
+    stop_ids = torch.tensor(stop_token_ids(model, tokenizer), dtype=torch.long, device=device)
     ids, attn, _ = pack_sequences(rows, [[] for _ in rows], pad_id, device)
     prompt_attn = attn
     n = ids.shape[0]
@@ -230,7 +238,7 @@ def _generate_rows(model, tokenizer, rows, max_new_tokens, temperature, top_p, g
         toks.append(tok)
         lps.append(logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1) * live)
         alive.append(live)
-        done = done | (tok == eos_id)
+        done = done | torch.isin(tok, stop_ids)
         if bool(done.all()) or step == max_new_tokens - 1:
             break
         attn = torch.cat([attn, live.long().unsqueeze(-1)], dim=-1)

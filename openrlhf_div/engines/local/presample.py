@@ -25,7 +25,6 @@ from the shards (in order) when every chunk is done.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -36,8 +35,9 @@ import numpy as np
 import torch
 
 from .config import TrainConfig
-from .data import load_examples, render_prompt, write_jsonl_atomic
-from .generation import encode_prompts, generate, pack_sequences, sequence_log_probs
+from .data import (data_fingerprint, example_key, load_task_examples, max_prompt_tokens, prepare_prompts,
+                   write_jsonl_atomic)
+from .generation import generate, pack_sequences, sequence_log_probs
 
 
 def chunk_seed(seed: int, chunk: int, stream: int = 0) -> int:
@@ -49,8 +49,7 @@ def chunk_seed(seed: int, chunk: int, stream: int = 0) -> int:
 
 def _settings(cfg: TrainConfig, train_path: str, n_examples: int) -> Dict[str, Any]:
     p, r = cfg.presample, cfg.rollout
-    with open(train_path, "rb") as f:
-        data_sha = hashlib.sha256(f.read()).hexdigest()[:16]
+    data_sha = data_fingerprint(train_path)
     return {"n_pre": p.n_pre, "tau": p.tau if p.tau is not None else p.n_pre, "drop_unsolved": bool(p.drop_unsolved),
             "chunk_size": p.chunk_size, "seed": cfg.seed, "temperature": r.temperature, "top_p": r.top_p,
             "max_new_tokens": p.max_new_tokens or r.max_new_tokens, "task": cfg.task,
@@ -74,10 +73,10 @@ def _write_json(path: str, obj: Any) -> None:
 
 @torch.no_grad()
 def _process_chunk(model, tokenizer, task, examples: List[Dict[str, Any]], chunk: int, s: Dict[str, Any],
-                   device) -> Dict[str, Any]:
+                   device, prompts: Dict[Any, List[int]], prompt_texts: Dict[Any, str]) -> Dict[str, Any]:
     n_pre, tau = s["n_pre"], s["tau"]
-    texts = [render_prompt(task, tokenizer, ex) for ex in examples]
-    prompt_ids = encode_prompts(tokenizer, texts)
+    prompt_ids = [prompts[example_key(ex)] for ex in examples]
+    texts = [prompt_texts[example_key(ex)] for ex in examples]
     gen = torch.Generator(device=device).manual_seed(chunk_seed(s["seed"], chunk))
     out = generate(model, tokenizer, prompt_ids, n_samples=n_pre, max_new_tokens=s["max_new_tokens"],
                    temperature=s["temperature"], top_p=s["top_p"], generator=gen)
@@ -149,8 +148,10 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
     out_dir = os.path.abspath(output_dir or cfg.presample.output_dir or os.path.join(cfg.output_dir, "presample"))
     if cfg.data.train is None:
         raise ValueError("presample needs data.train (the JSONL of training examples to split)")
-    examples = load_examples(cfg.data.train)
+    examples, data_summary = load_task_examples(cfg, cfg.data.train, split=cfg.data.split)
     s = _settings(cfg, cfg.data.train, len(examples))
+    s.update({k: getattr(cfg.data, k) for k in ("split", "prompt_field", "label_field", "id_field",
+                                                 "prompt_template", "system_prompt") if getattr(cfg.data, k)})
     if not 1 <= s["tau"] <= s["n_pre"]:
         raise ValueError(f"presample.tau must be in [1, n_pre={s['n_pre']}], got {s['tau']}")
     shard_dir = os.path.join(out_dir, "shards")
@@ -172,6 +173,9 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
     task = get_task(cfg.task, **(cfg.task_options or {}))
     model, tokenizer = build_policy(cfg, device)
     model.eval()
+    prompt_texts: Dict[Any, str] = {}
+    prompts = prepare_prompts(task, tokenizer, examples, data_summary, cfg.data,
+                              max_prompt_tokens(cfg, model, s["max_new_tokens"]), texts_out=prompt_texts)
     C = s["chunk_size"]
     n_chunks = (len(examples) + C - 1) // C
     done = {c for c in range(n_chunks) if os.path.exists(os.path.join(shard_dir, f"chunk_{c:06d}.json"))}
@@ -183,7 +187,7 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
                disable=not progress, dynamic_ncols=True)
     for c in todo:
         part = examples[c * C:(c + 1) * C]
-        res = _process_chunk(model, tokenizer, task, part, c, s, device)
+        res = _process_chunk(model, tokenizer, task, part, c, s, device, prompts, prompt_texts)
         _write_json(os.path.join(shard_dir, f"chunk_{c:06d}.json"), res)
         done.add(c)
         bar.update(len(part))
