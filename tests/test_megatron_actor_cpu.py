@@ -276,3 +276,70 @@ def test_openrlhf_call_order_with_sleep(tmp_path):
         torch.testing.assert_close(r["lp"][2], hf_log_probs(model, exps[0]) * exps[0].action_mask,
                                    rtol=1e-4, atol=2e-5)
         assert r["status"][1]["actor_grad_norm"] > 0
+
+
+# ---------------------------------------------------------------------------- pre-sampling
+def _pef_rows():
+    g = torch.Generator().manual_seed(11)
+    rows = []
+    for i, (P, R) in enumerate(((4, 5), (6, 3), (3, 7))):
+        rows.append({"id": f"q{i}", "prompt": f"p{i}", "label": "x", "response": "r",
+                     "prompt_ids": torch.randint(1, V, (P,), generator=g).tolist(),
+                     "response_ids": torch.randint(1, V, (R,), generator=g).tolist()})
+    return rows
+
+
+def _presample_worker(rank, world, tmp):
+    """D_pef base log-probs from the Megatron reference (the pre-sampling stage's batching and
+    storing), then the stored rows as training anchors: the policy's step-0 forward on them."""
+    from openrlhf_div.engines.megatron.actor import MegatronPolicyActor, MegatronReferenceActor
+    from openrlhf_div.engines.openrlhf.anchors import anchor_experience
+    from openrlhf_div.engines.openrlhf.pef import AnchorRecord
+    from openrlhf_div.engines.openrlhf.presample import base_log_prob_batches, store_base_log_probs
+
+    args = make_args(tmp)
+    ref = MegatronReferenceActor(world, rank, "127.0.0.1", None)
+    ref.init_model_from_pretrained(NS(args=args), os.path.join(tmp, "hf"))
+    pef = _pef_rows()
+    batches = base_log_prob_batches(pef, pad_id=0, micro=2)
+    store_base_log_probs(batches, [ref.forward(seq, am, attn) for _, seq, attn, am in batches])
+    policy = MegatronPolicyActor(world, rank, "127.0.0.1", None)
+    policy.init_model_from_pretrained(NS(args=args), os.path.join(tmp, "hf"), max_steps=5)
+    exp = anchor_experience([AnchorRecord.from_json(r) for r in pef], pad_token_id=0)
+    lp = policy.forward(exp.sequences, exp.action_mask, exp.attention_mask)
+    return {"pef": pef, "stored": exp.base_action_log_probs, "policy": lp, "mask": exp.action_mask}
+
+
+def test_presample_base_log_probs_from_megatron_reference(tmp_path):
+    """The Megatron configs' pre-sampling: stored D_pef log-probs (Megatron reference, TP=2) equal
+    the policy's log-probs at step 0 on the same tokens, and HF's."""
+    tmp = str(tmp_path)
+    model = tiny_dir(os.path.join(tmp, "hf"))
+    res = run_multiprocess(_presample_worker, world_size=2, args=(tmp,), timeout=120)
+    for r in res:
+        assert all(len(row["ref_log_probs"]) == len(row["response_ids"]) for row in r["pef"])
+        torch.testing.assert_close(r["policy"] * r["mask"], r["stored"], rtol=1e-5, atol=1e-6)
+        assert (r["stored"] != 0).sum() == sum(len(row["response_ids"]) for row in r["pef"])
+    for row in res[0]["pef"]:
+        ids = torch.tensor([row["prompt_ids"] + row["response_ids"]])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits.float()[0, :-1] / TEMP, -1)
+        want = logp.gather(-1, ids[0, 1:, None])[:, 0][len(row["prompt_ids"]) - 1:]
+        torch.testing.assert_close(torch.tensor(row["ref_log_probs"]), want, rtol=1e-5, atol=2e-6)
+
+
+def test_presample_uses_the_megatron_reference_for_megatron_configs():
+    pytest.importorskip("ray")
+    from openrlhf_div.compat import install_flash_attn_standin, install_vllm_stub
+
+    install_flash_attn_standin()
+    install_vllm_stub()        # OpenRLHF's Ray package imports vllm (none on CPU unless installed)
+    from openrlhf_div.engines.openrlhf.presample import reference_actor_class
+
+    args = make_args("/tmp")
+    args.megatron.tp = 4
+    cls = reference_actor_class(args)
+    assert cls.__ray_actor_class__.__name__ == "MegatronReferenceActor"
+    assert args.ds.tensor_parallel_size == 4        # the group de-duplicates TP replicas
+    args.div.actor_backend = "deepspeed"
+    assert reference_actor_class(args).__ray_actor_class__.__name__ != "MegatronReferenceActor"

@@ -50,7 +50,7 @@ from openrlhf_div.io import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OptimSettings", "MegatronEngine", "init_megatron_parallel", "hf_tensor_getter"]
+__all__ = ["OptimSettings", "MegatronEngine", "init_megatron_parallel", "hf_tensor_getter", "optimizer_config"]
 
 SCHEDULES = {"cosine_with_min_lr": "cosine", "cosine": "cosine", "constant": "constant",
              "constant_with_warmup": "constant", "linear": "linear"}
@@ -80,6 +80,40 @@ class OptimSettings:
                    weight_decay=float(a.adam.weight_decay), max_norm=float(a.max_norm),
                    lr_scheduler=str(a.lr_scheduler), warmup_ratio=float(a.lr_warmup_ratio),
                    min_lr_ratio=float(a.min_lr_ratio), max_steps=int(max_steps or 1))
+
+
+def optimizer_config(mcfg: MegatronConfig, o: OptimSettings):
+    """megatron-core's ``OptimizerConfig`` for the actor.
+
+    The host optimizer (``--megatron.optimizer_cpu_offload``) is megatron-core's
+    ``HybridDeviceOptimizer`` behind the distributed optimizer, *with*
+    ``use_precision_aware_optimizer`` as megatron-core expects it: the distributed optimizer then
+    hands its bf16 parameter shards to the hybrid optimizer, which keeps the fp32 master copy,
+    Adam's moments and a pinned fp32 gradient copy on the host. Without the flag the distributed
+    optimizer also keeps fp32 main-parameter shards on the GPU (4 bytes per parameter and
+    data-parallel rank: ~15 GiB per GPU for the 32B model at TP 8) that the host optimizer then
+    copies again into pinned host memory.
+    """
+    from megatron.core.optimizer import OptimizerConfig
+
+    host = bool(mcfg.optimizer_cpu_offload)
+    if host and o.optimizer != "adam":
+        raise ValueError("--megatron.optimizer_cpu_offload needs Adam (megatron-core's host optimizer is AdamW)")
+    if host:
+        from megatron.core.utils import get_te_version
+
+        if get_te_version() is None:   # OptimizerConfig checks TE's version for the precision-aware optimizer
+            raise RuntimeError("--megatron.optimizer_cpu_offload needs transformer_engine (megatron-core 0.16's "
+                               "precision-aware optimizer checks its version); install it (the GPU image has it) "
+                               "or keep the optimizer on the GPU")
+    return OptimizerConfig(
+        optimizer=o.optimizer, lr=o.lr, min_lr=o.lr * o.min_lr_ratio, weight_decay=o.weight_decay,
+        adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_eps=o.eps, clip_grad=o.max_norm,
+        bf16=mcfg.bf16, params_dtype=torch.bfloat16 if mcfg.bf16 else torch.float32,
+        sgd_momentum=0.0, use_distributed_optimizer=mcfg.distributed_optimizer,
+        optimizer_cpu_offload=host, use_precision_aware_optimizer=host,
+        main_params_dtype=torch.float32, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
+        optimizer_offload_fraction=mcfg.optimizer_offload_fraction if host else 0.0)
 
 
 def _device() -> torch.device:
@@ -208,7 +242,7 @@ class MegatronEngine:
             DistributedDataParallelConfig,
             finalize_model_grads,
         )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         ddp_cfg = DistributedDataParallelConfig(
@@ -220,14 +254,7 @@ class MegatronEngine:
         if o.lr_scheduler not in SCHEDULES:
             raise ValueError(f"--actor.lr_scheduler {o.lr_scheduler!r} is not supported by the Megatron actor; "
                              f"use one of {sorted(SCHEDULES)}")
-        ocfg = OptimizerConfig(
-            optimizer=o.optimizer, lr=o.lr, min_lr=o.lr * o.min_lr_ratio, weight_decay=o.weight_decay,
-            adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_eps=o.eps, clip_grad=o.max_norm,
-            bf16=mcfg.bf16, params_dtype=torch.bfloat16 if mcfg.bf16 else torch.float32,
-            sgd_momentum=0.0, use_distributed_optimizer=mcfg.distributed_optimizer,
-            optimizer_cpu_offload=mcfg.optimizer_cpu_offload,
-            optimizer_offload_fraction=mcfg.optimizer_offload_fraction if mcfg.optimizer_cpu_offload else 0.0)
-        self.optimizer = get_megatron_optimizer(ocfg, [self.model])
+        self.optimizer = get_megatron_optimizer(optimizer_config(mcfg, o), [self.model])
         warm = int(math.ceil(o.max_steps * o.warmup_ratio))
         style = SCHEDULES[o.lr_scheduler]
         min_lr = o.lr * o.min_lr_ratio if style != "constant" else o.lr
