@@ -124,7 +124,8 @@ def test_json_each_is_allowed_and_schema_writes_still_refused(db_root, tmp_path)
     assert run_query(db, "SELECT count(*) FROM singer, json_each('[1,2]')")["rows"] == [(10,)]
     assert run_query(db, "SELECT key FROM json_tree('{\"a\": 1}') WHERE key = 'a'")["ok"]
     for hostile in ("UPDATE sqlite_master SET type = 'x'", "UPDATE main.sqlite_master SET sql = ''",
-                    "PRAGMA writable_schema = ON", "DELETE FROM sqlite_master"):
+                    "PRAGMA writable_schema = ON", "DELETE FROM sqlite_master",
+                    "CREATE VIRTUAL TABLE v USING json_each", "INSERT INTO sqlite_master VALUES ('table','x','x',0,'')"):
         out = run_query(db, hostile)
         assert not out["ok"], hostile
 
@@ -214,3 +215,14 @@ def test_plain_script_without_main_guard_runs_its_top_level_once(tmp_path):
         assert out.stdout.count("TOPLEVEL") == 1, (ctx, out.stdout, out.stderr)
         assert "RESULT [(1.0, 'ok'), (1.0, 'ok')]" in out.stdout, (ctx, out.stdout)
         assert "bootstrapping" not in out.stdout + out.stderr
+
+
+def test_eval_states_its_grading_mode():
+    from openrlhf_div.eval.evaluate import evaluate, results_markdown
+
+    task = get_task("math")
+    gen = lambda prompts, n, **kw: [["\\boxed{2}"] * n for _ in prompts]  # noqa: E731
+    res = evaluate(task, [{"prompt": "1+1", "label": "2", "source": "t", "id": "a"}], gen, n=2, ks=(1,),
+                   progress=False)
+    assert res["grading"].startswith("math, strict")
+    assert "grading: math, strict" in results_markdown(res)
