@@ -11,7 +11,7 @@ import torch
 
 from openrlhf_div.algorithms import get_method
 from openrlhf_div.engines.local.config import ConfigError, load_config
-from openrlhf_div.engines.local.data import load_examples, write_jsonl_atomic
+from openrlhf_div.engines.local.data import write_jsonl_atomic
 from openrlhf_div.engines.local.generation import generate, pack_sequences, sequence_log_probs
 from openrlhf_div.engines.local.presample import presample
 from openrlhf_div.engines.local.tiny import build_tiny_model, load_model, save_model
@@ -271,10 +271,10 @@ def test_presample_split_and_resume_is_byte_identical(data_dir, presample_dir, t
     import openrlhf_div.engines.local.presample as ps
     real = ps._process_chunk
 
-    def crash(model, tokenizer, task, examples, chunk, s, device):
+    def crash(model, tokenizer, task, examples, chunk, *args, **kw):
         if chunk == 1:
             raise KeyboardInterrupt
-        return real(model, tokenizer, task, examples, chunk, s, device)
+        return real(model, tokenizer, task, examples, chunk, *args, **kw)
 
     monkeypatch.setattr(ps, "_process_chunk", crash)
     with pytest.raises(KeyboardInterrupt):
@@ -303,6 +303,29 @@ def test_presample_split_and_resume_is_byte_identical(data_dir, presample_dir, t
     exp2 = [json.loads(x) for x in open(tmp_path / "ps2" / "d_exp.jsonl")]
     assert all(r["n_correct"] == 1 for r in exp2) and s2["n_dropped_unsolved"] == s2["correct_histogram"][0]
     assert s2["n_pef"] + s2["n_exp"] + s2["n_dropped_unsolved"] == 40
+
+
+def test_presample_resample_anchor_responses(data_dir, presample_dir, tmp_path):
+    """The authors' anchor draw (seamoke/DPH-RL generate_sft): one fresh sample per near-perfect
+    prompt, kept only if correct; the split itself is the same draw as without the option."""
+    cfg = load_config(None, _overrides(data_dir, tmp_path / "run", extra=[
+        "presample.tau=1", "presample.chunk_size=16", "presample.resample_anchor_responses=true"]))
+    s = presample(cfg, str(tmp_path / "ps"), progress=False)
+    plain = {r["id"]: r for r in map(json.loads, open(presample_dir / "d_pef.jsonl"))}
+    fresh = [json.loads(x) for x in open(tmp_path / "ps" / "d_pef.jsonl")]
+    assert (tmp_path / "ps" / "d_exp.jsonl").read_bytes() == (presample_dir / "d_exp.jsonl").read_bytes()
+    assert {r["id"] for r in fresh} <= set(plain)
+    assert len(fresh) + s["n_resample_failed"] == len(plain) and s["resample_anchor_responses"] is True
+    assert s["n_resample_failed"] > 0  # with this tiny policy some fresh draws fail
+    assert any(r["response_ids"] != plain[r["id"]]["response_ids"] for r in fresh)
+    task = get_task("test_copy_last")
+    base, tok = build_tiny_model(VOCAB, seed=cfg.seed)
+    for r in fresh:
+        assert task.reward(r["response"], r["label"]) == 1.0
+        ids, attn, rm = pack_sequences([r["prompt_ids"]], [r["response_ids"]], tok.pad_token_id)
+        with torch.no_grad():
+            lp = sequence_log_probs(base, ids, attn, rm)[0]
+        torch.testing.assert_close(torch.tensor(r["ref_log_probs"]), lp, atol=1e-6, rtol=0)
 
 
 # ---------------------------------------------------------------- resume, NaN, config errors

@@ -117,10 +117,11 @@ def world(tmp_path_factory):
 def _build_trainer(world, monkeypatch, *, micro: int, train_batch: int, method):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from openrlhf.models import Actor
     from openrlhf.trainer.ray import ppo_actor
     from openrlhf.utils.deepspeed import DeepspeedStrategy
     from openrlhf_div.engines.openrlhf.actor import DivActorPPOTrainer
+    # what DivPolicyModelActor builds instead of OpenRLHF's Actor: log-probs from hidden states
+    from openrlhf_div.engines.openrlhf.logprob_actor import HiddenLogProbActor as Actor
 
     args = _args(micro, train_batch, method.name)
     strategy = DeepspeedStrategy(seed=0, micro_train_batch_size=micro, train_batch_size=train_batch,

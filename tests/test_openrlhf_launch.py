@@ -269,5 +269,6 @@ def test_actor_backend_megatron_swaps_the_actor_classes(parser):
     with div_classes(ds_args) as cli:
         assert "Div" in cli.PolicyModelActor.__ray_actor_class__.__name__
         assert "Megatron" not in cli.ReferenceModelActor.__ray_actor_class__.__name__
+        assert "Div" in cli.ReferenceModelActor.__ray_actor_class__.__name__  # HiddenLogProbActor inside
     # the swap is undone on exit
     assert "Megatron" not in cli.PolicyModelActor.__ray_actor_class__.__name__

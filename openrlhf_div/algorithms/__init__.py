@@ -17,6 +17,7 @@ from .advantages import (
 from .divergences import f_divergence
 from .heads import LogZHead
 from .kl import kl_estimate
+from .logprobs import log_probs_from_hidden
 from .losses import (
     aggregate_loss,
     cispo_loss,
@@ -50,7 +51,7 @@ __all__ = [
     "pkpo_advantages", "entropy_advantages", "overlong_penalty", "dynamic_sampling_mask",
     "kl_estimate", "aggregate_loss", "ppo_clip_loss", "cispo_loss", "clip_cov_loss",
     "kl_cov_loss", "entropy_loss", "diff_entropy_loss", "flowrl_loss", "dph_js_def_loss",
-    "entropy_from_logits", "LogZHead",
+    "entropy_from_logits", "LogZHead", "log_probs_from_hidden",
     # the method registry
     "Method", "Needs", "LossInputs", "AnchorInputs", "get_method", "list_methods",
     "method_table", "register_method",

@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 from .diversity import keep_explore_rates, mean_distinct_n
 from .passk import mean_at_k, pass_at_k
 from openrlhf_div.io import atomic_write_text
+from openrlhf_div.tasks.datasets import render_example
 
 __all__ = ["evaluate", "summarize", "results_markdown", "load_results", "write_results"]
 
@@ -44,12 +45,15 @@ def evaluate(task, examples: Sequence[Mapping[str, Any]], generate_fn: Callable[
              n: int = 16, ks: Sequence[int] = (1, 8, 16), *, greedy: bool = False, temperature: float = 1.0,
              top_p: float = 1.0, max_new_tokens: int = 1024, tokenizer=None,
              base_results: Optional[Mapping[str, Any]] = None, keep_k: int = 8, dist_ns: Sequence[int] = (1, 2),
-             batch_size: int = 16, progress: bool = True, keep_responses: bool = True) -> Dict[str, Any]:
+             batch_size: int = 16, progress: bool = True, keep_responses: bool = True,
+             prompt_template: Optional[str] = None, system_prompt: Optional[str] = None) -> Dict[str, Any]:
     """Generate ``n`` samples per example, score them with ``task``, and summarise.
 
     ``examples``: normalised ``{"prompt", "label", "source", "id"}`` dicts (see
     :func:`openrlhf_div.tasks.datasets.load_examples`). ``ks`` must lie in ``[1, n]``.
-    Prompts are rendered with ``task.render_prompt(example, tokenizer)``. ``base_results``:
+    Prompts are rendered with ``task.render_prompt(example, tokenizer)``, or with
+    ``prompt_template`` / ``system_prompt`` as in training
+    (:func:`openrlhf_div.tasks.datasets.render_example`). ``base_results``:
     a previous result of this function (or its JSON) for keep/exploration rates.
 
     Returns ``{"task", "n", "ks", "greedy", "sampling", "metrics": {source: {...}, "all": {...}},
@@ -67,7 +71,7 @@ def evaluate(task, examples: Sequence[Mapping[str, Any]], generate_fn: Callable[
     prompts = []
     for ex in examples:
         try:
-            prompts.append(task.render_prompt(ex, tokenizer))
+            prompts.append(render_example(task, tokenizer, ex, prompt_template, system_prompt))
         except Exception as exc:
             raise ValueError(f"cannot build the prompt of example {ex.get('id')!r} ({ex.get('source')}): "
                              f"{type(exc).__name__}: {exc}") from exc

@@ -65,7 +65,8 @@ from openrlhf_div.algorithms.heads import LogZHead
 from openrlhf_div.algorithms._utils import masked_mean
 
 from .config import TrainConfig, dump_config, load_config
-from .data import Cursor, load_anchor_samples, load_examples, render_prompt
+from .data import (Cursor, example_key, load_anchor_samples, load_task_examples, max_prompt_tokens, prepare_prompts,
+                   render_prompt)
 from .generation import (
     encode_prompts,
     generate,
@@ -81,6 +82,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class NonFiniteLossError(RuntimeError):
     """The loss (or gradient norm) became NaN/inf; the run stopped before the optimizer step."""
+
+
+from .guards import (DegenerateMonitor, DegenerateRunError, EmptyAnchorError,  # noqa: E402,F401 (CLI uses them)
+                     degenerate_stats, empty_anchor_message)
 
 
 # =============================================================================== helpers
@@ -147,7 +152,7 @@ def build_policy(cfg: TrainConfig, device: torch.device, path: Optional[str] = N
 def evaluate_pass_at_k(model, tokenizer, task, examples: Sequence[Dict[str, Any]], *, n_samples: int = 8,
                        ks: Sequence[int] = (1, 4, 8), temperature: float = 1.0, top_p: float = 1.0,
                        max_new_tokens: int = 16, seed: int = 0, batch_size: Optional[int] = 512,
-                       return_samples: bool = False) -> Dict[str, Any]:
+                       return_samples: bool = False, data_cfg=None) -> Dict[str, Any]:
     """Unbiased pass@k over ``examples`` (``n_samples`` each): ``mean_x 1 - C(n-c,k)/C(n,k)``
     with ``c`` the task-correct samples of prompt ``x`` (:func:`openrlhf_div.eval.pass_at_k`).
 
@@ -158,7 +163,7 @@ def evaluate_pass_at_k(model, tokenizer, task, examples: Sequence[Dict[str, Any]
     from openrlhf_div.eval import pass_at_k
 
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(int(seed))
-    prompts = [render_prompt(task, tokenizer, ex) for ex in examples]
+    prompts = [render_prompt(task, tokenizer, ex, data_cfg) for ex in examples]
     out = generate(model, tokenizer, prompts, n_samples=n_samples, max_new_tokens=max_new_tokens,
                    temperature=temperature, top_p=top_p, generator=gen, batch_size=batch_size)
     per_prompt, samples, rewards = [], [], []
@@ -291,19 +296,31 @@ class Trainer:
 
         # ---- data
         train_path, anchor_path = self._data_paths()
-        self.train_examples = load_examples(train_path)
-        self.eval_examples = load_examples(cfg.data.eval) if cfg.data.eval else []
-        if cfg.eval.max_prompts is not None:
-            self.eval_examples = self.eval_examples[:cfg.eval.max_prompts]
+        from_presample = train_path != cfg.data.train  # D_exp: rows already normalised by presample
+        max_tok = max_prompt_tokens(cfg, self.model, cfg.rollout.max_new_tokens)
+        max_chars = max_tok * 64 if max_tok else None
+        self.train_examples, train_summary = load_task_examples(
+            cfg, train_path, split=None if from_presample else cfg.data.split, normalized=from_presample,
+            max_prompt_chars=max_chars)
+        self._prompt_cache = prepare_prompts(self.task, self.tokenizer, self.train_examples, train_summary, cfg.data,
+                                             max_tok)
+        self.eval_examples = []
+        if cfg.data.eval:
+            self.eval_examples, eval_summary = load_task_examples(cfg, cfg.data.eval, split=cfg.data.eval_split,
+                                                                  max_prompt_chars=max_chars)
+            if cfg.eval.max_prompts is not None:
+                self.eval_examples = self.eval_examples[:cfg.eval.max_prompts]
+            eval_tok = max_prompt_tokens(cfg, self.model, cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)
+            prepare_prompts(self.task, self.tokenizer, self.eval_examples, eval_summary, cfg.data, eval_tok)
         self.prompt_cursor = Cursor(self.train_examples, seed=cfg.seed)
         self.anchor_cursor = None
         self.anchor_samples: List[Dict[str, Any]] = []
         if self.needs.anchor_batch:
             self.anchor_samples = load_anchor_samples(anchor_path)
             self._check_anchor_temperature(anchor_path)
-            if self.anchor_samples:
-                self.anchor_cursor = Cursor(self.anchor_samples, seed=cfg.seed + 1)
-        self._prompt_cache: Dict[str, List[int]] = {}
+            if not self.anchor_samples:
+                raise EmptyAnchorError(empty_anchor_message(self.method.name, anchor_path))
+            self.anchor_cursor = Cursor(self.anchor_samples, seed=cfg.seed + 1)
 
         # ---- random streams (all checkpointed)
         self.gen_rng = torch.Generator(device=self.device).manual_seed(cfg.seed)
@@ -313,6 +330,7 @@ class Trainer:
             self._load_checkpoint(ckpt)
         self._interrupted = False
         self._tb = None
+        self._degenerate = DegenerateMonitor(cfg.optim.stop_after_degenerate_steps)
 
     # ------------------------------------------------------------------ data plumbing
     def _data_paths(self):
@@ -340,9 +358,9 @@ class Trainer:
                                  f"is {self.cfg.rollout.temperature}; re-run presample at the rollout temperature")
 
     def prompt_ids(self, example: Dict[str, Any]) -> List[int]:
-        key = example["id"]
+        key = example_key(example)
         if key not in self._prompt_cache:
-            text = render_prompt(self.task, self.tokenizer, example)
+            text = render_prompt(self.task, self.tokenizer, example, self.cfg.data)
             self._prompt_cache[key] = encode_prompts(self.tokenizer, [text])[0]
         return self._prompt_cache[key]
 
@@ -403,6 +421,7 @@ class Trainer:
                  "response_length": float(torch.cat(all_lengths).mean()),
                  "truncated_frac": 1.0 - float(torch.cat(all_finished).mean()),
                  "kept_groups": float(len(kept)), "generation_rounds": float(tries), "time_generate": t_gen}
+        stats.update(degenerate_stats(rewards_all, torch.cat(all_finished), G))
         if not kept:
             return None, stats
 
@@ -554,7 +573,7 @@ class Trainer:
         res = evaluate_pass_at_k(self.model, self.tokenizer, self.task, self.eval_examples, n_samples=e.n_samples,
                                  ks=e.k, temperature=r.temperature if e.temperature is None else e.temperature,
                                  top_p=r.top_p, max_new_tokens=e.max_new_tokens or r.max_new_tokens,
-                                 seed=self.cfg.seed + 12345)
+                                 seed=self.cfg.seed + 12345, data_cfg=self.cfg.data)
         self.model.train()
         res = {"step": self.step, **{k: v for k, v in res.items() if k != "per_prompt"}}
         self._append_jsonl("eval.jsonl", res)
@@ -692,10 +711,14 @@ class Trainer:
                        disable=not self.cfg.logging.progress, dynamic_ncols=True)
             while self.step < total:
                 last = self.train_step()
-                self._append_jsonl("metrics.jsonl", last)
+                try:
+                    self._degenerate.update(last, self.step)
+                finally:
+                    self._append_jsonl("metrics.jsonl", last)
                 self._tb_log({f"train/{k}": v for k, v in last.items() if k != "step"})
                 bar.update(1)
                 bar.set_postfix(reward=f"{last['reward_mean']:.3f}", loss=f"{last.get('loss', float('nan')):.4f}",
+                                degenerate=f"{int(last.get('degenerate_steps_total', 0))}/{self.step}",
                                 s_per_step=f"{last['time_step']:.2f}")
                 e = self.cfg.eval.every
                 if e and self.step % e == 0 and self.step < total:

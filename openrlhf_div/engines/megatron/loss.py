@@ -3,9 +3,10 @@
 For one micro-batch of ``B`` rows (online rollouts and, for DPH methods, ``D_pef`` anchor rows
 routed by a per-row flag) with ``A`` action positions:
 
-1. ``lp, H = token_log_probs_entropy(logits_shard, sequences, A)``: per-token log-probs of the
-   sampled tokens and full-vocabulary entropy, from this rank's vocabulary slice of the logits
-   (:mod:`.vocab_parallel`: max / sum-exp / target all-reduces over the TP group, no gather),
+1. ``lp, H = token_log_probs_entropy(hidden, weight_shard, sequences, A)``: per-token log-probs of
+   the sampled tokens and full-vocabulary entropy, from the last hidden states and this rank's
+   rows of the output layer (:mod:`.vocab_parallel`: chunked, max / sum-exp / target all-reduces
+   over the TP group, no ``[tokens, V]`` logits, not even this rank's slice),
    aligned like OpenRLHF's actor: position ``t`` predicts ``sequences[:, t + 1]``; the last ``A``
    positions are kept.
 2. ``method.loss(online=LossInputs(...), anchor=AnchorInputs(...), num_online_tokens=N_on,
@@ -31,7 +32,7 @@ import torch
 
 from openrlhf_div.algorithms.registry import AnchorInputs, LossInputs, Method
 
-from .vocab_parallel import vocab_parallel_log_probs_entropy
+from .vocab_parallel import vocab_parallel_log_probs_from_hidden
 
 ADDITIVE_METRICS = ("loss", "loss_exp", "loss_pef")
 
@@ -96,22 +97,23 @@ def step_counts(batches, dp_group=None) -> StepCounts:
 
 
 def token_log_probs_entropy(
-    logits: torch.Tensor, sequences: torch.Tensor, num_actions: int, *, vocab_start: int = 0,
+    hidden: torch.Tensor, weight: torch.Tensor, sequences: torch.Tensor, num_actions: int, *, vocab_start: int = 0,
     vocab_size: Optional[int] = None, temperature: float = 1.0, group=None, need_entropy: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``[B, A]`` log-probs of ``sequences[:, -A:]`` and entropies from ``[B, L, V_local]`` logits.
+    """``[B, A]`` log-probs of ``sequences[:, -A:]`` and entropies from ``[B, L, H]`` last hidden
+    states and this rank's ``[V_local, H]`` output-layer rows.
 
-    Only the ``A`` predicting positions go through the softmax (``logits[:, L-1-A : L-1]``).
+    Only the ``A`` predicting positions reach the LM head (``hidden[:, L-1-A : L-1]``).
     """
     L = sequences.shape[1]
-    if logits.shape[:2] != sequences.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} do not match sequences {tuple(sequences.shape)}")
+    if hidden.shape[:2] != sequences.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} does not match sequences {tuple(sequences.shape)}")
     if not 0 < num_actions <= L - 1:
         raise ValueError(f"num_actions={num_actions} must be in [1, L-1] with L={L}")
-    pred = logits[:, L - 1 - num_actions: L - 1]
+    pred = hidden[:, L - 1 - num_actions: L - 1]
     target = sequences[:, L - num_actions:]
-    return vocab_parallel_log_probs_entropy(pred, target, vocab_start=vocab_start, vocab_size=vocab_size,
-                                            temperature=temperature, group=group, need_entropy=need_entropy)
+    return vocab_parallel_log_probs_from_hidden(pred, weight, target, vocab_start=vocab_start, vocab_size=vocab_size,
+                                                temperature=temperature, group=group, need_entropy=need_entropy)
 
 
 def registry_loss(method: Method, log_probs: torch.Tensor, entropy: Optional[torch.Tensor], mb: MicroBatch,

@@ -211,10 +211,14 @@ class DivActorPPOTrainer(ActorPPOTrainer):
 
 
 class _DivPolicyModelActor(PolicyModelActor.__ray_actor_class__):
-    """``PolicyModelActor`` that trains with :class:`DivActorPPOTrainer`."""
+    """``PolicyModelActor`` that trains with :class:`DivActorPPOTrainer`; its model (and EMA model)
+    is a :class:`~.logprob_actor.HiddenLogProbActor` (log-probs without ``[tokens, V]`` logits)."""
 
     def init_model_from_pretrained(self, *args, **kwargs):
-        with _swapped(_ppo_actor, "ActorPPOTrainer", DivActorPPOTrainer):
+        from .logprob_actor import HiddenLogProbActor
+
+        with _swapped(_ppo_actor, "ActorPPOTrainer", DivActorPPOTrainer), \
+                _swapped(_ppo_actor, "Actor", HiddenLogProbActor):
             return super().init_model_from_pretrained(*args, **kwargs)
 
 
