@@ -69,7 +69,7 @@ def hparam_table() -> Dict[str, Tuple[Any, str]]:
                       ("policy loss", POLICY_LOSSES), ("regularizer", REGULARIZERS),
                       ("anchor", ANCHORS)):
         for part, params in tab.items():
-            for k, v in params.items():
+            for k, v in getattr(params, "defaults", params).items():
                 where = f"{comp} {part}".strip()
                 if k in table:
                     table[k] = (table[k][0], table[k][1] + f", {where}")
