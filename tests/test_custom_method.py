@@ -37,7 +37,7 @@ def _by_hand(b: LossInputs, eps=0.2, coef=0.25, num_tokens=None):
     m = b.mask.double()
     A = b.advantages.double()
     A = A.unsqueeze(-1) if A.dim() == 1 else A
-    r = torch.exp((b.log_probs.double() - b.old_log_probs.double()).clamp(-20, 20))
+    r = torch.exp((b.log_probs.detach().double() - b.old_log_probs.double()).clamp(-20, 20))
     per = (-A * torch.minimum(r, torch.full_like(r, 1 + eps)) + coef * (r - 1 - eps).clamp(min=0)) * m
     return per.sum() / (m.sum() if num_tokens is None else num_tokens)
 
