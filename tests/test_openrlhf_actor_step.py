@@ -378,21 +378,16 @@ def test_mixed_micro_batch_is_l_exp_plus_eta_l_pef(trainer):
     assert l_pef > 0  # the anchor part is present and weighted by eta
 
 
-def test_ppo_train_gas2_normalises_each_part_over_its_own_tokens(world):
-    """OpenRLHF's ppo_train loop (DataLoader, shuffling, gas windows, DeepSpeed accumulation)
-    with our split normaliser: per optimizer step, sum of applied micro-batch losses / gas ==
-    Method.loss on the step's rows with the step's online and anchor token counts."""
-    from openrlhf_div.algorithms import get_method
+def _ppo_train_gas2(world, method, seeds):
+    """OpenRLHF's ppo_train over 4 rollout rows + 4 anchor rows (micro 2, train batch 4: gas 2);
+    per micro-batch ``(experience, plain log-probs, loss_batch_info, applied loss)``."""
     from openrlhf_div.engines.openrlhf.anchors import append_rows
-    from openrlhf_div.engines.openrlhf.loss import ANCHOR_NORM_KEY
-    from openrlhf.trainer.ppo_utils.experience import make_experience_batch
 
-    method = get_method("dph_js", anchor_eta=0.3)
     mp = pytest.MonkeyPatch()
     try:
         tr = _build_trainer(world, mp, micro=2, train_batch=4, method=method)
-        exp = append_rows(_rollout(tr, method, [1.0, 0.0, 1.0, 1.0], seed=11, resp_lens=(4, 2, 5, 3)),
-                          _anchor_rows(tr, n=4, seed=12), pad_token_id=0)
+        exp = append_rows(_rollout(tr, method, [1.0, 0.0, 1.0, 1.0], seed=seeds[0], resp_lens=(4, 2, 5, 3)),
+                          _anchor_rows(tr, n=4, seed=seeds[1]), pad_token_id=0)
         tr.replay_buffer.append(exp)
         assert len(tr.replay_buffer) == 8
         seen = []
@@ -407,9 +402,23 @@ def test_ppo_train_gas2_normalises_each_part_over_its_own_tokens(world):
 
         mp.setattr(type(tr), "training_step", spy)
         mp.setattr(torch.cuda, "current_device", lambda: "cpu")  # OpenRLHF moves batches to "cuda"
+        torch.manual_seed(seeds[0])  # the replay buffer's shuffle draws from the global generator
         tr.ppo_train(0.0)
     finally:
         mp.undo()
+    return seen
+
+
+def test_ppo_train_gas2_normalises_each_part_over_its_own_tokens(world):
+    """OpenRLHF's ppo_train loop (DataLoader, shuffling, gas windows, DeepSpeed accumulation)
+    with our split normaliser: per optimizer step, sum of applied micro-batch losses / gas ==
+    Method.loss on the step's rows with the step's online and anchor token counts."""
+    from openrlhf_div.algorithms import get_method
+    from openrlhf_div.engines.openrlhf.loss import ANCHOR_NORM_KEY
+    from openrlhf.trainer.ppo_utils.experience import make_experience_batch
+
+    method = get_method("dph_js", anchor_eta=0.3)
+    seen = _ppo_train_gas2(world, method, seeds=(11, 12))
     assert len(seen) == 4  # 8 rows / micro 2, two optimizer steps of gas 2
     for w in (seen[:2], seen[2:]):
         items = [split for e, *_ in w for split in _split(e)]
@@ -462,32 +471,11 @@ def test_ppo_train_authors_mode_microbatch_share_and_micro_batch_token_mean(worl
     here from the per-token losses, not through Method.loss)."""
     from openrlhf_div.algorithms import get_method
     from openrlhf_div.algorithms.losses import dph_anchor_loss, ppo_clip_loss
-    from openrlhf_div.engines.openrlhf.anchors import append_rows
 
     eta = 0.3
     method = get_method("dph_f", anchor_eta=eta, anchor_weighting="microbatch_share",
                         aggregation="micro-batch-token-mean", micro_batch_seqs=2)
-    mp = pytest.MonkeyPatch()
-    try:
-        tr = _build_trainer(world, mp, micro=2, train_batch=4, method=method)
-        exp = append_rows(_rollout(tr, method, [1.0, 0.0, 1.0, 1.0], seed=21, resp_lens=(4, 2, 5, 3)),
-                          _anchor_rows(tr, n=4, seed=22), pad_token_id=0)
-        tr.replay_buffer.append(exp)
-        seen = []
-        real_step = type(tr).training_step
-
-        def spy(self, experience, kl_ctl, step, loss_batch_info=None):
-            lp = _plain_log_probs(self, experience.sequences, experience.attention_mask,
-                                  experience.action_mask.shape[1])
-            out = real_step(self, experience, kl_ctl, step, loss_batch_info)
-            seen.append((experience, lp, float(self.last_loss)))
-            return out
-
-        mp.setattr(type(tr), "training_step", spy)
-        mp.setattr(torch.cuda, "current_device", lambda: "cpu")
-        tr.ppo_train(0.0)
-    finally:
-        mp.undo()
+    seen = _ppo_train_gas2(world, method, seeds=(21, 22))
     assert len(seen) == 4
     h = method.hparams
     mixed = [w for w in (seen[:2], seen[2:]) if any((~_flag(e)).any() for e, *_ in w) and any(_flag(e).any() for e, *_ in w)]
@@ -496,7 +484,7 @@ def test_ppo_train_authors_mode_microbatch_share_and_micro_batch_token_mean(worl
         n_on = sum(int((~_flag(e)).sum()) for e, *_ in w)
         n_an = sum(int(_flag(e).sum()) for e, *_ in w)
         expected = 0.0
-        for e, lp, _ in w:
+        for e, lp, _, _ in w:
             a = _flag(e)
             m = e.action_mask.float()
             for rows, kind in ((~a, "online"), (a, "anchor")):
