@@ -116,6 +116,9 @@ class EvalConfig:
 class CheckpointConfig:
     every: int = _f(50, "Write a checkpoint every N steps (0: only at the end and on Ctrl-C).")
     keep: int = _f(2, "Checkpoints kept (older ones are deleted).")
+    max_weight_growth: float = _f(100.0, "Stop the run (before checkpointing) when the weights' global L2 norm "
+                                         "exceeds this multiple of its value at the start or resume of the run "
+                                         "(exploding weights); non-finite weights always stop it. 0: finiteness only.")
 
 
 @dataclass

@@ -74,6 +74,8 @@ from .generation import (
     response_forward,
     sequence_log_probs,
 )
+from .checkpoint import (CorruptCheckpointError, NonFiniteWeightsError, check_weights, read_jsonl_rows,  # noqa: F401
+                         resume_checkpoint, weight_norm, write_manifest)
 from .tiny import _atomic_dir_write, build_tiny_model, load_model, save_model
 from openrlhf_div.io import atomic_write_json, atomic_write_text
 
@@ -270,7 +272,8 @@ class Trainer:
         np.random.seed(cfg.seed % 2**32)
         torch.manual_seed(cfg.seed)
 
-        ckpt = self.latest_checkpoint() if resume_dir else None
+        # the latest checkpoint that verifies against its manifest (a corrupt one: warned, previous used)
+        ckpt = resume_checkpoint(self.checkpoint_dir()) if resume_dir else None
         if resume_dir and ckpt is None:
             raise FileNotFoundError(f"--resume {resume_dir}: no checkpoint found under {resume_dir}/checkpoints")
         if not resume_dir and os.path.isdir(os.path.join(self.run_dir, "checkpoints")):
@@ -329,6 +332,8 @@ class Trainer:
         self.step = 0
         if ckpt:
             self._load_checkpoint(ckpt)
+        # reference for the exploding-weights check after every optimizer step
+        self._start_weight_norm = weight_norm(self._checked_params())
         self._interrupted = False
         self._tb = None
         self._degenerate = DegenerateMonitor(cfg.optim.stop_after_degenerate_steps)
@@ -486,6 +491,7 @@ class Trainer:
                 if not math.isfinite(grad_norm):
                     raise NonFiniteLossError(self._nonfinite_msg("gradient norm", grad_norm, epoch, mb_i, None))
                 self.optimizer.step()
+                self._check_weights(f"at step {self.step + 1} (epoch {epoch}, mini-batch {mb_i})")
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm
                 counts["grad_norm"] = counts.get("grad_norm", 0) + 1
                 n_opt += 1
@@ -597,6 +603,15 @@ class Trainer:
         return res
 
     # ------------------------------------------------------------------ checkpoints
+    def _checked_params(self):
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _check_weights(self, where: str) -> float:
+        """Non-finite or exploding weights stop the run before anything is checkpointed
+        (:func:`.checkpoint.check_weights`)."""
+        return check_weights(self._checked_params(), self._start_weight_norm, self.cfg.checkpoint.max_weight_growth,
+                             where, self.latest_checkpoint(), self.run_dir)
+
     def checkpoint_dir(self) -> str:
         return os.path.join(self.run_dir, "checkpoints")
 
@@ -611,7 +626,9 @@ class Trainer:
 
     def save_checkpoint(self) -> str:
         """Model, optimizer, log Z head, every RNG state and the data positions, written into
-        a temporary directory and renamed into place; then ``latest`` is switched atomically."""
+        a temporary directory with a manifest (sizes, SHA-256) and renamed into place; then
+        ``latest`` is switched atomically. Refuses non-finite weights."""
+        self._check_weights(f"before saving the checkpoint of step {self.step}")
         name = f"step_{self.step:06d}"
         state = {
             "step": self.step,
@@ -629,6 +646,7 @@ class Trainer:
             self.model.save_pretrained(os.path.join(tmp, "model"))
             self.tokenizer.save_pretrained(os.path.join(tmp, "model"))
             torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+            write_manifest(tmp)
 
         os.makedirs(self.checkpoint_dir(), exist_ok=True)
         path = _atomic_dir_write(os.path.join(self.checkpoint_dir(), name), write)
@@ -640,7 +658,11 @@ class Trainer:
         return path
 
     def _load_checkpoint(self, path: str) -> None:
-        st = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
+        state_file = os.path.join(path, "trainer_state.pt")
+        try:
+            st = torch.load(state_file, map_location="cpu", weights_only=False)
+        except Exception as exc:  # noqa: BLE001 - an unverified (pre-manifest) checkpoint may be torn
+            raise CorruptCheckpointError(f"{state_file}: cannot be read ({type(exc).__name__}: {exc})") from None
         self.step = int(st["step"])
         self.optimizer.load_state_dict(st["optimizer"])
         if self.log_z_head is not None and st.get("log_z_head") is not None:
@@ -669,9 +691,9 @@ class Trainer:
         p = os.path.join(self.run_dir, fname)
         if not os.path.exists(p):
             return
-        with open(p) as f:
-            keep = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= step]
-        write_text_atomic(p, "".join(keep))
+        rows, _ = read_jsonl_rows(p)  # a torn last line (kill, full disk) is dropped with a warning
+        keep = [r for r in rows if r.get("step", 0) <= step]
+        write_text_atomic(p, "".join(json.dumps(r, default=float) + "\n" for r in keep))
 
     def _tb_log(self, scalars: Dict[str, Any]) -> None:
         if not self.cfg.logging.tensorboard:
