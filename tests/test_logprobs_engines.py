@@ -177,7 +177,7 @@ def _mg_worker(rank, world, sp):
         metrics = eng.train_step([MicroBatch(sequences=seq, attention_mask=am, action_mask=act,
                                              old_log_probs=lp.detach(), advantages=adv)])
     ids = torch.arange(seq.shape[1])[None].expand(seq.shape)
-    with eng._compat(), torch.no_grad(), VocabTensorProbe(v_local) as plain:  # the probe sees real logits
+    with torch.no_grad(), VocabTensorProbe(v_local) as plain:  # the probe sees real logits
         eng.gpt(seq, ids, None)
     return dict(lp=lp, h=h, loss=metrics["loss"], rows=probe.max_rows, where=probe.where, plain=plain.max_rows, tokens=seq.numel())
 
@@ -187,7 +187,7 @@ def test_megatron_engine_tp2_hidden_path():
     """TP=2 engine: log-probs/entropy equal the HF full-logits forward and no [tokens, V/tp]
     float32 logits exist in forward_log_probs or train_step (sequence parallelism needs
     Transformer Engine's norms, so it cannot be built on CPU: not covered here)."""
-    from openrlhf_div.engines.megatron.testing import run_multiprocess
+    from mcore_cpu import run_multiprocess
 
     ranks = run_multiprocess(_mg_worker, world_size=2, args=(False,), timeout=120)
     cfg, model = _mg_tiny()

@@ -8,7 +8,11 @@ is near-perfect when ``#correct >= tau``; for each, the first correct response i
 its per-token base log-probs ``ref_t`` are computed by the **training** forward (OpenRLHF's
 ``Actor`` as :class:`~.logprob_actor.HiddenLogProbActor`, in a ``ReferenceModelActor`` group,
 ``--ref.num_nodes`` x ``--ref.num_gpus_per_node``,
-temperature-scaled exactly like the trainer's), not taken from the sampler.
+temperature-scaled exactly like the trainer's), not taken from the sampler. With
+``--div.actor_backend megatron`` (the 32B Megatron configs) that forward is the Megatron
+reference actor's, TP-sharded by the ``--megatron.*`` flags (a config's ``presample:`` section
+may set e.g. ``megatron.tp: 4`` for its reference GPUs): a bf16 32B model is 16 GB per GPU at
+TP 4, where OpenRLHF's DeepSpeed reference at ZeRO-2 holds the full 65 GB on every GPU.
 
 Prompts are rendered with OpenRLHF's own ``PromptDataset`` (same ``--data.*`` flags as
 training), processed in chunks of ``--presample.chunk_size``; each finished chunk is written
@@ -250,14 +254,13 @@ def _fresh_anchor_samples(engines, prompts, labels, tokenizer, args, parsed, set
     return out
 
 
-def _base_log_probs(group, pef: List[Dict[str, Any]], pad_id: int, micro: int) -> None:
-    """Fill ``ref_log_probs`` of the ``pef`` rows with the DeepSpeed actor forward."""
-    import ray
+def base_log_prob_batches(pef: List[Dict[str, Any]], pad_id: int, micro: int) -> List[Tuple[list, Any, Any, Any]]:
+    """``(rows, sequences, attention_mask, action_mask)`` micro-batches of ``pef`` rows for the
+    reference forward (right-padded ``prompt + response``; the mask covers the response)."""
     import torch
 
     from openrlhf.utils.utils import zero_pad_sequences
 
-    n_actors = len(group._actor_handlers) // max(1, group.duplicate_actors)
     batches = []
     for i in range(0, len(pef), micro):
         part = pef[i:i + micro]
@@ -270,6 +273,23 @@ def _base_log_probs(group, pef: List[Dict[str, Any]], pad_id: int, micro: int) -
         batches.append((part, zero_pad_sequences(seqs, "right", value=pad_id, stack=True),
                         zero_pad_sequences([torch.ones_like(s) for s in seqs], "right", stack=True),
                         zero_pad_sequences(masks, "right", stack=True)))
+    return batches
+
+
+def store_base_log_probs(batches: Sequence[Tuple[list, Any, Any, Any]], outs: Sequence[Any]) -> None:
+    """Write each row's response log-probs (from the forward's ``[B, T - 1]`` output) into
+    ``row["ref_log_probs"]``."""
+    for (part, *_), lp in zip(batches, outs):
+        for row, r in zip(lp, part):
+            r["ref_log_probs"] = response_log_probs(row.tolist(), len(r["prompt_ids"]), len(r["response_ids"]))
+
+
+def _base_log_probs(group, pef: List[Dict[str, Any]], pad_id: int, micro: int) -> None:
+    """Fill ``ref_log_probs`` of the ``pef`` rows with the reference group's forward."""
+    import ray
+
+    n_actors = len(group._actor_handlers) // max(1, group.duplicate_actors)
+    batches = base_log_prob_batches(pef, pad_id, micro)
     real = len(batches)
     while len(batches) < n_actors:  # OpenRLHF needs at least one batch per actor
         batches.append(batches[0])
@@ -277,9 +297,19 @@ def _base_log_probs(group, pef: List[Dict[str, Any]], pad_id: int, micro: int) -
                                         attention_mask=[b[2] for b in batches],
                                         action_mask=[b[3] for b in batches])
     outs = [x for chunk in ray.get(refs)[::max(1, group.duplicate_actors)] for x in chunk][:real]
-    for (part, *_), lp in zip(batches[:real], outs):
-        for row, r in zip(lp, part):
-            r["ref_log_probs"] = response_log_probs(row.tolist(), len(r["prompt_ids"]), len(r["response_ids"]))
+    store_base_log_probs(batches[:real], outs)
+
+
+def reference_actor_class(args):
+    """The reference group's actor: the Megatron reference (TP-sharded, ``--megatron.*``; sets
+    ``ds.tensor_parallel_size = tp * pp`` for the group's de-duplication) with
+    ``--div.actor_backend megatron``, else OpenRLHF's DeepSpeed reference building
+    :class:`~.logprob_actor.HiddenLogProbActor`."""
+    from openrlhf_div.engines import megatron as mg
+
+    from .logprob_actor import DivReferenceModelActor
+
+    return mg.reference_class_for(args) or DivReferenceModelActor
 
 
 def run(args) -> Dict[str, Any]:
@@ -291,7 +321,6 @@ def run(args) -> Dict[str, Any]:
     from openrlhf.trainer.ray import create_vllm_engines
     from openrlhf.trainer.ray.launcher import RayActorGroup
 
-    from .logprob_actor import DivReferenceModelActor
     from openrlhf.utils import get_strategy, get_tokenizer
 
     if not ray.is_initialized():
@@ -310,7 +339,8 @@ def run(args) -> Dict[str, Any]:
             args.train.full_determinism_enable, args.vllm.enable_prefix_caching, args.vllm.enforce_eager,
             args.data.max_len, None, args.vllm.gpu_memory_utilization, False, None,
             remote_rm_url=args.reward.remote_url)
-        group = RayActorGroup(args.ref.num_nodes, args.ref.num_gpus_per_node, DivReferenceModelActor,
+        ref_cls = reference_actor_class(args)      # before duplicate_actors: may set ds.tensor_parallel_size
+        group = RayActorGroup(args.ref.num_nodes, args.ref.num_gpus_per_node, ref_cls,
                               duplicate_actors=args.ds.ring_attn_size * args.ds.tensor_parallel_size)
         ray.get(group.async_init_model_from_pretrained(strategy, model))
         bar = tqdm(total=len(rows), initial=len(rows) - sum(store.bounds(c)[1] - store.bounds(c)[0] for c in todo),
