@@ -97,8 +97,8 @@ class _LinearLogProbs(torch.autograd.Function):
                 z.sub_(m.unsqueeze(-1))          # z - m  (<= 0)
                 ez = torch.exp(z)
                 red[0] = ez.sum(-1)
-                if need_entropy:                 # sum exp(z - m) (z - m); E = that / S + m
-                    red[2] = (ez * z).sum(-1)
+                if need_entropy:                 # sum exp(z - m) (z - m) as a batched dot; E = that / S + m
+                    red[2] = torch.bmm(ez.unsqueeze(1), z.unsqueeze(2)).view(-1)
                 del ez, z
             red = _reduce(red, dist.ReduceOp.SUM, group)
             lse[s:e_] = m + torch.log(red[0])
@@ -130,7 +130,7 @@ class _LinearLogProbs(torch.autograd.Function):
             for s in range(0, N, chunk):
                 e_ = min(N, s + chunk)
                 z = _chunk_logits(hidden[s:e_], w, b, temperature)
-                p = torch.exp(z - lse[s:e_].unsqueeze(-1))
+                p = torch.sub(z, lse[s:e_].unsqueeze(-1)).exp_()  # two chunk-sized buffers: z and p
                 if g_h is not None:              # g_H p (E - z) - g_lp p
                     gz = z.neg_().add_(expect[s:e_].unsqueeze(-1)).mul_(g_h[s:e_].float().unsqueeze(-1))
                     if g_lp is not None:
