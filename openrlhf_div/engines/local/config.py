@@ -214,6 +214,11 @@ class TrainConfig:
         err = check_group_size(method, r.group_size)
         if err:
             raise ConfigError(err)
+        if method.aggregation == "micro-batch-token-mean":
+            k = int(method.hparams["micro_batch_seqs"])
+            if o.micro_batch_size % k:
+                raise ConfigError(f"aggregation micro-batch-token-mean groups micro_batch_seqs={k} sequences: "
+                                  f"optim.micro_batch_size ({o.micro_batch_size}) must be a multiple of it")
         return self
 
 

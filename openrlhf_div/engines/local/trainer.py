@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from openrlhf_div.algorithms import AnchorInputs, LossInputs
-from openrlhf_div.algorithms.heads import LogZHead
+from openrlhf_div.algorithms.heads import make_log_z_head
 from openrlhf_div.algorithms._utils import masked_mean
 
 from .config import TrainConfig, dump_config, load_config
@@ -290,7 +290,8 @@ class Trainer:
         self.log_z_head = None
         params = [{"params": [p for p in self.model.parameters() if p.requires_grad]}]
         if self.needs.prompt_hidden:
-            self.log_z_head = LogZHead(self.model.config.hidden_size).to(self.device)
+            self.log_z_head = make_log_z_head(self.method.hparams.get("log_z_head", "small_detached"),
+                                              self.model.config.hidden_size).to(self.device)
             params.append({"params": list(self.log_z_head.parameters()),
                            "lr": cfg.optim.log_z_lr or cfg.optim.learning_rate})
         o = cfg.optim
@@ -468,12 +469,14 @@ class Trainer:
                 n_on_tok = float(exp.mask[rows].sum())
                 n_anc_tok = float(sum(len(a["response_ids"]) for a in anchors))
                 n_micro = max(1, math.ceil(len(rows) / o.micro_batch_size))
+                anchor_parts = self._anchor_parts(anchors, n_micro)
                 self.optimizer.zero_grad(set_to_none=True)
                 for k in range(n_micro):
                     m_rows = rows[k * o.micro_batch_size:(k + 1) * o.micro_batch_size]
-                    m_anchors = anchors[k::n_micro]
+                    m_anchors = anchor_parts[k]
                     loss, metrics = self.micro_step(exp, m_rows, m_anchors, n_on_tok, n_anc_tok, float(len(rows)),
-                                                    where=dict(epoch=epoch, mini_batch=mb_i, micro_batch=k))
+                                                    where=dict(epoch=epoch, mini_batch=mb_i, micro_batch=k),
+                                                    num_anchor_seqs=float(len(anchors)))
                     loss.backward()
                     for key, val in metrics.items():
                         # loss parts are already divided by the step's global counts: they add up
@@ -502,8 +505,19 @@ class Trainer:
         out["optimizer_steps"] = float(n_opt)
         return out
 
+    def _anchor_parts(self, anchors: List[Dict[str, Any]], n_micro: int) -> List[List[Dict[str, Any]]]:
+        """The step's anchors per micro-batch: round-robin, or, for ``micro-batch-token-mean``,
+        contiguous blocks of whole ``micro_batch_seqs`` groups (the authors' anchor micro-batches)."""
+        if self.method.aggregation != "micro-batch-token-mean":
+            return [anchors[k::n_micro] for k in range(n_micro)]
+        k = int(self.method.hparams["micro_batch_seqs"])
+        groups = [anchors[i:i + k] for i in range(0, len(anchors), k)]
+        per = math.ceil(len(groups) / n_micro) if groups else 0
+        return [[a for g in groups[j * per:(j + 1) * per] for a in g] for j in range(n_micro)]
+
     def micro_step(self, exp: Experience, rows: List[int], anchors: List[Dict[str, Any]], num_online_tokens: float,
-                   num_anchor_tokens: float, num_online_seqs: float, where: Dict[str, int]):
+                   num_anchor_tokens: float, num_online_seqs: float, where: Dict[str, int],
+                   num_anchor_seqs: Optional[float] = None):
         """One forward over ``rows`` of ``exp`` and ``anchors``; returns ``method.loss(...)``."""
         n_on = len(rows)
         prompt_ids = [exp.prompt_ids[i] for i in rows] + [a["prompt_ids"] for a in anchors]
@@ -530,7 +544,8 @@ class Trainer:
                                   mask=mask[n_on:])
         rng_state = self.train_rng.get_state() if self.hooks else None
         loss, metrics = self.method.loss(online=online, anchor=anchor, num_online_tokens=num_online_tokens,
-                                         num_anchor_tokens=num_anchor_tokens, num_online_seqs=num_online_seqs)
+                                         num_anchor_tokens=num_anchor_tokens, num_online_seqs=num_online_seqs,
+                                         num_anchor_seqs=num_anchor_seqs)
         metrics = dict(metrics)
         if fo.entropy is not None and n_on:
             metrics["entropy"] = float(masked_mean(fo.entropy[:n_on].detach(), mask[:n_on]))
@@ -538,7 +553,8 @@ class Trainer:
             metrics["anchor_samples"] = float(len(anchors))
         for h in self.hooks:
             h(dict(step=self.step + 1, online=online, anchor=anchor, num_online_tokens=num_online_tokens,
-                   num_anchor_tokens=num_anchor_tokens, num_online_seqs=num_online_seqs, loss=loss,
+                   num_anchor_tokens=num_anchor_tokens, num_online_seqs=num_online_seqs,
+                   num_anchor_seqs=num_anchor_seqs, loss=loss,
                    metrics=metrics, rows=list(rows), anchors=anchors, method=self.method, experience=exp,
                    trainer=self, train_rng_state=rng_state, **where))
         if not torch.isfinite(loss):
