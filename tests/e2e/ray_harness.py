@@ -50,7 +50,7 @@ def _problems(rng: random.Random, n: int) -> List[Dict[str, str]]:
     return out
 
 
-def build_tiny_model(path: str, *, seed: int = 0, warmup_steps: int = 60) -> str:
+def build_tiny_model(path: str, *, seed: int = 0, warmup_steps: int = 40) -> str:
     """A 2-layer Qwen2 (hidden 128, 2 heads of 64, vocab 19) and its word-level tokenizer,
     taught ``a + b = c <eos>`` for ``warmup_steps`` Adam steps so sampling at T=1 gets a
     fraction of the sums right (rewards vary within a group)."""
@@ -66,19 +66,19 @@ def build_tiny_model(path: str, *, seed: int = 0, warmup_steps: int = 60) -> str
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
     cfg = Qwen2Config(vocab_size=len(vocab), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
-                      tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=1,
-                      torch_dtype="bfloat16")
+                      tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=1)
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(cfg)
+    model = Qwen2ForCausalLM(cfg).float()  # taught in float32 (bf16 matmuls on CPU are slow), saved in bf16
     rng = random.Random(seed)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     for _ in range(warmup_steps):
-        batch = [hf_tok(f"{p['prompt']} {p['answer']} <eos>")["input_ids"] for p in _problems(rng, 32)]
+        batch = [hf_tok(f"{p['prompt']} {p['answer']} <eos>")["input_ids"] for p in _problems(rng, 16)]
         ids = torch.tensor(batch)
         loss = model(input_ids=ids, labels=ids).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
+    model.config.dtype = "bfloat16"
     model.to(torch.bfloat16).save_pretrained(path)
     hf_tok.save_pretrained(path)
     return path
@@ -96,7 +96,9 @@ def build_tiny_experiment(root: str, *, n_prompts: int = 8, seed: int = 0) -> Ti
     """Model + data under ``root`` (absolute paths: jobs run in Ray's copy of the repository)."""
     root = os.path.abspath(root)
     os.makedirs(os.path.join(root, "data"), exist_ok=True)
-    model = build_tiny_model(os.path.join(root, "model"), seed=seed)
+    model = os.path.join(root, "model")
+    if not os.path.exists(os.path.join(model, "config.json")):
+        build_tiny_model(model, seed=seed)
     data = os.path.join(root, "data", "train.jsonl")
     with open(data, "w") as fh:
         for p in _problems(random.Random(seed + 1), n_prompts):
@@ -136,13 +138,15 @@ class RayHead:
             "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
             "RAY_DEDUP_LOGS": "0",
             "RAY_USAGE_STATS_ENABLED": "0",
+            # a loaded 2-core box starts the dashboard's modules slowly (default 30 s)
+            "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT": "300",
             "TOKENIZERS_PARALLELISM": "false",
         })
         env.pop("RAY_ADDRESS", None)
         env.update(self.extra_env)
         return env
 
-    def start(self, timeout: float = 120.0) -> "RayHead":
+    def start(self, timeout: float = 300.0) -> "RayHead":
         ports = {f"--{k}": str(free_port()) for k in (
             "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
             "runtime-env-agent-port", "node-manager-port", "object-manager-port", "ray-client-server-port")}
@@ -163,7 +167,9 @@ class RayHead:
 
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"ray start exited {self.proc.returncode}: {self.head_log()[-3000:]}")
+                log, rc = self.head_log(), self.proc.returncode
+                self.stop()
+                raise RuntimeError(f"ray start exited {rc}: {log[-3000:]}")
             try:
                 with urllib.request.urlopen(f"{self.address}/api/version", timeout=2) as r:
                     if r.status == 200:
@@ -171,8 +177,9 @@ class RayHead:
             except OSError:
                 pass
             time.sleep(1.0)
+        log = self.head_log()
         self.stop()
-        raise TimeoutError(f"Ray head did not come up in {timeout}s: {self.head_log()[-3000:]}")
+        raise TimeoutError(f"Ray head did not come up in {timeout}s: {log[-3000:]}")
 
     def head_log(self) -> str:
         try:
