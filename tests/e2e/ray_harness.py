@@ -182,11 +182,25 @@ class RayHead:
         raise TimeoutError(f"Ray head did not come up in {timeout}s: {log[-3000:]}")
 
     def head_log(self) -> str:
+        """``ray start``'s output without the dashboard's module chatter, then the tails of the
+        session's error logs (what explains a failed start)."""
+        parts = []
         try:
             with open(os.path.join(self.temp_dir, "head.log")) as fh:
-                return fh.read()
+                parts.append("\n".join(ln for ln in fh.read().splitlines()
+                                       if "INFO head.py" not in ln and "INFO utils.py" not in ln))
         except OSError:
-            return ""
+            pass
+        logs = os.path.join(self.temp_dir, "session_latest", "logs")
+        for name in ("dashboard.log", "gcs_server.err", "raylet.err", "raylet.out"):
+            try:
+                with open(os.path.join(logs, name)) as fh:
+                    tail = [ln for ln in fh.read().splitlines()[-400:] if "ERROR" in ln or "Error" in ln
+                            or "Traceback" in ln or "rror:" in ln]
+                parts.append(f"--- {name}\n" + "\n".join(tail[-20:]))
+            except OSError:
+                pass
+        return "\n".join(parts)
 
     def own_pids(self) -> List[int]:
         """Processes of this cluster (its temp dir or its GCS port in the command line)."""
