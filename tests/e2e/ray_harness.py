@@ -140,6 +140,7 @@ class RayHead:
             "RAY_USAGE_STATS_ENABLED": "0",
             # a loaded 2-core box starts the dashboard's modules slowly (default 30 s)
             "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT": "300",
+            "RAY_DASHBOARD_STARTUP_TIMEOUT_S": "300",
             "TOKENIZERS_PARALLELISM": "false",
         })
         env.pop("RAY_ADDRESS", None)
@@ -147,9 +148,8 @@ class RayHead:
         return env
 
     def start(self, timeout: float = 300.0) -> "RayHead":
-        ports = {f"--{k}": str(free_port()) for k in (
-            "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
-            "runtime-env-agent-port", "node-manager-port", "object-manager-port", "ray-client-server-port")}
+        # the ports Ray fixes by default (52365, 10001); the others it picks at random itself
+        ports = {f"--{k}": str(free_port()) for k in ("dashboard-agent-listen-port", "ray-client-server-port")}
         lo = free_port()
         cmd = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block",
                "--node-ip-address", "127.0.0.1", "--port", str(self.gcs_port),

@@ -7,7 +7,7 @@ One RL step, top to bottom (:meth:`Trainer.train_step`)::
       old_t  = sequence_log_probs(policy)     no_grad, the behaviour policy at rollout time
       R_i    = task.reward_results(texts, labels)[i].reward  (batched; never raises)
       R'_i   = method.shape_rewards(R, G, seq_mean_old_log_probs, lengths)
-      keep   = method.keep_groups(R', G)      dynamic sampling: refill with new prompts
+      keep   = method.keep_groups(correct(R), G)  dynamic sampling: refill (mixed correctness)
       ref_t  = sequence_log_probs(reference)  only if method.needs.ref_log_probs
       A_t    = method.advantages(R', G, old_log_probs, mask, correct)
       (the pure part: shape_and_keep per generation round, kept_advantages on the kept groups)
@@ -192,14 +192,16 @@ def shape_and_keep(method, rewards: torch.Tensor, old_log_probs: torch.Tensor, m
     lengths ``L [N]`` (tokens, ``<eos>`` included)::
 
         R'   = method.shape_rewards(R, G, seq_mean_old_log_probs=masked_mean_t(old, m), lengths=L)
-        keep = method.keep_groups(R', G)          # [B] bool; all True without dynamic sampling
+        keep = method.keep_groups(correct(R), G)  # [B] bool: mixed correctness; all True without dyn. sampling
 
     Returns ``(R' [N], keep [B])`` on the CPU.
     """
     seq_mean_old = masked_mean(old_log_probs, mask, dim=1).cpu()
     shaped = method.shape_rewards(rewards, group_size, seq_mean_old_log_probs=seq_mean_old,
                                   lengths=lengths.cpu() if lengths is not None else None)
-    return shaped, method.keep_groups(shaped, group_size)
+    # DAPO's refill criterion, the same in both engines: a group is kept when its correctness is
+    # mixed (0 < #correct < G), on the task rewards before shaping (OpenRLHF filters on `scores`).
+    return shaped, method.keep_groups(method.is_correct(rewards).float(), group_size)
 
 
 def kept_advantages(method, rewards: torch.Tensor, shaped: torch.Tensor, old_log_probs: torch.Tensor,

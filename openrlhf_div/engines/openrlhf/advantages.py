@@ -10,8 +10,9 @@ behaviour-policy log-probs ``old`` and response masks ``m`` (all ``[N, T]``):
 1. ``correct_i = R_i >= correct_threshold`` (on the *task* rewards, before shaping);
 2. ``R'`` = ``method.shape_rewards(R, G, seq_mean_old_log_probs=mean_t old, lengths=L)``
    (DAPO overlong shaping, unlikeliness reward);
-3. ``keep`` = ``method.keep_groups(R', G)`` broadcast to responses (DAPO dynamic sampling;
-   all True otherwise);
+3. ``keep`` = ``method.keep_groups(correct, G)`` broadcast to responses (DAPO dynamic sampling:
+   mixed correctness, the criterion of OpenRLHF's generator-level refill on ``scores`` and of the
+   local engine's refill; all True otherwise);
 4. ``A`` = ``method.advantages(R', G, old_log_probs=old, mask=m, correct=correct)``
    (estimator, then DS reshaping; EntAdv is applied later, in the loss, where ``H_t`` lives);
 5. responses of dropped groups get ``A = 0`` and ``m = 0``: they then add neither tokens nor
@@ -63,7 +64,7 @@ def rollout_advantages(
     seq_mean_old = (old * m).sum(-1) / m.sum(-1).clamp(min=1.0)
     shaped = method.shape_rewards(rewards, group_size, seq_mean_old_log_probs=seq_mean_old,
                                   lengths=lengths)
-    keep = method.keep_groups(shaped, group_size).repeat_interleave(group_size)
+    keep = method.keep_groups(correct.float(), group_size).repeat_interleave(group_size)
     adv = method.advantages(shaped, group_size, old_log_probs=old, mask=m, correct=correct)
     keep_f = keep.to(torch.float32).unsqueeze(-1)
     return RolloutAdvantages(advantages=adv * keep_f, mask=m * keep_f, shaped_rewards=shaped,
