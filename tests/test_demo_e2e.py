@@ -10,10 +10,10 @@ from openrlhf_div.cli.main import main
 
 TINY = [
     "warmup.hidden_size=16", "warmup.num_layers=1", "warmup.num_heads=2", "warmup.num_kv_heads=1",
-    "warmup.steps=30", "warmup.batch_size=64", "warmup.warmup_steps=5", "warmup.lr=1.0e-2",
+    "warmup.steps=150", "warmup.batch_size=64", "warmup.warmup_steps=5", "warmup.lr=1.0e-2",
     "splits.n_eval_regular=20",
     "train.optim.steps=2", "train.rollout.prompts_per_step=4", "train.rollout.group_size=4",
-    "train.presample.tau=2",
+    "train.presample.tau=1",  # a D_pef that is not empty (else dph_f stops)
 ]
 
 
@@ -47,6 +47,8 @@ def test_demo_tiny_end_to_end(tmp_path, capsys):
     assert os.path.isfile(out / "presample" / "d_pef.jsonl")
     md = open(out / "report.md").read()
     assert "| dph_f |" in md and "Settings used" in md
+    # the report states the form each method ran in (the demo keeps the spec's clean form)
+    assert "`mode=the spec's clean form: " in md and "anchor_weighting=token_mean" in md
 
     # the eval.json files reproduce the demo's metrics through `compare`
     runs = [str(out / "runs" / "base")] + [str(out / "runs" / n / "seed0") for n in ("grpo", "dph_f")]

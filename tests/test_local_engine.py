@@ -11,7 +11,7 @@ import torch
 
 from openrlhf_div.algorithms import get_method
 from openrlhf_div.engines.local.config import ConfigError, load_config
-from openrlhf_div.engines.local.data import load_examples, write_jsonl_atomic
+from openrlhf_div.engines.local.data import write_jsonl_atomic
 from openrlhf_div.engines.local.generation import generate, pack_sequences, sequence_log_probs
 from openrlhf_div.engines.local.presample import presample
 from openrlhf_div.engines.local.tiny import build_tiny_model, load_model, save_model
@@ -271,10 +271,10 @@ def test_presample_split_and_resume_is_byte_identical(data_dir, presample_dir, t
     import openrlhf_div.engines.local.presample as ps
     real = ps._process_chunk
 
-    def crash(model, tokenizer, task, examples, chunk, s, device):
+    def crash(model, tokenizer, task, examples, chunk, *args, **kw):
         if chunk == 1:
             raise KeyboardInterrupt
-        return real(model, tokenizer, task, examples, chunk, s, device)
+        return real(model, tokenizer, task, examples, chunk, *args, **kw)
 
     monkeypatch.setattr(ps, "_process_chunk", crash)
     with pytest.raises(KeyboardInterrupt):
@@ -303,6 +303,69 @@ def test_presample_split_and_resume_is_byte_identical(data_dir, presample_dir, t
     exp2 = [json.loads(x) for x in open(tmp_path / "ps2" / "d_exp.jsonl")]
     assert all(r["n_correct"] == 1 for r in exp2) and s2["n_dropped_unsolved"] == s2["correct_histogram"][0]
     assert s2["n_pef"] + s2["n_exp"] + s2["n_dropped_unsolved"] == 40
+
+
+def test_presample_resample_anchor_responses(data_dir, presample_dir, tmp_path):
+    """The authors' anchor draw (seamoke/DPH-RL generate_sft): one fresh sample per near-perfect
+    prompt, kept only if correct; the split itself is the same draw as without the option."""
+    cfg = load_config(None, _overrides(data_dir, tmp_path / "run", extra=[
+        "presample.tau=1", "presample.chunk_size=16", "presample.resample_anchor_responses=true"]))
+    s = presample(cfg, str(tmp_path / "ps"), progress=False)
+    plain = {r["id"]: r for r in map(json.loads, open(presample_dir / "d_pef.jsonl"))}
+    fresh = [json.loads(x) for x in open(tmp_path / "ps" / "d_pef.jsonl")]
+    assert (tmp_path / "ps" / "d_exp.jsonl").read_bytes() == (presample_dir / "d_exp.jsonl").read_bytes()
+    assert {r["id"] for r in fresh} <= set(plain)
+    assert len(fresh) + s["n_resample_failed"] == len(plain) and s["resample_anchor_responses"] is True
+    assert s["n_resample_failed"] > 0  # with this tiny policy some fresh draws fail
+    assert any(r["response_ids"] != plain[r["id"]]["response_ids"] for r in fresh)
+    task = get_task("test_copy_last")
+    base, tok = build_tiny_model(VOCAB, seed=cfg.seed)
+    for r in fresh:
+        assert task.reward(r["response"], r["label"]) == 1.0
+        ids, attn, rm = pack_sequences([r["prompt_ids"]], [r["response_ids"]], tok.pad_token_id)
+        with torch.no_grad():
+            lp = sequence_log_probs(base, ids, attn, rm)[0]
+        torch.testing.assert_close(torch.tensor(r["ref_log_probs"]), lp, atol=1e-6, rtol=0)
+
+
+def test_authors_mode_microbatch_share_and_micro_batch_token_mean(data_dir, presample_dir, tmp_path):
+    """The DPH-RL authors' aggregation in the local engine: per optimizer step the micro-batch
+    losses add up to the mean over 2-sequence groups of their token-means, the anchor groups
+    weighted eta x #anchors / #online rows (written out here from the per-token losses)."""
+    from openrlhf_div.algorithms.losses import dph_anchor_loss, ppo_clip_loss
+
+    eta = 0.5
+    events = []
+    cfg = load_config(None, _overrides(data_dir, tmp_path / "run", "dph_f", [
+        f"data.presample_dir={presample_dir}", "optim.micro_batch_size=4", "optim.mini_batches=2",
+        "optim.anchor_ratio=2", f"method.anchor_eta={eta}", "method.anchor_weighting=microbatch_share",
+        "method.aggregation=micro-batch-token-mean", "method.micro_batch_seqs=2"]))
+    Trainer(cfg, hooks=[events.append]).train()
+    m = get_method("dph_f", anchor_eta=eta)
+    h = m.hparams
+    steps = {}
+    for e in events:
+        steps.setdefault((e["step"], e["epoch"], e["mini_batch"]), []).append(e)
+    assert len(steps) == 4  # 2 RL steps x 2 mini-batches
+    for evs in steps.values():
+        n_on, n_an = evs[0]["num_online_seqs"], evs[0]["num_anchor_seqs"]
+        assert (n_on, n_an) == (8.0, 4.0)
+        expected = 0.0
+        for e in evs:
+            on, an = e["online"], e["anchor"]
+            parts = [(ppo_clip_loss(on.log_probs, on.old_log_probs, on.advantages, on.mask, h["eps_low"],
+                                    h["eps_high"], h["dual_clip"]), on.mask, 1.0 / n_on)]
+            if an is not None:
+                assert an.log_probs.shape[0] % 2 == 0  # anchors travel in whole groups of 2
+                parts.append((dph_anchor_loss(an.log_probs, an.ref_log_probs, an.mask, "forward_kl"), an.mask,
+                              eta * (n_an / n_on) / n_an))
+            for per_tok, mask, w in parts:
+                for i in range(0, per_tok.shape[0], 2):
+                    expected += 2 * w * float((per_tok[i:i + 2] * mask[i:i + 2]).sum() / mask[i:i + 2].sum())
+        assert sum(float(e["loss"]) for e in evs) == pytest.approx(expected, rel=1e-5, abs=1e-7)
+    with pytest.raises(ConfigError, match="must be a multiple of it"):
+        load_config(None, _overrides(data_dir, tmp_path / "r2", "dph_f", [
+            "optim.micro_batch_size=3", "method.aggregation=micro-batch-token-mean"]))
 
 
 # ---------------------------------------------------------------- resume, NaN, config errors

@@ -23,7 +23,7 @@ from openrlhf_div.algorithms import get_method  # noqa: E402
 from openrlhf_div.algorithms.registry import AnchorInputs, LossInputs  # noqa: E402
 from openrlhf_div.engines.megatron.config import MegatronConfig  # noqa: E402
 from openrlhf_div.engines.megatron.loss import MicroBatch  # noqa: E402
-from openrlhf_div.engines.megatron.testing import run_multiprocess  # noqa: E402
+from mcore_cpu import run_multiprocess  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TEMP = 0.9
@@ -209,3 +209,49 @@ def test_adam_distributed_optimizer_and_checkpoint_resume(tmp_path):
     for k, v in r["after"].items():
         torch.testing.assert_close(r["after_resumed"][k], v, rtol=0, atol=1e-7, msg=k)
     assert open(os.path.join(ckpt, "latest")).read().strip() == "step1"
+
+
+def _resume_worker(rank, world, spec):
+    """Load a checkpoint under this process group's layout, then take one more Adam step."""
+    from openrlhf_div.engines.megatron.engine import MegatronEngine, OptimSettings, init_megatron_parallel
+
+    mcfg = MegatronConfig(tp=spec["tp"], pp=spec["pp"], bf16=False, vocab_divisor=8, distributed_optimizer=True)
+    init_megatron_parallel(mcfg, seed=1)
+    cfg, model = tiny(spec["model"])
+    optim = OptimSettings(optimizer="adam", lr=spec["lr"], eps=1e-3, betas=(0.9, 0.95), max_norm=1e9,
+                          warmup_ratio=0.0, lr_scheduler="constant", max_steps=10)
+    with torch.no_grad():      # start from other weights: everything must come from the checkpoint
+        for p in model.parameters():
+            p.mul_(0.5)
+    eng = MegatronEngine(mcfg, hf_config=cfg, hf_weights=model.state_dict(), train=True, optim=optim,
+                         method=get_method(spec["method"]), temperature=TEMP)
+    client = eng.load_checkpoint(spec["ckpt"])
+    d = data()
+    dp = world // (spec["tp"] * spec["pp"])
+    dp_rank = rank // (spec["tp"] * spec["pp"])
+    batches = [micro(d, s) for s in SPLITS] if dp == 1 else [micro(d, SPLITS[dp_rank])]
+    loaded = eng.hf_state_dict()
+    metrics = eng.train_step(batches)
+    return {"client": client, "loaded": loaded, "metrics": metrics, "after": eng.hf_state_dict(),
+            "sched_steps": eng.scheduler.num_steps}
+
+
+@pytest.mark.parametrize("tp,pp,world", [(1, 1, 1), (1, 2, 2)])
+def test_checkpoint_resumes_under_another_layout(tmp_path, tp, pp, world):
+    """Saved at TP=2 (megatron-core dist_checkpointing, distributed optimiser), resumed at TP=1 /
+    PP=2: the weights, Adam moments and step counter come back, so step 2 equals HF AdamW's."""
+    ckpt = str(tmp_path / "ckpt")
+    spec = dict(model="qwen2", tp=2, pp=1, method="dph_f", optimizer="adam", lr=1e-2, dist_opt=True, steps=1,
+                ckpt=ckpt)
+    run_multiprocess(_worker, world_size=2, args=(spec,), timeout=120)
+    res = run_multiprocess(_resume_worker, world_size=world,
+                           args=(dict(model="qwen2", tp=tp, pp=pp, method="dph_f", lr=1e-2, ckpt=ckpt),),
+                           timeout=120)
+    r = res[0]
+    losses, norms, sd1 = reference("qwen2", "dph_f", optimizer="adam", steps=1, lr=1e-2)
+    _, _, sd2 = reference("qwen2", "dph_f", optimizer="adam", steps=2, lr=1e-2)
+    assert r["client"] == {"global_step": 1, "data": [3, 4]} and r["sched_steps"] == 2
+    for k, v in sd1.items():
+        torch.testing.assert_close(r["loaded"][k], v, rtol=1e-5, atol=1e-6, msg=k)
+    for k, v in sd2.items():     # Adam's second step needs the first step's moments and step count
+        torch.testing.assert_close(r["after"][k], v, rtol=1e-4, atol=1e-6, msg=k)

@@ -70,7 +70,10 @@ def test_round_trip_exact(kind, tied, tp, te_names):
 def test_vocab_padding_rows_are_zero_and_dropped():
     cfg, sd = _model("qwen2", False)
     layout = GPTLayout.from_hf_config(cfg, tp_size=2, vocab_divisor=8)
-    assert layout.padded_vocab_size == 112 == padded_vocab_size(101, 2, 8)
+    assert layout.padded_vocab_size == 128 == padded_vocab_size(101, 2, 8)      # multiple of 8 * lcm(2, 8)
+    # the same padded vocabulary at every TP dividing 8 (checkpoints reshard across them)
+    assert {padded_vocab_size(152064, tp, 128) for tp in (1, 2, 4, 8)} == {152576}
+    assert padded_vocab_size(101, 3, 8) == 192                                   # lcm(3, 8) = 24
     shards = [hf_to_megatron(sd, layout, 2, r) for r in range(2)]
     emb = torch.cat([s["embedding.word_embeddings.weight"] for s in shards])
     assert torch.equal(emb[:101], sd["model.embed_tokens.weight"])

@@ -116,6 +116,31 @@ def test_split_chunk_follows_the_dph_rule():
         P.split_chunk(rows, texts, pids, samples, n_pre=8, tau=8, drop_unsolved=False)
 
 
+def test_split_chunk_with_fresh_anchor_draws():
+    """resample_anchor_responses (seamoke/DPH-RL generate_sft): a near-perfect prompt's anchor is
+    its fresh draw if correct, else it has none; D_exp is unchanged."""
+    rows, texts, pids, samples = _chunk([[1, 1, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1], [0, 0, 0, 0]])
+    fresh = [P.Sample([77], "fresh ok", 1.0), P.Sample([78], "fresh wrong", 0.0), None, None]
+    pef, exp, counts = P.split_chunk(rows, texts, pids, samples, n_pre=4, tau=4, drop_unsolved=False, fresh=fresh)
+    assert counts == [4, 4, 3, 0]
+    assert [r["id"] for r in pef] == ["q0"] and pef[0]["response_ids"] == [77] and pef[0]["response"] == "fresh ok"
+    assert [r["id"] for r in exp] == ["q2", "q3"]  # q1 lost its anchor and is not an online prompt either
+    with pytest.raises(ValueError, match="fresh has 1 entries for 4 prompts"):
+        P.split_chunk(rows, texts, pids, samples, n_pre=4, tau=4, drop_unsolved=False, fresh=fresh[:1])
+
+
+def test_shard_store_counts_failed_fresh_draws(tmp_path):
+    rows, texts, pids, samples = _chunk([[1, 1, 1, 1], [1, 1, 1, 1]])
+    store = P.ShardStore(str(tmp_path / "ps"), _settings(chunk_size=2, resample_anchor_responses=True), n_prompts=2)
+    pef, exp, n = P.split_chunk(rows, texts, pids, samples, n_pre=4, tau=4, drop_unsolved=False,
+                                fresh=[P.Sample([5], "x", 1.0), P.Sample([6], "y", 0.0)])
+    for r in pef:
+        r["ref_log_probs"] = [-0.5]
+    store.write_chunk(0, pef, exp, n)
+    summary = store.assemble()
+    assert summary["n_pef"] == 1 and summary["n_resample_failed"] == 1 and summary["n_exp"] == 0
+
+
 def test_response_log_probs_positions():
     # T = 3 prompt + 2 response = 5 tokens -> 4 actor positions; response scored at [2, 4)
     assert P.response_log_probs([-9.0, -9.0, -0.5, -0.25], 3, 2) == [-0.5, -0.25]

@@ -98,11 +98,14 @@ def test_malformed_rows_skipped_and_counted(caplog):
     assert any("skipped 3" in r.getMessage() for r in caplog.records)  # logged, not silent
 
 
-def test_duplicate_ids_are_renamed_and_counted(tmp_path):
+def test_duplicate_ids_are_an_error_naming_both_lines_or_renamed_explicitly(tmp_path):
     p = tmp_path / "dups.jsonl"
-    p.write_text('{"id": 1, "problem": "a", "answer": "1"}\n{"id": 1, "problem": "b", "answer": "2"}\n')
-    ex, summary = load_examples(str(p), "math")
-    assert [e["id"] for e in ex] == ["1", "1#1"] and summary.renamed_ids == 1
+    p.write_text('{"id": 1, "problem": "a", "answer": "1"}\n{"id": 2, "problem": "c", "answer": "3"}\n'
+                 '{"id": 1, "problem": "b", "answer": "2"}\n')
+    with pytest.raises(DatasetError, match=r"dups.jsonl:3: duplicate id '1'.*first at .*dups.jsonl:1"):
+        load_examples(str(p), "math")
+    ex, summary = load_examples(str(p), "math", duplicate_ids="rename")
+    assert [e["id"] for e in ex] == ["1", "2", "1#1"] and summary.renamed_ids == 1
 
 
 def test_bad_paths_and_formats(tmp_path):

@@ -17,6 +17,7 @@ from .advantages import (
 from .divergences import f_divergence
 from .heads import LogZHead
 from .kl import kl_estimate
+from .logprobs import log_probs_from_hidden
 from .losses import (
     aggregate_loss,
     cispo_loss,
@@ -33,14 +34,24 @@ from .losses import (
 )
 from .registry import (
     AnchorInputs,
+    Component,
     LossInputs,
     Method,
     Needs,
+    Rollout,
+    compile_losses,
     get_method,
     list_methods,
     method_table,
+    register_adv_reshaping,
+    register_anchor,
+    register_estimator,
     register_method,
+    register_policy_loss,
+    register_regularizer,
+    register_reward_shaping,
 )
+from . import components  # noqa: E402,F401  (registers the built-in components and presets)
 
 __all__ = [
     # section 8 public API
@@ -50,8 +61,10 @@ __all__ = [
     "pkpo_advantages", "entropy_advantages", "overlong_penalty", "dynamic_sampling_mask",
     "kl_estimate", "aggregate_loss", "ppo_clip_loss", "cispo_loss", "clip_cov_loss",
     "kl_cov_loss", "entropy_loss", "diff_entropy_loss", "flowrl_loss", "dph_js_def_loss",
-    "entropy_from_logits", "LogZHead",
-    # the method registry
-    "Method", "Needs", "LossInputs", "AnchorInputs", "get_method", "list_methods",
-    "method_table", "register_method",
+    "entropy_from_logits", "LogZHead", "log_probs_from_hidden",
+    # the registries: components and methods
+    "Method", "Needs", "LossInputs", "AnchorInputs", "Rollout", "Component", "get_method",
+    "list_methods", "method_table", "register_method", "register_policy_loss",
+    "register_regularizer", "register_estimator", "register_reward_shaping",
+    "register_adv_reshaping", "register_anchor", "compile_losses",
 ]

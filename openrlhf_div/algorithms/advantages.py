@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from ._utils import _and_bits, _and_bits_, check_same_shape, fill_masked, keep_bits, unknown_name_error
+from ._utils import check_same_shape, fill_masked, unknown_name_error
 
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 DS_GRANULARITIES = ("token", "seq_mean", "seq_sum")
@@ -189,14 +189,8 @@ def entropy_advantages(
     if adv.dim() == 1:
         adv = adv.unsqueeze(-1).expand_as(entropy)
     check_same_shape("entropy", entropy, advantages=adv)
-    if adv.requires_grad and torch.is_grad_enabled():
-        bonus = torch.minimum(alpha * fill_masked(entropy.detach(), mask), adv.abs() / kappa)
-        return fill_masked(adv + bonus, mask)
-    # the same operations on two buffers, in place (7 passes, 2 new buffers instead of 7)
-    keep = keep_bits(mask, entropy)
-    bonus = _and_bits(entropy.detach(), keep).mul_(alpha)
-    torch.minimum(bonus, torch.abs(adv).div_(kappa), out=bonus)
-    return _and_bits_(bonus.add_(adv), keep)
+    bonus = torch.minimum(alpha * fill_masked(entropy.detach(), mask), adv.abs() / kappa)
+    return fill_masked(adv + bonus, mask)
 
 
 # ---------------------------------------------------------------- DAPO pieces

@@ -11,30 +11,19 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._fused import (
-    Keep,
-    _count,
-    cispo_terms,
-    dph_anchor_terms,
-    js_def_terms,
-    kl_cov_terms,
-    lad_terms,
-    per_token,
-    ppo_clip_terms,
-    unflat,
-)
 from ._utils import (
     broadcast_seq,
     check_same_shape,
     clamp_log,
     fill_masked,
+    masked_mean,
     unknown_name_error,
     zero_masked,
 )
 from .divergences import LAD_DIVERGENCES, check_alpha, f_divergence
 
 LOG2 = math.log(2.0)
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "micro-batch-token-mean")
 
 
 # ---------------------------------------------------------------- aggregation
@@ -44,25 +33,31 @@ def aggregate_loss(
     mode: str = "token-mean",
     num_tokens: Optional[float] = None,
     num_seqs: Optional[float] = None,
-    masked_zero: bool = False,
+    micro_batch_seqs: int = 2,
 ) -> torch.Tensor:
     """Reduce a per-token loss ``[B, T]`` to a scalar.
 
     * ``token-mean``: ``sum(m * l) / sum(m)`` over the whole batch (DAPO / OpenRLHF default)
     * ``seq-mean-token-mean``: mean over sequences of each sequence's token mean
     * ``seq-mean-token-sum``: mean over sequences of each sequence's token sum
+    * ``micro-batch-token-mean``: the token-mean of each group of ``micro_batch_seqs``
+      consecutive sequences, each group weighted ``micro_batch_seqs / num_seqs`` -- how verl's
+      ``token-mean`` comes out per micro-batch in the DPH-RL authors' code
+      (:func:`~.authors.micro_batch_token_mean`, docs/ALGORITHMS.md section 9 row 2)
 
     ``num_tokens`` / ``num_seqs`` override the denominators, so micro-batches of one
     optimiser step can each divide by the *global* count (gradient accumulation stays exact).
-    ``masked_zero=True`` promises ``loss`` is already 0 at masked tokens (every per-token loss
-    of this library is) and skips selecting them again.
     """
     check_same_shape("loss", loss, mask=mask)
     m = mask.to(loss.dtype)
-    lm = loss if masked_zero else fill_masked(loss, mask)
+    lm = fill_masked(loss, mask)
     if mode == "token-mean":
         denom = m.sum().clamp(min=1.0) if num_tokens is None else float(max(num_tokens, 1))
         return lm.sum() / denom
+    if mode == "micro-batch-token-mean":
+        from .authors import micro_batch_token_mean
+
+        return micro_batch_token_mean(lm, mask, micro_batch_seqs, num_seqs, masked_zero=True)
     if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
         per_seq = lm.sum(dim=1)
         if mode == "seq-mean-token-mean":
@@ -81,6 +76,12 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
         logits = logits.float()
     logp = torch.log_softmax(logits, dim=-1)
     return -(logp.exp() * logp).sum(dim=-1)
+
+
+def _ratio(log_probs, old_log_probs, mask):
+    """``r = exp(clamp(lp - old, -20, 20))``, with the log-ratio set to 0 at masked tokens."""
+    log_ratio = clamp_log(fill_masked(log_probs - old_log_probs, mask))
+    return torch.exp(log_ratio), log_ratio
 
 
 def _adv(advantages, like, mask):
@@ -104,14 +105,16 @@ def ppo_clip_loss(
     The fraction of tokens on the clipped branch is :func:`ppo_clip_mask`'s mean.
     """
     check_same_shape("log_probs", log_probs, old_log_probs=old_log_probs, mask=mask)
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-    A = broadcast_seq("advantages", advantages, log_probs).detach()
-    keep = Keep(mask)
-    return per_token(
-        lambda need_coef: ppo_clip_terms(log_probs.detach(), old_log_probs.detach(), A, keep,
-                                         eps_low, eps_high, dual_clip, need_coef),
-        log_probs, old_log_probs)
+    A = _adv(advantages, log_probs, mask)
+    r, _ = _ratio(log_probs, old_log_probs, mask)
+    l1 = -A * r
+    l2 = -A * r.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss = torch.maximum(l1, l2)
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        loss = torch.where(A < 0, torch.minimum(loss, -dual_clip * A), loss)
+    return zero_masked(loss, mask)
 
 
 def cispo_loss(log_probs, old_log_probs, advantages, mask, eps_low: float = 1.0, eps_high: float = 0.28):
@@ -121,10 +124,19 @@ def cispo_loss(log_probs, old_log_probs, advantages, mask, eps_low: float = 1.0,
     Default ``eps_low = 1.0`` (no lower bound, as MiniMax-M1), ``eps_high = 0.28``.
     """
     check_same_shape("log_probs", log_probs, old_log_probs=old_log_probs, mask=mask)
-    A = broadcast_seq("advantages", advantages, log_probs).detach()
-    keep = Keep(mask)
-    return per_token(lambda need_coef: cispo_terms(log_probs.detach(), old_log_probs.detach(), A, keep,
-                                                   eps_low, eps_high, need_coef), log_probs)
+    A = _adv(advantages, log_probs, mask)  # 0 at masked tokens: no 0 * inf there
+    r, _ = _ratio(log_probs, old_log_probs, mask)
+    w = r.clamp(1.0 - eps_low, 1.0 + eps_high).detach()
+    return zero_masked(-w * A * log_probs, mask)
+
+
+def _covariance(advantages, log_probs, mask):
+    """``Cov_t = (A_t - mean A)(lp_t - mean lp)`` over valid tokens (detached)."""
+    A = advantages.detach()
+    lp = log_probs.detach()
+    mA = masked_mean(A, mask)
+    mlp = masked_mean(lp, mask)
+    return (A - mA) * (lp - mlp)
 
 
 def clip_cov_loss(
@@ -137,95 +149,46 @@ def clip_cov_loss(
 
     Among valid tokens with ``lb < Cov_t < ub`` that PPO-clip has not already clipped,
     ``max(1, floor(ratio * N))`` are picked at random (``N`` = valid tokens) and detached:
-    their value stays, their gradient is zero. The pick is uniform without replacement
-    among the candidates, drawn from ``generator`` (a CPU generator; None: torch's global
-    one); it only runs when a gradient is computed (it cannot change the value).
+    their value stays, their gradient is zero.
     """
-    check_same_shape("log_probs", log_probs, old_log_probs=old_log_probs, mask=mask)
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-    A = broadcast_seq("advantages", advantages, log_probs).detach()
-    keep = Keep(mask)
-    return per_token(
-        lambda need_coef: clip_cov_terms(log_probs.detach(), old_log_probs.detach(), A, keep, eps_low,
-                                         eps_high, dual_clip, ratio, lb, ub, generator, need_coef),
-        log_probs, old_log_probs)
-
-
-def clip_cov_terms(lp, old, A, keep, eps_low, eps_high, dual_clip, ratio, lb, ub, generator,
-                   need_coef, stats=None):
-    """:func:`clip_cov_loss` as ``(value, coef)`` (see ``_fused``): PPO-clip's terms, with
-    ``coef`` zeroed at the picked tokens. ``stats`` receives PPO-clip's ``"clipped"``.
-
-    The covariance is computed negated from PPO-clip's ``-A`` (``Ap + An``), so no copy of
-    the advantages is made: ``-Cov_t = (-A_t - mean(-A))(lp_t - mean lp)`` (negation is
-    exact), and ``lb < Cov_t < ub`` is ``-ub < -Cov_t < -lb``."""
-    st = {} if stats is None else stats
-    value, coef = ppo_clip_terms(lp, old, A, keep, eps_low, eps_high, dual_clip, need_coef, st)
-    if not need_coef:
-        return value, None
-    dt = value.dtype
-    m = torch.ones_like(value) if keep.mask is None else keep.mask.to(dt)
-    denom = m.sum().clamp(min=1.0)  # masked_mean's denominator
-    n_valid = value.numel() if keep.mask is None else -_count(keep.bits(value))  # bits: -1 kept
-    n_lp = keep.filled(lp.to(dt))
-    ncov = st["Ap"].add_(st["An"])  # -A, 0 at masked tokens
-    m_na, m_lp = ncov.sum() / denom, n_lp.sum() / denom
-    ncov.sub_(m_na).mul_(n_lp.sub_(m_lp))
-    # -ub < -Cov < -lb (strict) is -Cov == clamp(-Cov, next float above -ub, next below -lb)
-    one = torch.ones((), dtype=dt, device=value.device)
-    lo_t = torch.nextafter(-torch.tensor(ub, dtype=dt, device=value.device), one * math.inf)
-    hi_t = torch.nextafter(-torch.tensor(lb, dtype=dt, device=value.device), one * -math.inf)
-    if not bool(lo_t <= hi_t):
-        return value, coef
-    inside = torch.eq(torch.clamp(ncov, lo_t, hi_t, out=n_lp), ncov, out=n_lp)
-    at_masked = (0.0 - m_na) * (0.0 - m_lp)  # what -Cov holds at every masked token
-    if keep.mask is not None and bool((lo_t <= at_masked) & (at_masked <= hi_t)):
-        keep.fill_(inside)
-    cand = inside.addcmul_(inside, st["clipped"], value=-1.0)  # valid, in range, not clipped
-    n_cand = int(cand.sum(dtype=torch.float32 if cand.numel() < 2**24 else torch.float64))  # exact
-    n_pick = min(max(1, int(math.floor(ratio * n_valid))), n_cand)
+    loss = ppo_clip_loss(log_probs, old_log_probs, advantages, mask, eps_low, eps_high, dual_clip)
+    A = _adv(advantages, log_probs, mask)
+    r, _ = _ratio(log_probs.detach(), old_log_probs, mask)
+    cov = _covariance(A, log_probs, mask)
+    valid = mask.bool()
+    n_valid = int(valid.sum().item())
+    cand = valid & (cov > lb) & (cov < ub) & ~ppo_clip_mask(r, A, eps_low, eps_high)
+    idx = torch.nonzero(cand.reshape(-1), as_tuple=True)[0]
+    n_pick = min(max(1, int(math.floor(ratio * n_valid))), idx.numel())
+    detach = torch.zeros(loss.numel(), dtype=torch.bool, device=loss.device)
     if n_pick > 0:
-        picked = _uniform_pick(cand.reshape(-1), n_cand, n_pick, generator)
-        coef.index_put_(unflat(picked.to(coef.device), coef), torch.zeros((), dtype=coef.dtype, device=coef.device))
-    return value, coef
+        perm = torch.randperm(idx.numel(), generator=generator, device="cpu")[:n_pick].to(idx.device)
+        detach[idx[perm]] = True
+    detach = detach.view_as(loss)
+    return torch.where(detach, loss.detach(), loss)
 
 
-def _uniform_pick(cand: torch.Tensor, n_cand: int, k: int, generator) -> torch.Tensor:
-    """``k`` distinct positions drawn uniformly without replacement among the ``n_cand``
-    nonzero entries of the 0/1 vector ``cand``, with ``generator`` (CPU).
-
-    The first ``k`` distinct hits of i.i.d. uniform draws over all positions are uniform
-    over the candidates and a uniformly random ``k``-subset (exchangeability), and cost
-    ``O(k N / n_cand)`` instead of ``nonzero`` + ``randperm`` over ``N``. When candidates
-    are too sparse for that, fall back to ``nonzero`` and a permutation of the candidates."""
-    N = cand.numel()
-    need = k * N / n_cand
-    if need <= N / 8:
-        got = torch.empty(0, dtype=torch.long)
-        while True:
-            m = int(1.25 * (k - got.numel()) * N / n_cand) + 64
-            draws = torch.randint(N, (m,), generator=generator)
-            hit = cand[draws.to(cand.device)].cpu() > 0
-            got = torch.cat([got, draws[hit]])
-            uniq, inv = torch.unique(got, return_inverse=True)
-            if uniq.numel() >= k:
-                first = torch.full((uniq.numel(),), got.numel(), dtype=torch.long)
-                first.scatter_reduce_(0, inv, torch.arange(got.numel()), "amin")
-                return uniq[first.argsort()[:k]]
-    idx = torch.nonzero(cand, as_tuple=True)[0]
-    perm = torch.randperm(idx.numel(), generator=generator, device="cpu")[:k].to(idx.device)
-    return idx[perm]
-
-
-def kl_cov_loss(log_probs, old_log_probs, advantages, mask, ratio: float = 2e-3, k: float = 1.0):
+def kl_cov_loss(log_probs, old_log_probs, advantages, mask, ratio: float = 2e-3, k: float = 1.0,
+                min_one: bool = False):
     """KL-Cov (Cui et al. 2025): the top ``floor(ratio * N)`` tokens by ``Cov_t`` get
-    ``-A r + k |log r|``, all others ``-A r`` (no ratio clipping)."""
+    ``-A r + k |log r|``, all others ``-A r`` (no ratio clipping). ``min_one``: at least one
+    token (verl's ``max(1, int(N * ratio))``, docs/ALGORITHMS.md section 9 row 9c)."""
     check_same_shape("log_probs", log_probs, old_log_probs=old_log_probs, mask=mask)
-    A = broadcast_seq("advantages", advantages, log_probs).detach()
-    keep = Keep(mask)
-    return per_token(lambda need_coef: kl_cov_terms(log_probs.detach(), old_log_probs.detach(), A, keep,
-                                                    ratio, k, need_coef), log_probs, old_log_probs)
+    A = _adv(advantages, log_probs, mask)
+    r, log_r = _ratio(log_probs, old_log_probs, mask)
+    loss = -A * r
+    valid = mask.bool()
+    n_valid = int(valid.sum().item())
+    n_pick = int(math.floor(ratio * n_valid))
+    if min_one and n_valid > 0:
+        n_pick = max(1, n_pick)
+    if n_pick > 0:
+        cov = _covariance(A, log_probs, mask).masked_fill(~valid, float("-inf"))
+        top = torch.topk(cov.reshape(-1), n_pick).indices
+        sel = torch.zeros(loss.numel(), dtype=torch.bool, device=loss.device)
+        sel[top] = True
+        loss = loss + k * log_r.abs() * sel.view_as(loss).to(loss.dtype)
+    return zero_masked(loss, mask)
 
 
 # ---------------------------------------------------------------- entropy terms
@@ -240,30 +203,17 @@ def diff_entropy_loss(entropy, correct, mask, coef_pos: float, coef_neg: float):
     correct responses, penalty ``-coef_neg H`` on incorrect ones, i.e.
     ``l_t = -coef_pos H_t`` (correct) and ``l_t = +coef_neg H_t`` (incorrect)."""
     check_same_shape("entropy", entropy, mask=mask)
-    c = _correct(correct, entropy)
-    loss = torch.where(c.unsqueeze(-1), -coef_pos * entropy, coef_neg * entropy)
-    return zero_masked(loss, mask)
-
-
-def _correct(correct, entropy):
     c = torch.as_tensor(correct, device=entropy.device).to(torch.bool)
     if c.dim() != 1 or c.shape[0] != entropy.shape[0]:
         raise ValueError(f"correct must be [B] = [{entropy.shape[0]}], got shape {tuple(c.shape)}")
-    return c
-
-
-def diff_entropy_weights(correct, entropy, coef_pos: float, coef_neg: float) -> torch.Tensor:
-    """``[B, 1]`` per-response weight of ``H`` in :func:`diff_entropy_loss`: ``-coef_pos``
-    (correct) or ``+coef_neg`` (incorrect), in ``entropy``'s dtype."""
-    c = _correct(correct, entropy)
-    w = torch.full((c.shape[0], 1), coef_neg, dtype=entropy.dtype, device=entropy.device)
-    return w.masked_fill_(c.unsqueeze(-1), -coef_pos)
+    loss = torch.where(c.unsqueeze(-1), -coef_pos * entropy, coef_neg * entropy)
+    return zero_masked(loss, mask)
 
 
 # ---------------------------------------------------------------- FlowRL
 def flowrl_loss(
     log_probs, old_log_probs, ref_log_probs, advantages, log_z, mask,
-    beta: float = 15.0, max_weight: float = 10.0,
+    beta: float = 15.0, max_weight: Optional[float] = 10.0,
 ):
     """FlowRL trajectory balance with length normalisation.
 
@@ -284,7 +234,9 @@ def flowrl_loss(
     mean_lp_minus_ref = fill_masked(log_probs - ref_log_probs.detach(), mask).sum(1) / n
     delta = log_z + mean_lp_minus_ref - beta * advantages.detach().to(log_probs.dtype)
     log_w = clamp_log(fill_masked(log_probs.detach() - old_log_probs, mask).sum(1))
-    w = torch.exp(log_w).clamp(max=max_weight)
+    w = torch.exp(log_w)
+    if max_weight is not None:  # None: unclipped, as Xuekai-Zhu/FlowRL's compute_flowrl_objective multiplies
+        w = w.clamp(max=max_weight)
     seq = w * delta**2
     return zero_masked(seq.unsqueeze(-1).expand_as(log_probs), mask)
 
@@ -308,10 +260,8 @@ def dph_anchor_loss(log_probs, ref_log_probs, mask, divergence: str = "forward_k
         raise unknown_name_error("DPH anchor divergence", divergence, DPH_ANCHOR_DIVERGENCES)
     if divergence == "alpha":
         check_alpha(alpha)
-    keep = Keep(mask)
-    ref = ref_log_probs.detach()
-    return per_token(lambda need_coef: dph_anchor_terms(log_probs.detach(), ref, keep, name, alpha, need_coef),
-                     log_probs)
+    log_u = fill_masked(log_probs - ref_log_probs.detach(), mask)
+    return zero_masked(f_divergence(name, log_u, alpha=alpha), mask)
 
 
 def dph_js_def_loss(log_probs, ref_log_probs, mask, on: str = "anchor"):
@@ -325,9 +275,12 @@ def dph_js_def_loss(log_probs, ref_log_probs, mask, on: str = "anchor"):
     check_same_shape("log_probs", log_probs, ref_log_probs=ref_log_probs, mask=mask)
     if on not in ("anchor", "online"):
         raise unknown_name_error("dph_js_def side", on, ("anchor", "online"))
-    keep = Keep(mask)
-    ref = ref_log_probs.detach()
-    return per_token(lambda need_coef: js_def_terms(log_probs.detach(), ref, keep, on, need_coef), log_probs)
+    # with log u = lp - ref (selected first: padding holds no inf): log m - ref = log((1 + u) / 2)
+    # and log m - lp = log((1 + 1/u) / 2)
+    log_u = fill_masked(log_probs - ref_log_probs.detach(), mask)
+    zero = torch.zeros((), dtype=log_u.dtype, device=log_u.device)
+    d = clamp_log(torch.logaddexp(zero, log_u if on == "anchor" else -log_u) - LOG2)
+    return zero_masked(torch.exp(d) - d - 1, mask)
 
 
 # ---------------------------------------------------------------- LAD
@@ -354,14 +307,10 @@ def lad_loss(
         raise unknown_name_error("LAD divergence", divergence, LAD_DIVERGENCES)
     if not eta > 0:
         raise ValueError(f"eta must be > 0, got {eta}")
-    if granularity == "token":  # elementwise: value and gradient fused (_fused.lad_terms)
-        A = broadcast_seq("advantages", advantages, log_probs).detach()
-        keep = Keep(mask)
-        return per_token(lambda need_coef: lad_terms(log_probs.detach(), old_log_probs.detach(), A, keep,
-                                                     divergence, eta, clip_eps, need_coef),
-                         log_probs, old_log_probs)
     A = _adv(advantages, log_probs, mask)
-    if granularity == "sequence":
+    if granularity == "token":
+        log_r = fill_masked(log_probs - old_log_probs, mask)
+    elif granularity == "sequence":
         m = mask.to(log_probs.dtype)
         log_r = fill_masked(log_probs - old_log_probs, mask).sum(1, keepdim=True).expand_as(log_probs)
         A = A.sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1.0)

@@ -61,7 +61,13 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-field", default=None, help="question field name, if not a usual one")
     p.add_argument("--label-field", default=None, help="answer/label field name (dotted for nested)")
     p.add_argument("--id-field", default=None, help="id field name")
-    p.add_argument("--split", default=None, help="split of a saved Hugging Face DatasetDict")
+    p.add_argument("--split", default=None, help="split of a saved Hugging Face DatasetDict (required when it has "
+                                                 "several)")
+    p.add_argument("--duplicate-ids", choices=["error", "rename"], default="error",
+                   help="a repeated id: stop with an error naming both lines (default) or rename it id#k")
+    p.add_argument("--prompt-template", default=None,
+                   help="user message with {prompt} where the question goes (replaces the task's template)")
+    p.add_argument("--system-prompt", default=None, help="system message replacing the task's ('' for none)")
     p.add_argument("--on-error", choices=["raise", "skip"], default="raise",
                    help="malformed dataset rows: stop with an error (default) or skip and count them")
     p.add_argument("--limit", type=int, default=None, help="first N problems per dataset")
@@ -98,7 +104,8 @@ def run(args) -> int:
         try:
             ex, summary = load_examples(path, args.task, source=args.source, prompt_field=args.prompt_field,
                                         label_field=args.label_field, id_field=args.id_field, split=args.split,
-                                        on_error=args.on_error, limit=args.limit)
+                                        on_error=args.on_error, limit=args.limit,
+                                        duplicate_ids=args.duplicate_ids)
         except DatasetError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -122,6 +129,7 @@ def run(args) -> int:
         result = evaluate(task, examples, gen_fn, n=args.n, ks=ks, greedy=args.greedy,
                           temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                           tokenizer=tokenizer, base_results=base, keep_k=args.keep_k, batch_size=args.batch_size,
+                          prompt_template=args.prompt_template, system_prompt=args.system_prompt,
                           progress=not args.no_progress)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """``openrlhf-div presample``: DPH-RL's pre-sampling split into D_pef / D_exp.
 
     openrlhf-div presample --config configs/local_example.yaml [--out DIR] [--n-pre 8]
-                           [--tau 8] [--drop-unsolved] [key=value ...]
+                           [--tau 8] [--drop-unsolved] [--resample-anchor-responses] [key=value ...]
 
 Interrupt it at any time; the same command continues where it stopped.
 """
@@ -20,6 +20,8 @@ def add_parser(sub):
     p.add_argument("--n-pre", type=int, help="samples per prompt (presample.n_pre, default 8)")
     p.add_argument("--tau", type=int, help="near-perfect threshold #correct >= tau (default n_pre)")
     p.add_argument("--drop-unsolved", action="store_true", help="leave prompts with 0 correct out of D_exp")
+    p.add_argument("--resample-anchor-responses", action="store_true",
+                   help="draw each anchor response afresh (n=1, kept if correct), as the DPH-RL authors' code does")
     p.add_argument("--chunk-size", type=int, help="prompts per resumable chunk (default 32)")
     p.add_argument("--overwrite", action="store_true", help="discard an existing run in the output directory")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
@@ -38,6 +40,8 @@ def run(args) -> int:
             ov.append(f"{key}={flag}")
     if args.drop_unsolved:
         ov.append("presample.drop_unsolved=true")
+    if args.resample_anchor_responses:
+        ov.append("presample.resample_anchor_responses=true")
     try:
         cfg = load_config(args.config, ov)
         summary = presample(cfg, args.out, overwrite=args.overwrite)

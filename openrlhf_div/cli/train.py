@@ -32,19 +32,31 @@ def run(args) -> int:
     if not args.config and not args.resume:
         print("openrlhf-div train: give --config FILE (or --resume RUN_DIR)", file=sys.stderr)
         return 2
-    from openrlhf_div.engines.local.trainer import NonFiniteLossError, train
+    from openrlhf_div.engines.local.models import ModelNotFoundError
+    from openrlhf_div.engines.local.checkpoint import CorruptCheckpointError, NonFiniteWeightsError
+    from openrlhf_div.engines.local.trainer import DegenerateRunError, EmptyAnchorError, NonFiniteLossError, train
+    from openrlhf_div.tasks.datasets import DatasetError
 
     try:
         result = train(args.config, args.overrides, resume=args.resume)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except (DatasetError, EmptyAnchorError, ModelNotFoundError) as e:
+        print(f"openrlhf-div train: {e}", file=sys.stderr)
+        return 2
+    except DegenerateRunError as e:
+        print(f"training stopped: {e}", file=sys.stderr)
+        return 3
     except (FileExistsError, FileNotFoundError) as e:
         print(f"openrlhf-div train: {e}", file=sys.stderr)
         return 2
-    except NonFiniteLossError as e:
+    except (NonFiniteLossError, NonFiniteWeightsError) as e:
         print(f"training stopped: {e}", file=sys.stderr)
         return 3
+    except CorruptCheckpointError as e:
+        print(f"openrlhf-div train: {e}", file=sys.stderr)
+        return 2
     ev = result.get("eval") or {}
     scores = ", ".join(f"{k} {v:.3f}" for k, v in ev.items() if k.startswith("pass@"))
     print(f"done: {result['run_dir']}" + (f" (final eval: {scores})" if scores else ""))

@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 from .diversity import keep_explore_rates, mean_distinct_n
 from .passk import mean_at_k, pass_at_k
 from openrlhf_div.io import atomic_write_text
+from openrlhf_div.tasks.datasets import render_example
 
 __all__ = ["evaluate", "summarize", "results_markdown", "load_results", "write_results"]
 
@@ -44,12 +45,15 @@ def evaluate(task, examples: Sequence[Mapping[str, Any]], generate_fn: Callable[
              n: int = 16, ks: Sequence[int] = (1, 8, 16), *, greedy: bool = False, temperature: float = 1.0,
              top_p: float = 1.0, max_new_tokens: int = 1024, tokenizer=None,
              base_results: Optional[Mapping[str, Any]] = None, keep_k: int = 8, dist_ns: Sequence[int] = (1, 2),
-             batch_size: int = 16, progress: bool = True, keep_responses: bool = True) -> Dict[str, Any]:
+             batch_size: int = 16, progress: bool = True, keep_responses: bool = True,
+             prompt_template: Optional[str] = None, system_prompt: Optional[str] = None) -> Dict[str, Any]:
     """Generate ``n`` samples per example, score them with ``task``, and summarise.
 
     ``examples``: normalised ``{"prompt", "label", "source", "id"}`` dicts (see
     :func:`openrlhf_div.tasks.datasets.load_examples`). ``ks`` must lie in ``[1, n]``.
-    Prompts are rendered with ``task.render_prompt(example, tokenizer)``. ``base_results``:
+    Prompts are rendered with ``task.render_prompt(example, tokenizer)``, or with
+    ``prompt_template`` / ``system_prompt`` as in training
+    (:func:`openrlhf_div.tasks.datasets.render_example`). ``base_results``:
     a previous result of this function (or its JSON) for keep/exploration rates.
 
     Returns ``{"task", "n", "ks", "greedy", "sampling", "metrics": {source: {...}, "all": {...}},
@@ -67,7 +71,7 @@ def evaluate(task, examples: Sequence[Mapping[str, Any]], generate_fn: Callable[
     prompts = []
     for ex in examples:
         try:
-            prompts.append(task.render_prompt(ex, tokenizer))
+            prompts.append(render_example(task, tokenizer, ex, prompt_template, system_prompt))
         except Exception as exc:
             raise ValueError(f"cannot build the prompt of example {ex.get('id')!r} ({ex.get('source')}): "
                              f"{type(exc).__name__}: {exc}") from exc
@@ -125,7 +129,8 @@ def evaluate(task, examples: Sequence[Mapping[str, Any]], generate_fn: Callable[
     metrics = summarize(problems, n, ks, base_results=base_results, keep_k=keep_k, dist_ns=dist_ns)
     for rec in problems:
         rec.pop("_responses", None)
-    return {"task": task.name, "n": n, "ks": ks, "greedy": bool(greedy), "keep_k": keep_k,
+    grading = task.grading() if hasattr(task, "grading") else None  # duck-typed tasks may lack it
+    return {"task": task.name, "grading": grading, "n": n, "ks": ks, "greedy": bool(greedy), "keep_k": keep_k,
             "sampling": {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens},
             "metrics": metrics, "problems": problems}
 
@@ -205,7 +210,8 @@ def results_markdown(result: Mapping[str, Any]) -> str:
         return f"{100 * v:.1f}"
 
     lines = [f"Task `{result['task']}`, n={n}, temperature={result['sampling']['temperature']}, "
-             f"top_p={result['sampling']['top_p']} (percent; distinct_correct is a count)", "",
+             f"top_p={result['sampling']['top_p']} (percent; distinct_correct is a count)"
+             + (f"; grading: {result['grading']}" if result.get("grading") else ""), "",
              "| dataset | problems | " + " | ".join(cols) + " |",
              "|---|---:|" + "---:|" * len(cols)]
     for src, m in metrics.items():

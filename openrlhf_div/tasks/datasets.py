@@ -56,6 +56,7 @@ class LoadSummary:
     skipped: int = 0
     errors: List[str] = field(default_factory=list)  # one per skipped row (first 100 kept)
     renamed_ids: int = 0
+    locations: Dict[str, str] = field(default_factory=dict, repr=False)  # example id -> "file:line"
 
     def __str__(self) -> str:
         s = f"{self.path}: loaded {self.loaded}"
@@ -136,11 +137,16 @@ def _read_hf_saved(path: str, split: Optional[str]) -> Iterator[Tuple[str, Any]]
     ds = datasets.load_from_disk(path)
     if isinstance(ds, datasets.DatasetDict):
         splits = list(ds.keys())
+        if split is None and len(splits) == 1:
+            split = splits[0]
         if split is None:
-            split = "test" if "test" in splits else (splits[0] if len(splits) == 1 else None)
+            raise DatasetError(f"{path} is a DatasetDict with splits {', '.join(splits)}: name one (data.split / "
+                               f"data.eval_split in a config, --split for eval)")
         if split not in ds:
-            raise DatasetError(f"{path}: choose a split with split=... (available: {', '.join(splits)})")
+            raise DatasetError(f"{path}: no split {split!r} (available: {', '.join(splits)})")
         ds = ds[split]
+    elif split is not None:
+        logger.info("%s is a single Dataset; split=%r ignored", path, split)
     for i, row in enumerate(ds):
         yield f"{path} row {i}", row
 
@@ -170,8 +176,19 @@ def _text_of(v: Any) -> str:
         return v
     if isinstance(v, (list, tuple)) and v and all(isinstance(m, dict) for m in v):
         users = [m for m in v if m.get("role") == "user"] or list(v)
-        return str(users[-1].get("content", ""))
-    raise ValueError(f"prompt field holds a {type(v).__name__}, expected text or chat messages")
+        content = users[-1].get("content", "")
+        if not isinstance(content, str):
+            raise ValueError(f"chat message content holds a {type(content).__name__}, expected text")
+        return content
+    raise ValueError(f"prompt field holds a {type(v).__name__} ({_short(v)}), expected text or chat messages")
+
+
+def _short(v: Any, n: int = 40) -> str:
+    r = repr(v)
+    return r if len(r) <= n else r[:n] + "..."
+
+
+_LABEL_TYPES = (str, int, float, bool, dict, list)
 
 
 def _strip_dapo(text: str) -> str:
@@ -180,13 +197,25 @@ def _strip_dapo(text: str) -> str:
 
 
 def _answer_text(v: Any) -> str:
+    """An answer field's final answer: lists joined by ", ", integral floats as integers, and a
+    GSM8K rationale ``"... #### 1,234"`` cut to what follows ``####`` (thousands commas removed)."""
     if isinstance(v, (list, tuple)):
         if not v:
             raise ValueError("the answer list is empty")
         return ", ".join(_answer_text(x) for x in v)
+    if isinstance(v, bool) or not isinstance(v, (str, int, float)):
+        raise ValueError(f"the answer field holds a {type(v).__name__}, expected text or a number")
     if isinstance(v, float) and v.is_integer():
         v = int(v)
-    return str(v).strip()
+    text = str(v).strip()
+    if "####" in text:
+        final = text.rsplit("####", 1)[1].strip()
+        if not final:
+            raise ValueError("GSM8K-style answer with nothing after '####'")
+        if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", final):
+            final = final.replace(",", "")
+        return final
+    return text
 
 
 def _need(row, keys, what, override):
@@ -256,10 +285,18 @@ def normalize_record(row: Any, task: str, *, prompt_field: Optional[str] = None,
             raise ValueError("countdown row has no numbers")
         return {"prompt": f"Using the numbers {numbers}, create an equation that equals {target}.",
                 "label": {"target": target, "numbers": numbers}}
-    # any other task (e.g. the demo): explicit or conventional field names, label kept as is
-    _, p = _need(row, ("prompt", "question", "problem", "input"), "prompt", prompt_field)
-    _, lab = _need(row, ("label", "answer", "target"), "label", label_field)
-    return {"prompt": _text_of(p), "label": lab}
+    # any other task (e.g. the demo): explicit or conventional field names, label kept as is,
+    # the row's other fields kept too (a task's prompt() may read them)
+    pk, p = _need(row, ("prompt", "question", "problem", "input"), "prompt", prompt_field)
+    lk, lab = _need(row, ("label", "answer", "target"), "label", label_field)
+    if not isinstance(lab, _LABEL_TYPES):
+        raise ValueError(f"label field {lk!r} holds a {type(lab).__name__}, expected text, a number, a list or "
+                         f"a mapping")
+    prompt = _text_of(p)
+    if not prompt.strip():
+        raise ValueError(f"empty prompt (field {pk!r})")
+    extras = {k: v for k, v in row.items() if k not in (pk, lk, "prompt", "label")}
+    return {**extras, "prompt": prompt, "label": lab}
 
 
 def _default_source(path: str) -> str:
@@ -280,8 +317,8 @@ def _default_source(path: str) -> str:
 def load_examples(path: str, task: str, *, source: Optional[str] = None, prompt_field: Optional[str] = None,
                   label_field: Optional[str] = None, id_field: Optional[str] = None,
                   source_field: Optional[str] = None, split: Optional[str] = None, on_error: str = "raise",
-                  limit: Optional[int] = None, strip_instructions: bool = True
-                  ) -> Tuple[List[Dict[str, Any]], LoadSummary]:
+                  limit: Optional[int] = None, strip_instructions: bool = True, duplicate_ids: str = "error",
+                  max_prompt_chars: Optional[int] = None) -> Tuple[List[Dict[str, Any]], LoadSummary]:
     """Load and normalise one dataset file or folder for ``task`` (``math``, ``sql``,
     ``countdown``, or any other name with ``prompt``/``label`` fields).
 
@@ -289,13 +326,21 @@ def load_examples(path: str, task: str, *, source: Optional[str] = None, prompt_
     name, or its folder for generic names like ``test.jsonl``); ``id`` comes from
     ``id_field`` or a usual id column, else ``"{source}-{row}"``; duplicate ids get ``#k``.
     ``on_error``: ``"raise"`` (default) or ``"skip"`` (counted in the summary and logged).
+    ``duplicate_ids``: a repeated ``(source, id)`` is an error naming both lines (``"error"``,
+    the default: the trainer caches prompts by id) or, explicitly, renamed ``id#k`` (``"rename"``).
+    ``max_prompt_chars``: a longer prompt is a malformed row (the trainer checks tokens later).
+    Every example's location (``"file:line"`` / ``"file row i"``) is kept in
+    ``summary.locations[id]`` for later errors (prompt too long in tokens, ...).
     """
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    if duplicate_ids not in ("error", "rename"):
+        raise ValueError(f"duplicate_ids must be 'error' or 'rename', got {duplicate_ids!r}")
     summary = LoadSummary(path)
     default_src = source or _default_source(path)
     examples: List[Dict[str, Any]] = []
     seen: Dict[Tuple[str, str], int] = {}
+    first_loc: Dict[Tuple[str, str], str] = {}
     for i, (loc, row) in enumerate(read_records(path, split)):
         if limit is not None and len(examples) >= limit:
             break
@@ -304,6 +349,9 @@ def load_examples(path: str, task: str, *, source: Optional[str] = None, prompt_
                 raise row
             ex = normalize_record(row, task, prompt_field=prompt_field, label_field=label_field,
                                   strip_instructions=strip_instructions)
+            if max_prompt_chars is not None and len(ex["prompt"]) > max_prompt_chars:
+                raise ValueError(f"prompt of {len(ex['prompt']):,} characters exceeds the limit of "
+                                 f"{max_prompt_chars:,} (raise data.max_prompt_tokens or drop the row)")
         except (ValueError, TypeError) as exc:
             msg = str(exc) if isinstance(exc, DatasetError) else f"{loc}: {exc}"
             if on_error == "raise":
@@ -316,22 +364,69 @@ def load_examples(path: str, task: str, *, source: Optional[str] = None, prompt_
             src = str(_get(row, source_field) or default_src)
         elif source is None and isinstance(row.get("data_source"), str) and row["data_source"]:
             src = row["data_source"]
+        elif source is None and isinstance(ex.get("source"), str) and ex["source"]:
+            src = ex["source"]  # kept from the row (generic tasks)
         else:
             src = default_src
         if id_field:
             rid = _get(row, id_field)
         else:
             _, rid = _first(row, ID_FIELDS)
+        if rid is not None and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
+            msg = f"{loc}: id holds a {type(rid).__name__} ({_short(rid)}), expected text or an integer"
+            if on_error == "raise":
+                raise DatasetError(msg)
+            summary.skipped += 1
+            summary.errors.append(msg)
+            continue
         rid = f"{src}-{i}" if rid is None else str(rid)
         n = seen.get((src, rid), 0)
         seen[(src, rid)] = n + 1
         if n:
+            if duplicate_ids == "error":
+                raise DatasetError(
+                    f"{loc}: duplicate id {rid!r} (source {src!r}), first at {first_loc[(src, rid)]}. Ids must be "
+                    f"unique (prompts are cached by id); fix the data or rename duplicates explicitly with "
+                    f"data.duplicate_ids=rename (eval: --duplicate-ids rename)")
             rid = f"{rid}#{n}"
             summary.renamed_ids += 1
+        else:
+            first_loc[(src, rid)] = loc
         ex["source"] = src
         ex["id"] = rid
+        summary.locations[rid] = loc
         examples.append(ex)
     summary.loaded = len(examples)
     if summary.skipped:
         logger.warning("%s", summary)
     return examples, summary
+
+
+# --------------------------------------------------------------------------- prompts
+def render_example(task, tokenizer, example: Dict[str, Any], prompt_template: Optional[str] = None,
+                   system_prompt: Optional[str] = None) -> str:
+    """The model's prompt text for one normalised example, the same in train, presample and eval.
+
+    Without options this is ``task.render_prompt(example, tokenizer)`` (the task's own template;
+    chat messages go through the tokenizer's chat template). ``prompt_template`` replaces the
+    task's user message by the template with ``{prompt}`` (the example's question text) filled
+    in (other braces are left alone, so LaTeX is safe); ``system_prompt`` replaces the task's
+    system message (``""`` removes it). With either option the messages go through the
+    tokenizer's chat template when it has one, else they are joined as plain text.
+    """
+    if prompt_template is None and system_prompt is None:
+        return task.render_prompt(example, tokenizer)
+    from .base import render_prompt
+
+    own = task.prompt(example)
+    msgs = [{"role": "user", "content": own}] if isinstance(own, str) else [dict(m) for m in own]
+    system = [m for m in msgs if m.get("role") == "system"]
+    users = [m for m in msgs if m.get("role") != "system"]
+    if prompt_template is not None:
+        if "{prompt}" not in prompt_template:
+            raise ValueError("data.prompt_template must contain {prompt} (where the question goes), got "
+                             f"{prompt_template!r}")
+        users = [{"role": "user", "content": prompt_template.replace("{prompt}", str(example["prompt"]))}]
+    if system_prompt is not None:
+        system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return render_prompt(system + users, tokenizer)

@@ -103,7 +103,11 @@ def build_tiny_experiment(root: str, *, n_prompts: int = 8, seed: int = 0) -> Ti
     with open(data, "w") as fh:
         for p in _problems(random.Random(seed + 1), n_prompts):
             fh.write(json.dumps(p) + "\n")
-    return TinyExperiment(root, model, data, {"TINY_MODEL": model, "DATA_DIR": os.path.dirname(data)})
+    # The tiny model answers with a bare number: the math reward's lenient extraction. Set only in
+    # the submitting environment (never on the Ray head), so rewards > 0 also show that task
+    # variables travel with the job to the vLLM actors that score.
+    env = {"TINY_MODEL": model, "DATA_DIR": os.path.dirname(data), "OPENRLHF_DIV_MATH_EXTRACT": "lenient"}
+    return TinyExperiment(root, model, data, env)
 
 
 # ------------------------------------------------------------------ a private Ray head
@@ -144,6 +148,9 @@ class RayHead:
             "TOKENIZERS_PARALLELISM": "false",
         })
         env.pop("RAY_ADDRESS", None)
+        for k in [k for k in env if k.startswith("OPENRLHF_DIV_") and k not in ("OPENRLHF_DIV_CPU_SEAMS",
+                                                                             "OPENRLHF_DIV_E2E_PROBE")]:
+            env.pop(k)  # task variables must reach the workers through the job, not the raylet
         env.update(self.extra_env)
         return env
 

@@ -42,8 +42,23 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train: Optional[str] = _f(None, "JSONL of training examples {prompt, label, source, id}.")
-    eval: Optional[str] = _f(None, "JSONL of held-out examples for periodic pass@k (null: no evaluation).")
+    train: Optional[str] = _f(None, "Training examples: a .jsonl / .json / .parquet file or a `save_to_disk` folder "
+                                    "(the loader `openrlhf-div eval` uses: GSM8K `####`, MATH `\\boxed{}`, "
+                                    "Countdown and BIRD/Spider layouts detected; a row without a label is an error).")
+    eval: Optional[str] = _f(None, "Held-out examples for periodic pass@k, same formats (null: no evaluation).")
+    split: Optional[str] = _f(None, "Split of data.train when it is a DatasetDict folder with several splits.")
+    eval_split: Optional[str] = _f(None, "Split of data.eval when it is a DatasetDict folder with several splits.")
+    prompt_field: Optional[str] = _f(None, "Question field name (dotted for nested) when not a usual one "
+                                           "(prompt, question, problem, ...).")
+    label_field: Optional[str] = _f(None, "Answer/label field name (dotted for nested) when not a usual one.")
+    id_field: Optional[str] = _f(None, "Id field name (default: id, idx, unique_id, ...; else the row number).")
+    duplicate_ids: str = _f("error", "A repeated id: `error` (names both lines) or `rename` (id#1, id#2, ...).")
+    prompt_template: Optional[str] = _f(None, "User message with {prompt} where the question goes, replacing the "
+                                              "task's own template (the tokenizer's chat template still applies).")
+    system_prompt: Optional[str] = _f(None, "System message replacing the task's (\"\": none).")
+    max_prompt_tokens: Optional[int] = _f(None, "Longest prompt in tokens; a longer one is an error naming its "
+                                                "file and line (null: the model's context minus the response "
+                                                "length).")
     anchor: Optional[str] = _f(None, "D_pef JSONL from `openrlhf-div presample` (anchor samples with stored base "
                                      "log-probs). Read only when the method needs an anchor batch.")
     presample_dir: Optional[str] = _f(None, "Output directory of `openrlhf-div presample`. For methods that need an "
@@ -81,6 +96,9 @@ class OptimConfig:
     anchor_ratio: float = _f(8.0, "Online samples per D_pef anchor sample in each optimizer step (DPH-RL: "
                                   "128 x 16 : 256 = 8).")
     log_z_lr: Optional[float] = _f(None, "Learning rate of FlowRL's log Z head (null: learning_rate).")
+    stop_after_degenerate_steps: int = _f(10, "Stop the run after this many consecutive steps in which every group's "
+                                              "rewards were equal (all truncated / all 0: zero advantages, nothing "
+                                              "learned); 0: never stop.")
 
 
 @dataclass
@@ -98,6 +116,9 @@ class EvalConfig:
 class CheckpointConfig:
     every: int = _f(50, "Write a checkpoint every N steps (0: only at the end and on Ctrl-C).")
     keep: int = _f(2, "Checkpoints kept (older ones are deleted).")
+    max_weight_growth: float = _f(100.0, "Stop the run (before checkpointing) when the weights' global L2 norm "
+                                         "exceeds this multiple of its value at the start or resume of the run "
+                                         "(exploding weights); non-finite weights always stop it. 0: finiteness only.")
 
 
 @dataclass
@@ -112,6 +133,9 @@ class PresampleConfig:
     n_pre: int = _f(8, "Responses sampled per training prompt from the base policy.")
     tau: Optional[int] = _f(None, "Near-perfect threshold: #correct >= tau (null: n_pre).")
     drop_unsolved: bool = _f(False, "Drop prompts with 0 correct from D_exp (the paper does for math).")
+    resample_anchor_responses: bool = _f(False, "Draw each near-perfect prompt's anchor response afresh (one "
+                                                "sample, kept only if correct) instead of reusing its first "
+                                                "correct pre-sample, as seamoke/DPH-RL's generate_sft pass does.")
     chunk_size: int = _f(32, "Prompts per resumable chunk.")
     output_dir: Optional[str] = _f(None, "Where d_pef.jsonl, d_exp.jsonl and summary.json go "
                                          "(null: OUTPUT_DIR/presample).")
@@ -174,11 +198,27 @@ class TrainConfig:
             raise ConfigError(f"rollout.temperature must be >= 0, got {r.temperature}")
         if o.anchor_ratio <= 0:
             raise ConfigError(f"optim.anchor_ratio must be > 0, got {o.anchor_ratio}")
+        if self.data.duplicate_ids not in ("error", "rename"):
+            raise ConfigError(f"data.duplicate_ids must be error or rename, got {self.data.duplicate_ids!r}")
+        if self.data.prompt_template is not None and "{prompt}" not in str(self.data.prompt_template):
+            raise ConfigError(f"data.prompt_template must contain {{prompt}}, got {self.data.prompt_template!r}")
+        if self.data.max_prompt_tokens is not None and int(self.data.max_prompt_tokens) < 1:
+            raise ConfigError(f"data.max_prompt_tokens must be >= 1, got {self.data.max_prompt_tokens}")
         if self.model.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"model.dtype must be float32, bfloat16 or float16, got {self.model.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ConfigError(f"device must be cpu, cuda[:N] or auto, got {self.device!r}")
-        self.build_method()  # validates method.name and its hyperparameters
+        method = self.build_method()  # validates method.name and its hyperparameters
+        from .guards import check_group_size
+
+        err = check_group_size(method, r.group_size)
+        if err:
+            raise ConfigError(err)
+        if method.aggregation == "micro-batch-token-mean":
+            k = int(method.hparams["micro_batch_seqs"])
+            if o.micro_batch_size % k:
+                raise ConfigError(f"aggregation micro-batch-token-mean groups micro_batch_seqs={k} sequences: "
+                                  f"optim.micro_batch_size ({o.micro_batch_size}) must be a multiple of it")
         return self
 
 

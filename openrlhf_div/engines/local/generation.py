@@ -28,6 +28,9 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ...algorithms.logprobs import log_probs_from_hidden
+from ..lm_head import lm_head_returns_hidden
+
 
 # ----------------------------------------------------------------------------- packing
 def pack_sequences(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_id: int,
@@ -73,8 +76,10 @@ def response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     the previous position predict token ``t``), ``H_t = -sum_v p_v log p_v`` over the full
     vocabulary of the same tempered distribution, and optionally the mean-pooled last-layer
     hidden states of the prompt tokens (for FlowRL's log Z head). Only the last ``R + 1``
-    positions go through the LM head. ``return_entropy="detached"`` computes the entropy
-    without building its graph (for logging only).
+    positions reach the LM head, and never as ``[N, R, V]`` logits: the model's head is bypassed
+    (:func:`~openrlhf_div.engines.lm_head.lm_head_returns_hidden`) and log-probs and entropy come
+    from :func:`~openrlhf_div.algorithms.log_probs_from_hidden`, chunk by chunk, in float32.
+    ``return_entropy="detached"`` returns the entropy without a gradient (for logging only).
     """
     R = response_mask.shape[1]
     if R == 0:
@@ -84,22 +89,17 @@ def response_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
         raise ValueError(f"response_forward: input_ids has {input_ids.shape[1]} columns, fewer than "
                          f"response_mask's {R} + 1 prompt token")
     T = float(temperature) if temperature and temperature > 0 else 1.0
-    out = model(input_ids=input_ids, attention_mask=attention_mask,
-                position_ids=position_ids_from_mask(attention_mask), use_cache=False,
-                logits_to_keep=R + 1, output_hidden_states=return_prompt_hidden)
-    logits = out.logits[:, :-1, :].float()
-    if T != 1.0:
-        logits = logits / T
-    logp_all = torch.log_softmax(logits, dim=-1)
+    with lm_head_returns_hidden(model) as head:  # out.logits: the last R + 1 hidden states, no logits
+        out = model(input_ids=input_ids, attention_mask=attention_mask,
+                    position_ids=position_ids_from_mask(attention_mask), use_cache=False,
+                    logits_to_keep=R + 1, output_hidden_states=return_prompt_hidden)
     targets = input_ids[:, P:]
-    m = response_mask.to(logp_all.dtype)
-    lp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * m
-    ent = None
-    if return_entropy == "detached":
-        with torch.no_grad():
-            ent = -(logp_all.exp() * logp_all).sum(-1) * m
-    elif return_entropy:
-        ent = -(logp_all.exp() * logp_all).sum(-1) * m
+    m = response_mask.to(torch.float32)
+    lp, ent = log_probs_from_hidden(out.logits[:, :-1, :], head.weight, targets, bias=head.bias, temperature=T,
+                                    return_entropy=bool(return_entropy))
+    lp = lp * m
+    if ent is not None:
+        ent = (ent.detach() if return_entropy == "detached" else ent) * m
     hid = None
     if return_prompt_hidden:
         h = out.hidden_states[-1][:, :P, :].float()
@@ -157,10 +157,13 @@ def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def encode_prompts(tokenizer, prompts: Sequence[Union[str, Sequence[int]]]) -> List[List[int]]:
-    """Token ids of each prompt (strings are encoded without extra special tokens)."""
+    """Token ids of each prompt (strings: :func:`.tokens.encode_text`, no special tokens but
+    the BOS when the tokenizer adds one and the text lacks it)."""
+    from .tokens import encode_text
+
     out = []
     for i, p in enumerate(prompts):
-        ids = tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else [int(t) for t in p]
+        ids = encode_text(tokenizer, p) if isinstance(p, str) else [int(t) for t in p]
         if not ids:
             raise ValueError(f"prompt {i} encodes to no tokens: {p!r}")
         out.append(list(ids))
@@ -177,7 +180,8 @@ def generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]], *, 
     A hand-written loop: one prefill of the left-padded prompts, then one single-token
     forward per step through a KV cache (:mod:`.fastgen`: a lean decoder for Qwen2/Llama
     models, HF's ``DynamicCache`` path otherwise or with ``fast=False``); a row stops at
-    ``<eos>`` or after ``max_new_tokens``, and the loop ends when every row has stopped.
+    any stop id (:func:`.tokens.stop_token_ids`: every ``generation_config.eos_token_id`` and the
+    tokenizer's EOS) or after ``max_new_tokens``, and the loop ends when every row has stopped.
     Finished rows keep feeding ``<pad>`` with attention 0, exactly as the training forward
     sees them. Randomness comes only from ``generator`` (``torch.multinomial``), so a seeded
     generator reproduces the samples. ``batch_size`` splits very large requests into chunks.
@@ -200,8 +204,12 @@ def generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]], *, 
 def _generate_rows(model, tokenizer, rows, max_new_tokens, temperature, top_p, generator, fast=None) -> GenerationOutput:
     from .fastgen import make_decoder
 
+    from .tokens import ensure_pad_token, stop_token_ids
+
     device = next(model.parameters()).device
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    ensure_pad_token(tokenizer)
+    pad_id = tokenizer.pad_token_id
+    stop_ids = torch.tensor(stop_token_ids(model, tokenizer), dtype=torch.long, device=device)
     ids, attn, _ = pack_sequences(rows, [[] for _ in rows], pad_id, device)
     prompt_attn = attn
     n = ids.shape[0]
@@ -230,7 +238,7 @@ def _generate_rows(model, tokenizer, rows, max_new_tokens, temperature, top_p, g
         toks.append(tok)
         lps.append(logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1) * live)
         alive.append(live)
-        done = done | (tok == eos_id)
+        done = done | torch.isin(tok, stop_ids)
         if bool(done.all()) or step == max_new_tokens - 1:
             break
         attn = torch.cat([attn, live.long().unsqueeze(-1)], dim=-1)

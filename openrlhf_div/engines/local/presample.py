@@ -11,17 +11,21 @@ rollout temperature and score them with the task. A prompt is *near-perfect* whe
   and ``n_correct``.
 * ``d_exp.jsonl``: the other examples, each with ``n_correct`` / ``n_pre`` added; with
   ``drop_unsolved`` the prompts with 0 correct are left out.
+* ``resample_anchor_responses`` (the authors' code, seamoke/DPH-RL ``generate_sft``): the anchor
+  response of a near-perfect prompt is one *fresh* sample (its own seeded draw), kept only if
+  correct -- a near-perfect prompt whose fresh sample fails has no anchor (and is not in
+  ``D_exp`` either, as in the authors' split).
 * ``summary.json``: the split's counts, the ``#correct`` histogram and the settings.
 
 Resumable: prompts are processed in chunks of ``chunk_size``; each finished chunk is
-written atomically to ``shards/chunk_NNNNNN.json`` and skipped on restart. Chunk ``c``
+written atomically to ``shards/chunk_NNNNNN.json`` and skipped on restart (a chunk file that
+is truncated or unreadable is named in a warning and recomputed). Chunk ``c``
 samples with a generator seeded from ``(seed, c)`` only, so an interrupted and resumed
 run writes byte-identical files to an uninterrupted one. The final files are assembled
 from the shards (in order) when every chunk is done.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -32,19 +36,21 @@ import numpy as np
 import torch
 
 from .config import TrainConfig
-from .data import load_examples, render_prompt, write_jsonl_atomic
-from .generation import encode_prompts, generate, pack_sequences, sequence_log_probs
+from .data import (data_fingerprint, example_key, load_task_examples, max_prompt_tokens, prepare_prompts,
+                   write_jsonl_atomic)
+from .generation import generate, pack_sequences, sequence_log_probs
 
 
-def chunk_seed(seed: int, chunk: int) -> int:
-    """The sampling seed of chunk ``chunk``: a function of ``(seed, chunk)`` only."""
-    return int(np.random.SeedSequence([int(seed), int(chunk)]).generate_state(1, dtype=np.uint64)[0] % (2**63))
+def chunk_seed(seed: int, chunk: int, stream: int = 0) -> int:
+    """The sampling seed of chunk ``chunk``: a function of ``(seed, chunk)`` only (``stream`` 1:
+    the fresh anchor draws of ``resample_anchor_responses``)."""
+    key = [int(seed), int(chunk)] + ([int(stream)] if stream else [])
+    return int(np.random.SeedSequence(key).generate_state(1, dtype=np.uint64)[0] % (2**63))
 
 
 def _settings(cfg: TrainConfig, train_path: str, n_examples: int) -> Dict[str, Any]:
     p, r = cfg.presample, cfg.rollout
-    with open(train_path, "rb") as f:
-        data_sha = hashlib.sha256(f.read()).hexdigest()[:16]
+    data_sha = data_fingerprint(train_path)
     return {"n_pre": p.n_pre, "tau": p.tau if p.tau is not None else p.n_pre, "drop_unsolved": bool(p.drop_unsolved),
             "chunk_size": p.chunk_size, "seed": cfg.seed, "temperature": r.temperature, "top_p": r.top_p,
             "max_new_tokens": p.max_new_tokens or r.max_new_tokens, "task": cfg.task,
@@ -52,7 +58,31 @@ def _settings(cfg: TrainConfig, train_path: str, n_examples: int) -> Dict[str, A
                 "tiny_vocab": cfg.model.tiny_vocab, "hidden": cfg.model.tiny_hidden_size,
                 "layers": cfg.model.tiny_layers, "heads": cfg.model.tiny_heads, "kv_heads": cfg.model.tiny_kv_heads,
                 "init_seed": cfg.seed if cfg.model.init_seed is None else cfg.model.init_seed},
-            "data": os.path.abspath(train_path), "data_sha256_16": data_sha, "n_examples": n_examples}
+            "data": os.path.abspath(train_path), "data_sha256_16": data_sha, "n_examples": n_examples,
+            # only when on, so runs started before the option existed still resume
+            **({"resample_anchor_responses": True} if p.resample_anchor_responses else {})}
+
+
+_CHUNK_KEYS = ("chunk", "pef", "exp", "n_correct")
+
+
+def _read_chunk(path: str) -> Optional[Dict[str, Any]]:
+    """A finished chunk's contents, or None when it is absent. A chunk that is truncated or
+    unreadable (a kill or a full disk; chunks are written atomically, so only outside damage
+    does this) is named, deleted and recomputed."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            res = json.load(f)
+        if not isinstance(res, dict) or any(k not in res for k in _CHUNK_KEYS):
+            raise ValueError(f"missing keys (expected {', '.join(_CHUNK_KEYS)})")
+        return res
+    except (OSError, ValueError) as exc:
+        print(f"[openrlhf-div] warning: pre-sampling chunk {path} is truncated or unreadable "
+              f"({type(exc).__name__}: {exc}); recomputing it")
+        os.remove(path)
+        return None
 
 
 def _write_json(path: str, obj: Any) -> None:
@@ -66,10 +96,10 @@ def _write_json(path: str, obj: Any) -> None:
 
 @torch.no_grad()
 def _process_chunk(model, tokenizer, task, examples: List[Dict[str, Any]], chunk: int, s: Dict[str, Any],
-                   device) -> Dict[str, Any]:
+                   device, prompts: Dict[Any, List[int]], prompt_texts: Dict[Any, str]) -> Dict[str, Any]:
     n_pre, tau = s["n_pre"], s["tau"]
-    texts = [render_prompt(task, tokenizer, ex) for ex in examples]
-    prompt_ids = encode_prompts(tokenizer, texts)
+    prompt_ids = [prompts[example_key(ex)] for ex in examples]
+    texts = [prompt_texts[example_key(ex)] for ex in examples]
     gen = torch.Generator(device=device).manual_seed(chunk_seed(s["seed"], chunk))
     out = generate(model, tokenizer, prompt_ids, n_samples=n_pre, max_new_tokens=s["max_new_tokens"],
                    temperature=s["temperature"], top_p=s["top_p"], generator=gen)
@@ -85,18 +115,45 @@ def _process_chunk(model, tokenizer, task, examples: List[Dict[str, Any]], chunk
             chosen.append((i, i * n_pre + correct.index(True), c))
         elif not (s["drop_unsolved"] and c == 0):
             exp.append({**ex, "n_correct": c, "n_pre": n_pre})
+    texts_of = out.texts
+    extra: Dict[str, Any] = {}
+    if chosen and s.get("resample_anchor_responses"):
+        n_near_perfect = len(chosen)
+        chosen, fresh_texts, fresh_ids = _resample_anchors(model, tokenizer, task, examples, prompt_ids, chosen,
+                                                           chunk, s, device)
+        texts_of = dict(zip((j for _, j, _ in chosen), fresh_texts))
+        r_ids = fresh_ids
+        extra["n_resample_failed"] = n_near_perfect - len(chosen)
+    else:
+        r_ids = [out.response_ids[j] for _, j, _ in chosen]
     if chosen:
         p_ids = [prompt_ids[i] for i, _, _ in chosen]
-        r_ids = [out.response_ids[j] for _, j, _ in chosen]
         ids, attn, rmask = pack_sequences(p_ids, r_ids, tokenizer.pad_token_id, device)
         ref = sequence_log_probs(model, ids, attn, rmask, temperature=s["temperature"]).float().cpu()
         for k, (i, j, c) in enumerate(chosen):
             n = len(r_ids[k])
-            pef.append({**examples[i], "prompt_text": texts[i], "response": out.texts[j],
+            pef.append({**examples[i], "prompt_text": texts[i], "response": texts_of[j],
                         "prompt_ids": p_ids[k], "response_ids": r_ids[k],
                         "ref_log_probs": [float(x) for x in ref[k, :n].tolist()],
                         "n_correct": c, "n_pre": n_pre})
-    return {"chunk": chunk, "pef": pef, "exp": exp, "n_correct": n_correct_all}
+    return {"chunk": chunk, "pef": pef, "exp": exp, "n_correct": n_correct_all, **extra}
+
+
+def _resample_anchors(model, tokenizer, task, examples, prompt_ids, chosen, chunk: int, s: Dict[str, Any], device):
+    """One fresh sample per near-perfect prompt (seeded from ``(seed, chunk, 1)``), kept if correct.
+    Returns the kept ``chosen`` entries (``j`` re-indexed to the fresh draw), texts and ids."""
+    gen = torch.Generator(device=device).manual_seed(chunk_seed(s["seed"], chunk, stream=1))
+    fresh = generate(model, tokenizer, [prompt_ids[i] for i, _, _ in chosen], n_samples=1,
+                     max_new_tokens=s["max_new_tokens"], temperature=s["temperature"], top_p=s["top_p"],
+                     generator=gen)
+    ok = task.reward_results(fresh.texts, [examples[i].get("label") for i, _, _ in chosen])
+    kept, texts, ids = [], [], []
+    for k, ((i, _, c), res) in enumerate(zip(chosen, ok)):
+        if bool(res.correct):
+            kept.append((i, k, c))
+            texts.append(fresh.texts[k])
+            ids.append(fresh.response_ids[k])
+    return kept, texts, ids
 
 
 def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: bool = False,
@@ -114,8 +171,10 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
     out_dir = os.path.abspath(output_dir or cfg.presample.output_dir or os.path.join(cfg.output_dir, "presample"))
     if cfg.data.train is None:
         raise ValueError("presample needs data.train (the JSONL of training examples to split)")
-    examples = load_examples(cfg.data.train)
+    examples, data_summary = load_task_examples(cfg, cfg.data.train, split=cfg.data.split)
     s = _settings(cfg, cfg.data.train, len(examples))
+    s.update({k: getattr(cfg.data, k) for k in ("split", "prompt_field", "label_field", "id_field",
+                                                 "prompt_template", "system_prompt") if getattr(cfg.data, k)})
     if not 1 <= s["tau"] <= s["n_pre"]:
         raise ValueError(f"presample.tau must be in [1, n_pre={s['n_pre']}], got {s['tau']}")
     shard_dir = os.path.join(out_dir, "shards")
@@ -137,9 +196,17 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
     task = get_task(cfg.task, **(cfg.task_options or {}))
     model, tokenizer = build_policy(cfg, device)
     model.eval()
+    prompt_texts: Dict[Any, str] = {}
+    prompts = prepare_prompts(task, tokenizer, examples, data_summary, cfg.data,
+                              max_prompt_tokens(cfg, model, s["max_new_tokens"]), texts_out=prompt_texts)
     C = s["chunk_size"]
     n_chunks = (len(examples) + C - 1) // C
-    done = {c for c in range(n_chunks) if os.path.exists(os.path.join(shard_dir, f"chunk_{c:06d}.json"))}
+    loaded: Dict[int, Dict[str, Any]] = {}
+    for c in range(n_chunks):
+        res = _read_chunk(os.path.join(shard_dir, f"chunk_{c:06d}.json"))
+        if res is not None:
+            loaded[c] = res
+    done = set(loaded)
     todo = [c for c in range(n_chunks) if c not in done]
     if max_new_chunks is not None:
         todo = todo[:max(0, int(max_new_chunks))]
@@ -148,8 +215,9 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
                disable=not progress, dynamic_ncols=True)
     for c in todo:
         part = examples[c * C:(c + 1) * C]
-        res = _process_chunk(model, tokenizer, task, part, c, s, device)
+        res = _process_chunk(model, tokenizer, task, part, c, s, device, prompts, prompt_texts)
         _write_json(os.path.join(shard_dir, f"chunk_{c:06d}.json"), res)
+        loaded[c] = json.loads(json.dumps(res))  # what a later reader of the file would see
         done.add(c)
         bar.update(len(part))
     bar.close()
@@ -157,9 +225,10 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
         return {"complete": False, "chunks_done": len(done), "chunks_total": n_chunks, "output_dir": out_dir}
 
     pef, exp, hist = [], [], [0] * (s["n_pre"] + 1)
+    n_resample_failed = 0
     for c in range(n_chunks):
-        with open(os.path.join(shard_dir, f"chunk_{c:06d}.json"), encoding="utf-8") as f:
-            res = json.load(f)
+        res = loaded[c]
+        n_resample_failed += int(res.get("n_resample_failed", 0))
         pef += res["pef"]
         exp += res["exp"]
         for k in res["n_correct"]:
@@ -168,6 +237,7 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
     write_jsonl_atomic(os.path.join(out_dir, "d_exp.jsonl"), exp)
     summary = {"complete": True, "n_prompts": len(examples), "n_pef": len(pef), "n_exp": len(exp),
                "n_dropped_unsolved": hist[0] if s["drop_unsolved"] else 0,
+               **({"n_resample_failed": n_resample_failed} if s.get("resample_anchor_responses") else {}),
                "correct_histogram": hist, "mean_correct_rate": float(
                    sum(k * v for k, v in enumerate(hist)) / max(1, s["n_pre"] * len(examples))),
                **{k: v for k, v in s.items() if k not in ("n_examples",)}, "output_dir": out_dir}
@@ -190,4 +260,7 @@ def format_summary(s: Dict[str, Any]) -> str:
         "  #correct histogram: " + " ".join(f"{k}:{v}" for k, v in enumerate(s["correct_histogram"])),
         f"  files: {s['output_dir']}/d_pef.jsonl, d_exp.jsonl, summary.json",
     ]
+    if s.get("resample_anchor_responses"):
+        lines.insert(2, f"  anchor responses drawn afresh (n=1, kept if correct): {s['n_resample_failed']} "
+                        "near-perfect prompt(s) lost their anchor")
     return "\n".join(lines)

@@ -153,18 +153,9 @@ def save_model(model, tokenizer, path: str) -> str:
 
 
 def load_model(path: str, dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu"):
-    """``(model, tokenizer)`` from a directory written by :func:`save_model` (or any HF causal
-    LM directory with a ``tokenizer.json``). The tokenizer pads on the left."""
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    """``(model, tokenizer)`` from a directory written by :func:`save_model`, any Hugging Face
+    causal LM folder, a ``.gguf`` file or a Hub id in the local cache
+    (:func:`openrlhf_div.engines.local.models.load_pretrained`). The tokenizer pads on the left."""
+    from .models import load_pretrained
 
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"model directory {path!r} does not exist (build one with "
-                                f"openrlhf_div.engines.local.tiny.build_tiny_model + save_model)")
-    # Not AutoTokenizer: transformers 5 maps a Qwen2 config to Qwen2Tokenizer, which swaps in
-    # Qwen's own pre-tokenizer (it drops our spaces). The generic fast class keeps tokenizer.json.
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
-    tokenizer.padding_side = "left"
-    with quiet_hf_progress():
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
-    model.to(device)
-    return model, tokenizer
+    return load_pretrained(path, dtype=dtype, device=device)

@@ -61,11 +61,12 @@ import numpy as np
 import torch
 
 from openrlhf_div.algorithms import AnchorInputs, LossInputs
-from openrlhf_div.algorithms.heads import LogZHead
+from openrlhf_div.algorithms.heads import make_log_z_head
 from openrlhf_div.algorithms._utils import masked_mean
 
 from .config import TrainConfig, dump_config, load_config
-from .data import Cursor, load_anchor_samples, load_examples, render_prompt
+from .data import (Cursor, example_key, load_anchor_samples, load_task_examples, max_prompt_tokens, prepare_prompts,
+                   render_prompt)
 from .generation import (
     encode_prompts,
     generate,
@@ -73,6 +74,8 @@ from .generation import (
     response_forward,
     sequence_log_probs,
 )
+from .checkpoint import (CorruptCheckpointError, NonFiniteWeightsError, check_weights, read_jsonl_rows,  # noqa: F401
+                         resume_checkpoint, weight_norm, write_manifest)
 from .tiny import _atomic_dir_write, build_tiny_model, load_model, save_model
 from openrlhf_div.io import atomic_write_json, atomic_write_text
 
@@ -81,6 +84,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class NonFiniteLossError(RuntimeError):
     """The loss (or gradient norm) became NaN/inf; the run stopped before the optimizer step."""
+
+
+from .guards import (DegenerateMonitor, DegenerateRunError, EmptyAnchorError,  # noqa: E402,F401 (CLI uses them)
+                     degenerate_stats, empty_anchor_message)
 
 
 # =============================================================================== helpers
@@ -147,7 +154,7 @@ def build_policy(cfg: TrainConfig, device: torch.device, path: Optional[str] = N
 def evaluate_pass_at_k(model, tokenizer, task, examples: Sequence[Dict[str, Any]], *, n_samples: int = 8,
                        ks: Sequence[int] = (1, 4, 8), temperature: float = 1.0, top_p: float = 1.0,
                        max_new_tokens: int = 16, seed: int = 0, batch_size: Optional[int] = 512,
-                       return_samples: bool = False) -> Dict[str, Any]:
+                       return_samples: bool = False, data_cfg=None) -> Dict[str, Any]:
     """Unbiased pass@k over ``examples`` (``n_samples`` each): ``mean_x 1 - C(n-c,k)/C(n,k)``
     with ``c`` the task-correct samples of prompt ``x`` (:func:`openrlhf_div.eval.pass_at_k`).
 
@@ -158,7 +165,7 @@ def evaluate_pass_at_k(model, tokenizer, task, examples: Sequence[Dict[str, Any]
     from openrlhf_div.eval import pass_at_k
 
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(int(seed))
-    prompts = [render_prompt(task, tokenizer, ex) for ex in examples]
+    prompts = [render_prompt(task, tokenizer, ex, data_cfg) for ex in examples]
     out = generate(model, tokenizer, prompts, n_samples=n_samples, max_new_tokens=max_new_tokens,
                    temperature=temperature, top_p=top_p, generator=gen, batch_size=batch_size)
     per_prompt, samples, rewards = [], [], []
@@ -267,7 +274,8 @@ class Trainer:
         np.random.seed(cfg.seed % 2**32)
         torch.manual_seed(cfg.seed)
 
-        ckpt = self.latest_checkpoint() if resume_dir else None
+        # the latest checkpoint that verifies against its manifest (a corrupt one: warned, previous used)
+        ckpt = resume_checkpoint(self.checkpoint_dir()) if resume_dir else None
         if resume_dir and ckpt is None:
             raise FileNotFoundError(f"--resume {resume_dir}: no checkpoint found under {resume_dir}/checkpoints")
         if not resume_dir and os.path.isdir(os.path.join(self.run_dir, "checkpoints")):
@@ -284,7 +292,8 @@ class Trainer:
         self.log_z_head = None
         params = [{"params": [p for p in self.model.parameters() if p.requires_grad]}]
         if self.needs.prompt_hidden:
-            self.log_z_head = LogZHead(self.model.config.hidden_size).to(self.device)
+            self.log_z_head = make_log_z_head(self.method.hparams.get("log_z_head", "small_detached"),
+                                              self.model.config.hidden_size).to(self.device)
             params.append({"params": list(self.log_z_head.parameters()),
                            "lr": cfg.optim.log_z_lr or cfg.optim.learning_rate})
         o = cfg.optim
@@ -293,19 +302,31 @@ class Trainer:
 
         # ---- data
         train_path, anchor_path = self._data_paths()
-        self.train_examples = load_examples(train_path)
-        self.eval_examples = load_examples(cfg.data.eval) if cfg.data.eval else []
-        if cfg.eval.max_prompts is not None:
-            self.eval_examples = self.eval_examples[:cfg.eval.max_prompts]
+        from_presample = train_path != cfg.data.train  # D_exp: rows already normalised by presample
+        max_tok = max_prompt_tokens(cfg, self.model, cfg.rollout.max_new_tokens)
+        max_chars = max_tok * 64 if max_tok else None
+        self.train_examples, train_summary = load_task_examples(
+            cfg, train_path, split=None if from_presample else cfg.data.split, normalized=from_presample,
+            max_prompt_chars=max_chars)
+        self._prompt_cache = prepare_prompts(self.task, self.tokenizer, self.train_examples, train_summary, cfg.data,
+                                             max_tok)
+        self.eval_examples = []
+        if cfg.data.eval:
+            self.eval_examples, eval_summary = load_task_examples(cfg, cfg.data.eval, split=cfg.data.eval_split,
+                                                                  max_prompt_chars=max_chars)
+            if cfg.eval.max_prompts is not None:
+                self.eval_examples = self.eval_examples[:cfg.eval.max_prompts]
+            eval_tok = max_prompt_tokens(cfg, self.model, cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)
+            prepare_prompts(self.task, self.tokenizer, self.eval_examples, eval_summary, cfg.data, eval_tok)
         self.prompt_cursor = Cursor(self.train_examples, seed=cfg.seed)
         self.anchor_cursor = None
         self.anchor_samples: List[Dict[str, Any]] = []
         if self.needs.anchor_batch:
             self.anchor_samples = load_anchor_samples(anchor_path)
             self._check_anchor_temperature(anchor_path)
-            if self.anchor_samples:
-                self.anchor_cursor = Cursor(self.anchor_samples, seed=cfg.seed + 1)
-        self._prompt_cache: Dict[str, List[int]] = {}
+            if not self.anchor_samples:
+                raise EmptyAnchorError(empty_anchor_message(self.method.name, anchor_path))
+            self.anchor_cursor = Cursor(self.anchor_samples, seed=cfg.seed + 1)
 
         # ---- random streams (all checkpointed)
         self.gen_rng = torch.Generator(device=self.device).manual_seed(cfg.seed)
@@ -313,8 +334,11 @@ class Trainer:
         self.step = 0
         if ckpt:
             self._load_checkpoint(ckpt)
+        # reference for the exploding-weights check after every optimizer step
+        self._start_weight_norm = weight_norm(self._checked_params())
         self._interrupted = False
         self._tb = None
+        self._degenerate = DegenerateMonitor(cfg.optim.stop_after_degenerate_steps)
 
     # ------------------------------------------------------------------ data plumbing
     def _data_paths(self):
@@ -342,9 +366,9 @@ class Trainer:
                                  f"is {self.cfg.rollout.temperature}; re-run presample at the rollout temperature")
 
     def prompt_ids(self, example: Dict[str, Any]) -> List[int]:
-        key = example["id"]
+        key = example_key(example)
         if key not in self._prompt_cache:
-            text = render_prompt(self.task, self.tokenizer, example)
+            text = render_prompt(self.task, self.tokenizer, example, self.cfg.data)
             self._prompt_cache[key] = encode_prompts(self.tokenizer, [text])[0]
         return self._prompt_cache[key]
 
@@ -405,6 +429,7 @@ class Trainer:
                  "response_length": float(torch.cat(all_lengths).mean()),
                  "truncated_frac": 1.0 - float(torch.cat(all_finished).mean()),
                  "kept_groups": float(len(kept)), "generation_rounds": float(tries), "time_generate": t_gen}
+        stats.update(degenerate_stats(rewards_all, torch.cat(all_finished), G))
         if not kept:
             return None, stats
 
@@ -446,12 +471,14 @@ class Trainer:
                 n_on_tok = float(exp.mask[rows].sum())
                 n_anc_tok = float(sum(len(a["response_ids"]) for a in anchors))
                 n_micro = max(1, math.ceil(len(rows) / o.micro_batch_size))
+                anchor_parts = self._anchor_parts(anchors, n_micro)
                 self.optimizer.zero_grad(set_to_none=True)
                 for k in range(n_micro):
                     m_rows = rows[k * o.micro_batch_size:(k + 1) * o.micro_batch_size]
-                    m_anchors = anchors[k::n_micro]
+                    m_anchors = anchor_parts[k]
                     loss, metrics = self.micro_step(exp, m_rows, m_anchors, n_on_tok, n_anc_tok, float(len(rows)),
-                                                    where=dict(epoch=epoch, mini_batch=mb_i, micro_batch=k))
+                                                    where=dict(epoch=epoch, mini_batch=mb_i, micro_batch=k),
+                                                    num_anchor_seqs=float(len(anchors)))
                     loss.backward()
                     for key, val in metrics.items():
                         # loss parts are already divided by the step's global counts: they add up
@@ -466,6 +493,7 @@ class Trainer:
                 if not math.isfinite(grad_norm):
                     raise NonFiniteLossError(self._nonfinite_msg("gradient norm", grad_norm, epoch, mb_i, None))
                 self.optimizer.step()
+                self._check_weights(f"at step {self.step + 1} (epoch {epoch}, mini-batch {mb_i})")
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm
                 counts["grad_norm"] = counts.get("grad_norm", 0) + 1
                 n_opt += 1
@@ -479,8 +507,19 @@ class Trainer:
         out["optimizer_steps"] = float(n_opt)
         return out
 
+    def _anchor_parts(self, anchors: List[Dict[str, Any]], n_micro: int) -> List[List[Dict[str, Any]]]:
+        """The step's anchors per micro-batch: round-robin, or, for ``micro-batch-token-mean``,
+        contiguous blocks of whole ``micro_batch_seqs`` groups (the authors' anchor micro-batches)."""
+        if self.method.aggregation != "micro-batch-token-mean":
+            return [anchors[k::n_micro] for k in range(n_micro)]
+        k = int(self.method.hparams["micro_batch_seqs"])
+        groups = [anchors[i:i + k] for i in range(0, len(anchors), k)]
+        per = math.ceil(len(groups) / n_micro) if groups else 0
+        return [[a for g in groups[j * per:(j + 1) * per] for a in g] for j in range(n_micro)]
+
     def micro_step(self, exp: Experience, rows: List[int], anchors: List[Dict[str, Any]], num_online_tokens: float,
-                   num_anchor_tokens: float, num_online_seqs: float, where: Dict[str, int]):
+                   num_anchor_tokens: float, num_online_seqs: float, where: Dict[str, int],
+                   num_anchor_seqs: Optional[float] = None):
         """One forward over ``rows`` of ``exp`` and ``anchors``; returns ``method.loss(...)``."""
         n_on = len(rows)
         prompt_ids = [exp.prompt_ids[i] for i in rows] + [a["prompt_ids"] for a in anchors]
@@ -507,7 +546,8 @@ class Trainer:
                                   mask=mask[n_on:])
         rng_state = self.train_rng.get_state() if self.hooks else None
         loss, metrics = self.method.loss(online=online, anchor=anchor, num_online_tokens=num_online_tokens,
-                                         num_anchor_tokens=num_anchor_tokens, num_online_seqs=num_online_seqs)
+                                         num_anchor_tokens=num_anchor_tokens, num_online_seqs=num_online_seqs,
+                                         num_anchor_seqs=num_anchor_seqs)
         metrics = dict(metrics)
         if fo.entropy is not None and n_on:
             metrics["entropy"] = float(masked_mean(fo.entropy[:n_on].detach(), mask[:n_on]))
@@ -515,7 +555,8 @@ class Trainer:
             metrics["anchor_samples"] = float(len(anchors))
         for h in self.hooks:
             h(dict(step=self.step + 1, online=online, anchor=anchor, num_online_tokens=num_online_tokens,
-                   num_anchor_tokens=num_anchor_tokens, num_online_seqs=num_online_seqs, loss=loss,
+                   num_anchor_tokens=num_anchor_tokens, num_online_seqs=num_online_seqs,
+                   num_anchor_seqs=num_anchor_seqs, loss=loss,
                    metrics=metrics, rows=list(rows), anchors=anchors, method=self.method, experience=exp,
                    trainer=self, train_rng_state=rng_state, **where))
         if not torch.isfinite(loss):
@@ -556,7 +597,7 @@ class Trainer:
         res = evaluate_pass_at_k(self.model, self.tokenizer, self.task, self.eval_examples, n_samples=e.n_samples,
                                  ks=e.k, temperature=r.temperature if e.temperature is None else e.temperature,
                                  top_p=r.top_p, max_new_tokens=e.max_new_tokens or r.max_new_tokens,
-                                 seed=self.cfg.seed + 12345)
+                                 seed=self.cfg.seed + 12345, data_cfg=self.cfg.data)
         self.model.train()
         res = {"step": self.step, **{k: v for k, v in res.items() if k != "per_prompt"}}
         self._append_jsonl("eval.jsonl", res)
@@ -564,6 +605,15 @@ class Trainer:
         return res
 
     # ------------------------------------------------------------------ checkpoints
+    def _checked_params(self):
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _check_weights(self, where: str) -> float:
+        """Non-finite or exploding weights stop the run before anything is checkpointed
+        (:func:`.checkpoint.check_weights`)."""
+        return check_weights(self._checked_params(), self._start_weight_norm, self.cfg.checkpoint.max_weight_growth,
+                             where, self.latest_checkpoint(), self.run_dir)
+
     def checkpoint_dir(self) -> str:
         return os.path.join(self.run_dir, "checkpoints")
 
@@ -578,7 +628,9 @@ class Trainer:
 
     def save_checkpoint(self) -> str:
         """Model, optimizer, log Z head, every RNG state and the data positions, written into
-        a temporary directory and renamed into place; then ``latest`` is switched atomically."""
+        a temporary directory with a manifest (sizes, SHA-256) and renamed into place; then
+        ``latest`` is switched atomically. Refuses non-finite weights."""
+        self._check_weights(f"before saving the checkpoint of step {self.step}")
         name = f"step_{self.step:06d}"
         state = {
             "step": self.step,
@@ -596,6 +648,7 @@ class Trainer:
             self.model.save_pretrained(os.path.join(tmp, "model"))
             self.tokenizer.save_pretrained(os.path.join(tmp, "model"))
             torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+            write_manifest(tmp)
 
         os.makedirs(self.checkpoint_dir(), exist_ok=True)
         path = _atomic_dir_write(os.path.join(self.checkpoint_dir(), name), write)
@@ -607,7 +660,11 @@ class Trainer:
         return path
 
     def _load_checkpoint(self, path: str) -> None:
-        st = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
+        state_file = os.path.join(path, "trainer_state.pt")
+        try:
+            st = torch.load(state_file, map_location="cpu", weights_only=False)
+        except Exception as exc:  # noqa: BLE001 - an unverified (pre-manifest) checkpoint may be torn
+            raise CorruptCheckpointError(f"{state_file}: cannot be read ({type(exc).__name__}: {exc})") from None
         self.step = int(st["step"])
         self.optimizer.load_state_dict(st["optimizer"])
         if self.log_z_head is not None and st.get("log_z_head") is not None:
@@ -636,9 +693,9 @@ class Trainer:
         p = os.path.join(self.run_dir, fname)
         if not os.path.exists(p):
             return
-        with open(p) as f:
-            keep = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= step]
-        write_text_atomic(p, "".join(keep))
+        rows, _ = read_jsonl_rows(p)  # a torn last line (kill, full disk) is dropped with a warning
+        keep = [r for r in rows if r.get("step", 0) <= step]
+        write_text_atomic(p, "".join(json.dumps(r, default=float) + "\n" for r in keep))
 
     def _tb_log(self, scalars: Dict[str, Any]) -> None:
         if not self.cfg.logging.tensorboard:
@@ -694,10 +751,14 @@ class Trainer:
                        disable=not self.cfg.logging.progress, dynamic_ncols=True)
             while self.step < total:
                 last = self.train_step()
-                self._append_jsonl("metrics.jsonl", last)
+                try:
+                    self._degenerate.update(last, self.step)
+                finally:
+                    self._append_jsonl("metrics.jsonl", last)
                 self._tb_log({f"train/{k}": v for k, v in last.items() if k != "step"})
                 bar.update(1)
                 bar.set_postfix(reward=f"{last['reward_mean']:.3f}", loss=f"{last.get('loss', float('nan')):.4f}",
+                                degenerate=f"{int(last.get('degenerate_steps_total', 0))}/{self.step}",
                                 s_per_step=f"{last['time_step']:.2f}")
                 e = self.cfg.eval.every
                 if e and self.step % e == 0 and self.step < total:

@@ -288,6 +288,10 @@ class MegatronPolicyActor(_DistributedActor):
             self.checkpoint_states = self.engine.load_checkpoint(ckpt)
             self._fits = int(self.checkpoint_states.get("global_step", 0))
         self._init_vllm_sync()
+        # as OpenRLHF's DeepSpeed actor (trainer/ray/ppo_actor.py:581): free the training state
+        # before the first vLLM wake-up; forward and weight export work while offloaded
+        if getattr(getattr(args, "ds", None), "enable_sleep", False):
+            self.engine.offload()
 
     # -------------------------------------------------------------- rollouts side
     def forward(self, sequences, action_mask=None, attention_mask=None, packed_seq_lens=None,
@@ -371,7 +375,8 @@ class MegatronPolicyActor(_DistributedActor):
         dist.barrier()
 
     def broadcast_to_vllm(self):
-        """Send the weights in Hugging Face layout to every vLLM engine (gathered over TP / PP)."""
+        """Send the weights in Hugging Face layout to every vLLM engine, one tensor at a time
+        (each gathered over TP / PP from the resident parameters; valid while offloaded)."""
         import ray
 
         if not self.vllm_engines:
@@ -382,46 +387,54 @@ class MegatronPolicyActor(_DistributedActor):
         if getattr(self.args.vllm, "enable_prefix_caching", False) and dist.get_rank() == 0:
             resets = [e.reset_prefix_cache.remote() for e in self.vllm_engines]
         self.empty_cache()
-        if self.use_cuda_ipc:
-            self._sync_cuda_ipc()
-        elif self.engine.dp_rank == 0:       # one replica gathers; global rank 0 broadcasts
-            use_ray = getattr(self.args.vllm, "sync_with_ray", False)
-            for (name, t), last in _with_last(self.engine.iter_hf_weights()):
-                if dist.get_rank() != 0:
-                    continue
-                t = t.contiguous()
-                refs = [e.update_weight.remote(name, dtype=t.dtype, shape=t.shape, empty_cache=last)
-                        for e in self.vllm_engines]
-                if use_ray:
-                    import ray.util.collective as collective
-
-                    collective.broadcast(t, 0, group_name=self._model_update_group)
-                else:
-                    self._model_update_group.broadcast(t, src=0, stream=torch.cuda.current_stream())
-                ray.get(refs)
+        # CUDA IPC: every rank hands over its own copy; NCCL: one replica gathers, rank 0 sends
+        if self.use_cuda_ipc or self.engine.dp_rank == 0:
+            for (name, t), last in _with_last(self.engine.iter_hf_weights(all_ranks=self.use_cuda_ipc)):
+                self._send_weight(name, t, last)
         if resets:
             ray.get(resets)
         self.empty_cache()
         dist.barrier()
 
-    def _sync_cuda_ipc(self):
+    def _send_weight(self, name: str, t: torch.Tensor, last: bool) -> None:
+        """Hand one full HF tensor to the vLLM engines (CUDA IPC when colocated, else the
+        model-update group from global rank 0)."""
+        if self.use_cuda_ipc:
+            self._send_cuda_ipc(name, t, last)
+        elif dist.get_rank() == 0:
+            self._send_broadcast(name, t, last)
+
+    def _send_broadcast(self, name: str, t: torch.Tensor, last: bool) -> None:
+        import ray
+
+        t = t.contiguous()
+        refs = [e.update_weight.remote(name, dtype=t.dtype, shape=t.shape, empty_cache=last)
+                for e in self.vllm_engines]
+        if getattr(self.args.vllm, "sync_with_ray", False):
+            import ray.util.collective as collective
+
+            collective.broadcast(t, 0, group_name=self._model_update_group)
+        else:
+            self._model_update_group.broadcast(t, src=0, stream=torch.cuda.current_stream())
+        ray.get(refs)
+
+    def _send_cuda_ipc(self, name: str, t: torch.Tensor, last: bool) -> None:
         import ray
         from openrlhf.trainer.ray.utils import get_physical_gpu_id
         from torch.multiprocessing.reductions import reduce_tensor
 
-        for (name, t), last in _with_last(self.engine.iter_hf_weights(all_ranks=True)):
-            weight = t.detach().clone().contiguous()
-            handles: List[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(handles, {get_physical_gpu_id(): reduce_tensor(weight)})
-            if dist.get_rank() == 0:
-                merged = {}
-                for h in handles:
-                    merged.update(h)
-                ray.get([e.update_weight_cuda_ipc.remote(name, dtype=weight.dtype, shape=weight.shape,
-                                                         ipc_handles=merged, empty_cache=last)
-                         for e in self.vllm_engines])
-            dist.barrier()
-            torch.cuda.synchronize()
+        weight = t.detach().clone().contiguous()
+        handles: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(handles, {get_physical_gpu_id(): reduce_tensor(weight)})
+        if dist.get_rank() == 0:
+            merged = {}
+            for h in handles:
+                merged.update(h)
+            ray.get([e.update_weight_cuda_ipc.remote(name, dtype=weight.dtype, shape=weight.shape,
+                                                     ipc_handles=merged, empty_cache=last)
+                     for e in self.vllm_engines])
+        dist.barrier()
+        torch.cuda.synchronize()
 
     # -------------------------------------------------------------- checkpoints
     def save_model(self):

@@ -44,13 +44,13 @@ from openrlhf_div.algorithms.registry import Method
 
 from .config import MegatronConfig
 from .loss import ADDITIVE_METRICS, MicroBatch, StepCounts, registry_loss, step_counts
-from .vocab_parallel import vocab_parallel_log_probs_entropy
+from .vocab_parallel import output_layer_returns_hidden, output_weight, vocab_parallel_log_probs_from_hidden
 from .weights import GPTLayout, hf_to_megatron_param, megatron_param_to_hf, merge_tp_shards
 from openrlhf_div.io import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OptimSettings", "MegatronEngine", "init_megatron_parallel", "hf_tensor_getter"]
+__all__ = ["OptimSettings", "MegatronEngine", "init_megatron_parallel", "hf_tensor_getter", "optimizer_config"]
 
 SCHEDULES = {"cosine_with_min_lr": "cosine", "cosine": "cosine", "constant": "constant",
              "constant_with_warmup": "constant", "linear": "linear"}
@@ -80,6 +80,40 @@ class OptimSettings:
                    weight_decay=float(a.adam.weight_decay), max_norm=float(a.max_norm),
                    lr_scheduler=str(a.lr_scheduler), warmup_ratio=float(a.lr_warmup_ratio),
                    min_lr_ratio=float(a.min_lr_ratio), max_steps=int(max_steps or 1))
+
+
+def optimizer_config(mcfg: MegatronConfig, o: OptimSettings):
+    """megatron-core's ``OptimizerConfig`` for the actor.
+
+    The host optimizer (``--megatron.optimizer_cpu_offload``) is megatron-core's
+    ``HybridDeviceOptimizer`` behind the distributed optimizer, *with*
+    ``use_precision_aware_optimizer`` as megatron-core expects it: the distributed optimizer then
+    hands its bf16 parameter shards to the hybrid optimizer, which keeps the fp32 master copy,
+    Adam's moments and a pinned fp32 gradient copy on the host. Without the flag the distributed
+    optimizer also keeps fp32 main-parameter shards on the GPU (4 bytes per parameter and
+    data-parallel rank: ~15 GiB per GPU for the 32B model at TP 8) that the host optimizer then
+    copies again into pinned host memory.
+    """
+    from megatron.core.optimizer import OptimizerConfig
+
+    host = bool(mcfg.optimizer_cpu_offload)
+    if host and o.optimizer != "adam":
+        raise ValueError("--megatron.optimizer_cpu_offload needs Adam (megatron-core's host optimizer is AdamW)")
+    if host:
+        from megatron.core.utils import get_te_version
+
+        if get_te_version() is None:   # OptimizerConfig checks TE's version for the precision-aware optimizer
+            raise RuntimeError("--megatron.optimizer_cpu_offload needs transformer_engine (megatron-core 0.16's "
+                               "precision-aware optimizer checks its version); install it (the GPU image has it) "
+                               "or keep the optimizer on the GPU")
+    return OptimizerConfig(
+        optimizer=o.optimizer, lr=o.lr, min_lr=o.lr * o.min_lr_ratio, weight_decay=o.weight_decay,
+        adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_eps=o.eps, clip_grad=o.max_norm,
+        bf16=mcfg.bf16, params_dtype=torch.bfloat16 if mcfg.bf16 else torch.float32,
+        sgd_momentum=0.0, use_distributed_optimizer=mcfg.distributed_optimizer,
+        optimizer_cpu_offload=host, use_precision_aware_optimizer=host,
+        main_params_dtype=torch.float32, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
+        optimizer_offload_fraction=mcfg.optimizer_offload_fraction if host else 0.0)
 
 
 def _device() -> torch.device:
@@ -179,10 +213,7 @@ class MegatronEngine:
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.device = _device()
 
-        from .cpu_compat import megatron_cpu_compat
-        self._compat = megatron_cpu_compat
-        with self._compat():
-            self._build(pretrain, hf_weights, optim)
+        self._build(pretrain, hf_weights, optim)
 
     # ------------------------------------------------------------------ construction
     def _build(self, pretrain, hf_weights, optim):
@@ -211,7 +242,7 @@ class MegatronEngine:
             DistributedDataParallelConfig,
             finalize_model_grads,
         )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         ddp_cfg = DistributedDataParallelConfig(
@@ -223,14 +254,7 @@ class MegatronEngine:
         if o.lr_scheduler not in SCHEDULES:
             raise ValueError(f"--actor.lr_scheduler {o.lr_scheduler!r} is not supported by the Megatron actor; "
                              f"use one of {sorted(SCHEDULES)}")
-        ocfg = OptimizerConfig(
-            optimizer=o.optimizer, lr=o.lr, min_lr=o.lr * o.min_lr_ratio, weight_decay=o.weight_decay,
-            adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_eps=o.eps, clip_grad=o.max_norm,
-            bf16=mcfg.bf16, params_dtype=torch.bfloat16 if mcfg.bf16 else torch.float32,
-            sgd_momentum=0.0, use_distributed_optimizer=mcfg.distributed_optimizer,
-            optimizer_cpu_offload=mcfg.optimizer_cpu_offload,
-            optimizer_offload_fraction=mcfg.optimizer_offload_fraction if mcfg.optimizer_cpu_offload else 0.0)
-        self.optimizer = get_megatron_optimizer(ocfg, [self.model])
+        self.optimizer = get_megatron_optimizer(optimizer_config(mcfg, o), [self.model])
         warm = int(math.ceil(o.max_steps * o.warmup_ratio))
         style = SCHEDULES[o.lr_scheduler]
         min_lr = o.lr * o.min_lr_ratio if style != "constant" else o.lr
@@ -287,27 +311,30 @@ class MegatronEngine:
         pos = torch.arange(Lp, device=seq.device)[None, :].expand(B, Lp)
         return ids.to(self.device), pos.to(self.device), lefts
 
-    def _log_probs_entropy(self, logits: torch.Tensor, mb: MicroBatch, lefts: torch.Tensor, need_entropy: bool):
-        """``[B, A]`` log-probs (and entropies) from this rank's ``[B, L', V/tp]`` logits."""
-        seq = mb.sequences.to(logits.device)
+    def _log_probs_entropy(self, hidden: torch.Tensor, mb: MicroBatch, lefts: torch.Tensor, need_entropy: bool):
+        """``[B, A]`` log-probs (and entropies) from the last hidden states ``[B, L', H]`` and this
+        rank's output-layer rows (never the ``[B, L', V/tp]`` logits, see :mod:`.vocab_parallel`)."""
+        weight = output_weight(self.gpt)
+        hidden = hidden.to(weight.dtype)  # Float16Module hands the last stage's output back in fp32
+        seq = mb.sequences.to(hidden.device)
         B, L = seq.shape
         A = mb.num_actions
-        amask = mb.action_mask.to(logits.device)
+        amask = mb.action_mask.to(hidden.device)
         has = amask.sum(dim=0) > 0
         j0 = int(torch.nonzero(has)[0]) if bool(has.any()) else A - 1   # first column any row trains on
-        cols = torch.arange(L - 1 - A + j0, L - 1, device=logits.device)       # predicting positions
-        lefts = lefts.to(logits.device)
+        cols = torch.arange(L - 1 - A + j0, L - 1, device=hidden.device)       # predicting positions
+        lefts = lefts.to(hidden.device)
         if bool((lefts > 0).any()):
             src = (cols[None, :] - lefts[:, None]).clamp(min=0)
-            pred = logits.gather(1, src[..., None].expand(B, src.shape[1], logits.shape[-1]))
+            pred = hidden.gather(1, src[..., None].expand(B, src.shape[1], hidden.shape[-1]))
         else:
-            pred = logits[:, L - 1 - A + j0: L - 1]
+            pred = hidden[:, L - 1 - A + j0: L - 1]
         target = seq[:, L - A + j0:]
         per = self.layout.padded_vocab_size // self.mcfg.tp
-        lp, h = vocab_parallel_log_probs_entropy(pred, target, vocab_start=self.tp_rank * per,
-                                                 vocab_size=self.layout.vocab_size, temperature=self.temperature,
-                                                 group=self.tp_group if self.mcfg.tp > 1 else None,
-                                                 need_entropy=need_entropy)
+        lp, h = vocab_parallel_log_probs_from_hidden(pred, weight, target, vocab_start=self.tp_rank * per,
+                                                     vocab_size=self.layout.vocab_size, temperature=self.temperature,
+                                                     group=self.tp_group if self.mcfg.tp > 1 else None,
+                                                     need_entropy=need_entropy)
         if j0 > 0:
             lp = torch.cat([lp.new_zeros(B, j0), lp], dim=1)
             if h is not None:
@@ -323,7 +350,8 @@ class MegatronEngine:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             ids, pos, lefts = self._prepare(mb)
-            out = model(ids, pos, None)
+            with output_layer_returns_hidden(self.gpt):  # last stage: hidden states [B, L', H], no logits
+                out = model(ids, pos, None)
             return out, partial(loss_fn, mb, lefts)
 
         max_len = max(int(mb.sequences.shape[1]) for mb in batches)
@@ -344,23 +372,22 @@ class MegatronEngine:
             lp, h = self._log_probs_entropy(output, mb_, lefts, need_entropy)
             return output.new_zeros(()), {"lp": lp.float(), "h": None if h is None else h.float()}
 
-        with self._compat():
-            was_training = self.model.training
-            self.model.eval()
-            out = self._run([mb], forward_only=True, loss_fn=loss_fn)
-            if was_training:
-                self.model.train()
-            if self.is_last_stage:
-                lp = out[0]["lp"]
-                h = out[0]["h"] if need_entropy else None
-            else:
-                lp = torch.zeros(B, A, dtype=torch.float32, device=self.device)
-                h = torch.zeros(B, A, dtype=torch.float32, device=self.device) if need_entropy else None
-            if self.mcfg.pp > 1:  # hand the last stage's result to the whole replica
-                src = dist.get_global_rank(self.pp_group, self.mcfg.pp - 1)
-                dist.broadcast(lp, src=src, group=self.pp_group)
-                if h is not None:
-                    dist.broadcast(h, src=src, group=self.pp_group)
+        was_training = self.model.training
+        self.model.eval()
+        out = self._run([mb], forward_only=True, loss_fn=loss_fn)
+        if was_training:
+            self.model.train()
+        if self.is_last_stage:
+            lp = out[0]["lp"]
+            h = out[0]["h"] if need_entropy else None
+        else:
+            lp = torch.zeros(B, A, dtype=torch.float32, device=self.device)
+            h = torch.zeros(B, A, dtype=torch.float32, device=self.device) if need_entropy else None
+        if self.mcfg.pp > 1:  # hand the last stage's result to the whole replica
+            src = dist.get_global_rank(self.pp_group, self.mcfg.pp - 1)
+            dist.broadcast(lp, src=src, group=self.pp_group)
+            if h is not None:
+                dist.broadcast(h, src=src, group=self.pp_group)
         am = action_mask.to(lp.device, lp.dtype)
         return (lp * am).cpu(), (None if h is None else (h * am).cpu())
 
@@ -388,7 +415,7 @@ class MegatronEngine:
             loss, metrics, weights = registry_loss(self.method, lp, h, mb_dev, counts, generator=generator)
             return loss * scale, {"metrics": metrics, "weights": weights}
 
-        with self._compat():
+        with self._training_state():
             self.model.train()
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
@@ -407,21 +434,40 @@ class MegatronEngine:
         return metrics
 
     # ------------------------------------------------------------------ colocation
-    def offload(self) -> int:
-        """Release weights, gradients and optimiser state from the device (see :mod:`.offload`)."""
-        from .offload import StorageOffloader, engine_tensors
+    @property
+    def offloaded(self) -> bool:
+        return getattr(self, "_offloader", None) is not None and self._offloader.offloaded
 
-        if getattr(self, "_offloader", None) is None:
-            keep, drop = engine_tensors(self.model, self.optimizer)
-            self._offloader = StorageOffloader(keep, drop)
+    def offload(self) -> int:
+        """Release the optimiser state (to pinned host memory) and the gradient buffers from the
+        device; the parameters stay (see :mod:`.offload` for why). Returns the bytes freed; a
+        no-op for a reference engine or when already offloaded."""
+        from .offload import StorageOffloader, training_state_tensors
+
+        if not self.train_mode or self.offloaded:
+            return 0
+        # rebuilt every time: torch's optimisers create their state lazily at the first step
+        self._offloader = StorageOffloader(*training_state_tensors(self.model, self.optimizer))
         freed = self._offloader.offload()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return freed
 
     def reload(self) -> None:
-        if getattr(self, "_offloader", None) is not None:
+        if self.offloaded:
             self._offloader.reload()
+
+    @contextlib.contextmanager
+    def _training_state(self):
+        """The optimiser state and gradient buffers on the device for the block (reloaded and
+        offloaded again when the caller had offloaded them)."""
+        was = self.offloaded
+        self.reload()
+        try:
+            yield
+        finally:
+            if was:
+                self.offload()
 
     # ------------------------------------------------------------------ HF export
     def iter_hf_weights(self, *, all_ranks: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -436,40 +482,39 @@ class MegatronEngine:
             from .bridge import export_hf_with_bridge
             yield from export_hf_with_bridge(self.gpt)
             return
-        with self._compat():
-            own = [(n, p) for n, p in self.gpt.state_dict(keep_vars=True).items() if not n.endswith("_extra_state")]
-            # every stage learns every stage's (name, merged shape, dtype) list
-            meta_local = []
-            for n, p in own:
-                shape = list(p.shape)
-                kind_dim = _merge_dim(n, self.layer_map, self.te_names)
-                if kind_dim is not None:
-                    shape[kind_dim] *= self.mcfg.tp
-                meta_local.append((n, shape, str(p.dtype).replace("torch.", ""), dict(self.layer_map)))
-            metas = [meta_local]
-            if self.mcfg.pp > 1:
-                metas = [None] * self.mcfg.pp
-                dist.all_gather_object(metas, meta_local, group=self.pp_group)
-            for stage, meta in enumerate(metas):
-                mine = stage == self.pp_rank
-                params = dict(own) if mine else {}
-                for name, shape, dtype, layer_map in meta:
-                    layer_map = {int(k): v for k, v in layer_map.items()}
-                    full = None
-                    if mine:
-                        p = params[name].detach()
-                        shards = [p]
-                        if self.mcfg.tp > 1:
-                            shards = [torch.empty_like(p) for _ in range(self.mcfg.tp)]
-                            dist.all_gather(shards, p.contiguous(), group=self.tp_group)
-                        full = merge_tp_shards(name, shards, layer_map, self.te_names)
-                    if self.mcfg.pp > 1:
-                        if full is None:
-                            full = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
-                        dist.broadcast(full, src=dist.get_global_rank(self.pp_group, stage), group=self.pp_group)
-                    if self.pp_rank == 0 or all_ranks:
-                        for hf_name, t in megatron_param_to_hf(name, full, self.layout, layer_map, self.te_names):
-                            yield hf_name, t
+        own = [(n, p) for n, p in self.gpt.state_dict(keep_vars=True).items() if not n.endswith("_extra_state")]
+        # every stage learns every stage's (name, merged shape, dtype) list
+        meta_local = []
+        for n, p in own:
+            shape = list(p.shape)
+            kind_dim = _merge_dim(n, self.layer_map, self.te_names)
+            if kind_dim is not None:
+                shape[kind_dim] *= self.mcfg.tp
+            meta_local.append((n, shape, str(p.dtype).replace("torch.", ""), dict(self.layer_map)))
+        metas = [meta_local]
+        if self.mcfg.pp > 1:
+            metas = [None] * self.mcfg.pp
+            dist.all_gather_object(metas, meta_local, group=self.pp_group)
+        for stage, meta in enumerate(metas):
+            mine = stage == self.pp_rank
+            params = dict(own) if mine else {}
+            for name, shape, dtype, layer_map in meta:
+                layer_map = {int(k): v for k, v in layer_map.items()}
+                full = None
+                if mine:
+                    p = params[name].detach()
+                    shards = [p]
+                    if self.mcfg.tp > 1:
+                        shards = [torch.empty_like(p) for _ in range(self.mcfg.tp)]
+                        dist.all_gather(shards, p.contiguous(), group=self.tp_group)
+                    full = merge_tp_shards(name, shards, layer_map, self.te_names)
+                if self.mcfg.pp > 1:
+                    if full is None:
+                        full = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+                    dist.broadcast(full, src=dist.get_global_rank(self.pp_group, stage), group=self.pp_group)
+                if self.pp_rank == 0 or all_ranks:
+                    for hf_name, t in megatron_param_to_hf(name, full, self.layout, layer_map, self.te_names):
+                        yield hf_name, t
 
     def hf_state_dict(self) -> Dict[str, torch.Tensor]:
         """All HF weights on CPU (small models / tests; use :meth:`iter_hf_weights` at scale)."""
@@ -488,37 +533,37 @@ class MegatronEngine:
         dist.barrier()
 
     # ------------------------------------------------------------------ checkpoints
-    def _rank_dir(self, path: str) -> str:
-        return os.path.join(path, f"mp_rank_{self.tp_rank:02d}_{self.pp_rank:03d}")
+    def _sharded_state_dict(self, is_loading: bool) -> dict:
+        """Model (+ optimiser) as megatron-core ``ShardedTensor``s in TP/PP-independent global
+        coordinates; the distributed optimiser's state in its ``fully_reshardable`` form."""
+        sd = {"model": self.gpt.sharded_state_dict()}
+        if self.optimizer is not None:
+            sd["optimizer"] = self.optimizer.sharded_state_dict(
+                sd["model"], is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+        return sd
 
     def save_checkpoint(self, ckpt_dir: str, tag: str, client_state: Optional[dict] = None,
                         max_num: Optional[int] = None) -> str:
         """Save model, optimiser, scheduler and the caller's client state under ``ckpt_dir/tag``.
 
-        Layout (Megatron-LM's ``torch`` checkpoint format): ``mp_rank_{tp}_{pp}/model_optim.pt``
-        holds this TP/PP shard's weights and optimiser state (written by data-parallel rank 0;
-        identical on the other replicas), ``distrib_optim.pt`` the distributed optimiser's
-        parameter state gathered over data-parallel ranks, ``extra.pt`` the scheduler, the
-        client state (OpenRLHF's episode / global step / data-loader position) and the layout.
+        Model and optimiser go through ``megatron.core.dist_checkpointing`` (every rank writes its
+        shards in parallel; the checkpoint is stored in global coordinates, so it resumes under
+        another TP / PP / DP layout); ``extra.pt`` holds the scheduler, the client state
+        (OpenRLHF's episode / global step / data-loader position) and the saving layout.
         ``ckpt_dir/latest`` names the newest tag and is written last, atomically; with
-        ``max_num`` older tags beyond it are deleted. Resume with the same TP / PP sizes.
+        ``max_num`` older tags beyond it are deleted. Works while offloaded (OpenRLHF saves after
+        ``offload_states``): the optimiser state is brought back for the save.
         """
+        from megatron.core import dist_checkpointing
+
         path = os.path.join(ckpt_dir, tag)
-        with self._compat():
+        with self._training_state():
             if dist.get_rank() == 0:
                 if os.path.exists(path):
                     shutil.rmtree(path)
                 os.makedirs(path, exist_ok=True)
             dist.barrier()
-            rank_dir = self._rank_dir(path)
-            if self.dp_rank == 0:
-                os.makedirs(rank_dir, exist_ok=True)
-                state = {"model": self.gpt.state_dict(),
-                         "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
-                _atomic_torch_save(state, os.path.join(rank_dir, "model_optim.pt"))
-            dist.barrier()
-            if self.optimizer is not None and self.mcfg.distributed_optimizer:
-                self.optimizer.save_parameter_state(os.path.join(rank_dir, "distrib_optim.pt"))
+            dist_checkpointing.save(self._sharded_state_dict(is_loading=False), path)
             if dist.get_rank() == 0:
                 extra = {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                          "client_state": client_state or {}, "mcfg": self.mcfg.to_dict(),
@@ -530,13 +575,37 @@ class MegatronEngine:
             dist.barrier()
         return path
 
-    def _prime_optimizer_state(self) -> None:
-        """Give a fresh optimiser its state tensors before loading into them.
+    def load_checkpoint(self, ckpt_dir: str, tag: Optional[str] = None) -> dict:
+        """Restore model, optimiser and scheduler from ``ckpt_dir/tag`` (default: ``latest``),
+        saved under any TP / PP layout with the same padded vocabulary (see
+        :func:`.weights.padded_vocab_size`); returns the saved client state."""
+        from megatron.core import dist_checkpointing
 
-        Megatron's optimisers serialise the state they hold; a never-stepped torch Adam holds
-        none (``DistributedOptimizer.state_dict`` then fails on the missing ``step``). One step
-        with zero gradients and learning rate 0 creates the state without changing any weight;
-        the checkpoint then overwrites it, step counter included.
+        if tag is None:
+            with open(os.path.join(ckpt_dir, "latest")) as f:
+                tag = f.read().strip()
+        path = os.path.join(ckpt_dir, tag)
+        if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "extra.pt")):
+            raise FileNotFoundError(f"no Megatron checkpoint at {path} (no extra.pt)")
+        extra = torch.load(os.path.join(path, "extra.pt"), weights_only=False)
+        with self._training_state():
+            if self.optimizer is not None:
+                self._prime_optimizer_state()
+            loaded = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), path)
+            self.gpt.load_state_dict(loaded["model"])
+            if self.optimizer is not None:
+                _load_optimizer_state(self.optimizer, loaded["optimizer"])
+            if self.scheduler is not None and extra.get("scheduler") is not None:
+                self.scheduler.load_state_dict(extra["scheduler"])
+            dist.barrier()
+        return extra.get("client_state", {})
+
+    def _prime_optimizer_state(self) -> None:
+        """Give a fresh optimiser its state tensors (and step counter) before loading into them.
+
+        A never-stepped torch Adam holds no state, and megatron-core's optimiser state dict then
+        misses ``step`` and the moments. One step with zero gradients and learning rate 0 creates
+        them without changing any weight; the checkpoint then overwrites them.
         """
         if self.optimizer is None or self.scheduler is None or self.scheduler.num_steps > 0:
             return
@@ -551,41 +620,6 @@ class MegatronEngine:
         self.optimizer.step()
         for g, lr in zip(self.optimizer.param_groups, lrs):
             g["lr"] = lr
-
-    def load_checkpoint(self, ckpt_dir: str, tag: Optional[str] = None) -> dict:
-        """Restore model, optimiser and scheduler from ``ckpt_dir/tag`` (default: ``latest``);
-        returns the saved client state."""
-        if tag is None:
-            with open(os.path.join(ckpt_dir, "latest")) as f:
-                tag = f.read().strip()
-        path = os.path.join(ckpt_dir, tag)
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"no Megatron checkpoint at {path}")
-        extra = torch.load(os.path.join(path, "extra.pt"), weights_only=False)
-        saved = extra.get("mcfg", {})
-        if (saved.get("tp"), saved.get("pp")) != (self.mcfg.tp, self.mcfg.pp):
-            raise ValueError(f"checkpoint {path} was saved with tp={saved.get('tp')} pp={saved.get('pp')}; "
-                             f"resume with the same --megatron.tp / --megatron.pp (now {self.mcfg.tp} / {self.mcfg.pp})")
-        rank_dir = self._rank_dir(path)
-        state = torch.load(os.path.join(rank_dir, "model_optim.pt"), map_location="cpu", weights_only=False)
-        with self._compat(), torch.no_grad():
-            has_optim = self.optimizer is not None and state.get("optimizer") is not None
-            if has_optim:
-                # before the weights: its (zero-lr) step copies the optimiser's main params back
-                # into the model
-                self._prime_optimizer_state()
-            self.gpt.load_state_dict(state["model"])
-            if has_optim:
-                self.optimizer.load_state_dict(state["optimizer"])
-                if self.mcfg.distributed_optimizer:
-                    with _per_param_step_hidden(self.optimizer):
-                        self.optimizer.load_parameter_state(os.path.join(rank_dir, "distrib_optim.pt"))
-            elif self.optimizer is not None:
-                self.optimizer.reload_model_params()   # main (fp32) params from the loaded weights
-            if self.scheduler is not None and extra.get("scheduler") is not None:
-                self.scheduler.load_state_dict(extra["scheduler"])
-            dist.barrier()
-        return extra.get("client_state", {})
 
 
 # ---------------------------------------------------------------------- helpers
@@ -642,26 +676,30 @@ def _allreduce_metrics(local: Dict[str, Tuple[float, float]]) -> Dict[str, float
     return out
 
 
-@contextlib.contextmanager
-def _per_param_step_hidden(optimizer):
-    """Hide torch Adam's per-parameter ``step`` while Megatron loads distributed-optimiser state.
-
-    megatron-core 0.16 saves the parameter state without ``step`` but, when the inner optimiser
-    is torch's Adam (no Transformer Engine / Apex: CPU, or a GPU image without them), expects it
-    on load (``KeyError: 'step'``). The step counter is restored by ``load_state_dict`` before
-    this and put back afterwards -- one tensor per parameter: ``load_state_dict`` hands every
-    parameter the *same* step tensor, which torch's Adam then increments in place once per
-    parameter (17 parameters: step 1 -> 18 after one step, wrong bias correction; found by the
-    resume test). With TE's FusedAdam (no per-parameter ``step``) this is a no-op.
+def _load_optimizer_state(optimizer, state: dict) -> None:
+    """``optimizer.load_state_dict(state)`` for a dist-checkpointing state dict, working around
+    megatron-core 0.16 with torch's Adam (no Transformer Engine / Apex: CPU, or a GPU image
+    without them). There the distributed optimiser (1) hands every parameter the *same* ``step``
+    tensor, which torch's Adam then increments in place once per parameter (17 parameters: step
+    1 -> 18 after one step, wrong bias correction), and (2) fails loading the parameter state on
+    the per-parameter ``step`` it skips itself (``KeyError: 'step'``). The parameter state is
+    therefore loaded with the steps hidden, and each parameter gets its own copy back. With TE's
+    FusedAdam (no per-parameter ``step``) this is exactly ``load_state_dict``.
     """
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    param_state = state.get("param_state") if len(opts) == 1 else None
+    if param_state is None or state.get("param_state_sharding_type") != "fully_reshardable":
+        optimizer.load_state_dict(state)
+        return
+    opt = opts[0]
+    opt.load_state_dict({k: v for k, v in state.items() if k not in ("param_state", "param_state_sharding_type")})
+    inner = getattr(opt, "optimizer", None)
     saved = []
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        for p, st in (getattr(inner, "state", {}) or {}).items():
-            if isinstance(st, dict) and "step" in st:
-                saved.append((st, st.pop("step")))
+    for st in (getattr(inner, "state", {}) or {}).values():
+        if isinstance(st, dict) and "step" in st:
+            saved.append((st, st.pop("step")))
     try:
-        yield
+        opt.load_parameter_state_from_fully_reshardable(param_state)
     finally:
         for st, step in saved:
             st["step"] = step.clone() if torch.is_tensor(step) else step

@@ -3,9 +3,10 @@
 For one micro-batch of ``B`` rows (online rollouts and, for DPH methods, ``D_pef`` anchor rows
 routed by a per-row flag) with ``A`` action positions:
 
-1. ``lp, H = token_log_probs_entropy(logits_shard, sequences, A)``: per-token log-probs of the
-   sampled tokens and full-vocabulary entropy, from this rank's vocabulary slice of the logits
-   (:mod:`.vocab_parallel`: max / sum-exp / target all-reduces over the TP group, no gather),
+1. ``lp, H = token_log_probs_entropy(hidden, weight_shard, sequences, A)``: per-token log-probs of
+   the sampled tokens and full-vocabulary entropy, from the last hidden states and this rank's
+   rows of the output layer (:mod:`.vocab_parallel`: chunked, max / sum-exp / target all-reduces
+   over the TP group, no ``[tokens, V]`` logits, not even this rank's slice),
    aligned like OpenRLHF's actor: position ``t`` predicts ``sequences[:, t + 1]``; the last ``A``
    positions are kept.
 2. ``method.loss(online=LossInputs(...), anchor=AnchorInputs(...), num_online_tokens=N_on,
@@ -31,7 +32,7 @@ import torch
 
 from openrlhf_div.algorithms.registry import AnchorInputs, LossInputs, Method
 
-from .vocab_parallel import vocab_parallel_log_probs_entropy
+from .vocab_parallel import vocab_parallel_log_probs_from_hidden
 
 ADDITIVE_METRICS = ("loss", "loss_exp", "loss_pef")
 
@@ -70,6 +71,7 @@ class StepCounts:
     online_tokens: float
     anchor_tokens: float
     online_seqs: float
+    anchor_seqs: float = 0.0  # for anchor_weighting: microbatch_share (docs/ALGORITHMS.md 9, row 1)
 
 
 def step_counts(batches, dp_group=None) -> StepCounts:
@@ -80,38 +82,40 @@ def step_counts(batches, dp_group=None) -> StepCounts:
     """
     import torch.distributed as dist
 
-    t = torch.zeros(3, dtype=torch.float64)
+    t = torch.zeros(4, dtype=torch.float64)
     for mb in batches:
         a = mb.anchor_rows().cpu()
         m = mb.action_mask.detach().to("cpu", torch.float64)
         t[0] += m[~a].sum()
         t[1] += m[a].sum()
         t[2] += float((m[~a].sum(dim=1) > 0).sum())
+        t[3] += float((m[a].sum(dim=1) > 0).sum())
     if dp_group is not None and dist.is_initialized() and dist.get_world_size(group=dp_group) > 1:
         dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         t = t.to(dev)
         dist.all_reduce(t, group=dp_group)
         t = t.cpu()
-    return StepCounts(float(t[0]), float(t[1]), float(t[2]))
+    return StepCounts(float(t[0]), float(t[1]), float(t[2]), float(t[3]))
 
 
 def token_log_probs_entropy(
-    logits: torch.Tensor, sequences: torch.Tensor, num_actions: int, *, vocab_start: int = 0,
+    hidden: torch.Tensor, weight: torch.Tensor, sequences: torch.Tensor, num_actions: int, *, vocab_start: int = 0,
     vocab_size: Optional[int] = None, temperature: float = 1.0, group=None, need_entropy: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``[B, A]`` log-probs of ``sequences[:, -A:]`` and entropies from ``[B, L, V_local]`` logits.
+    """``[B, A]`` log-probs of ``sequences[:, -A:]`` and entropies from ``[B, L, H]`` last hidden
+    states and this rank's ``[V_local, H]`` output-layer rows.
 
-    Only the ``A`` predicting positions go through the softmax (``logits[:, L-1-A : L-1]``).
+    Only the ``A`` predicting positions reach the LM head (``hidden[:, L-1-A : L-1]``).
     """
     L = sequences.shape[1]
-    if logits.shape[:2] != sequences.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} do not match sequences {tuple(sequences.shape)}")
+    if hidden.shape[:2] != sequences.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} does not match sequences {tuple(sequences.shape)}")
     if not 0 < num_actions <= L - 1:
         raise ValueError(f"num_actions={num_actions} must be in [1, L-1] with L={L}")
-    pred = logits[:, L - 1 - num_actions: L - 1]
+    pred = hidden[:, L - 1 - num_actions: L - 1]
     target = sequences[:, L - num_actions:]
-    return vocab_parallel_log_probs_entropy(pred, target, vocab_start=vocab_start, vocab_size=vocab_size,
-                                            temperature=temperature, group=group, need_entropy=need_entropy)
+    return vocab_parallel_log_probs_from_hidden(pred, weight, target, vocab_start=vocab_start, vocab_size=vocab_size,
+                                                temperature=temperature, group=group, need_entropy=need_entropy)
 
 
 def registry_loss(method: Method, log_probs: torch.Tensor, entropy: Optional[torch.Tensor], mb: MicroBatch,
@@ -149,7 +153,8 @@ def registry_loss(method: Method, log_probs: torch.Tensor, entropy: Optional[tor
                                  ref_log_probs=mb.anchor_ref_log_probs[anchor].to(log_probs.dtype),
                                  mask=mask[anchor].to(log_probs.dtype))
     loss, metrics = method.loss(online=on_inputs, anchor=an_inputs, num_online_tokens=counts.online_tokens,
-                                num_anchor_tokens=counts.anchor_tokens, num_online_seqs=counts.online_seqs)
+                                num_anchor_tokens=counts.anchor_tokens, num_online_seqs=counts.online_seqs,
+                                num_anchor_seqs=counts.anchor_seqs or None)
     n_on = float(mask[online].sum()) if on_inputs is not None else 0.0
     n_an = float(mask[anchor].sum()) if an_inputs is not None else 0.0
     weights = {k: (None if k in ADDITIVE_METRICS else n_on) for k in metrics}

@@ -75,6 +75,9 @@ def transformer_config(layout: GPTLayout, mcfg: MegatronConfig, *, perform_initi
         raise ValueError(f"num_hidden_layers={layout.num_layers} is not divisible by --megatron.pp {mcfg.pp}")
     dtype = torch.bfloat16 if mcfg.bf16 else torch.float32
     on_gpu = torch.cuda.is_available()
+    # the fused softmax / persistent layer-norm kernels come with Transformer Engine (or Apex),
+    # not with the megatron-core wheel: only with the TE layer spec
+    fused = use_transformer_engine(mcfg)
     recompute = {}
     if mcfg.recompute == "selective":
         recompute = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
@@ -105,8 +108,8 @@ def transformer_config(layout: GPTLayout, mcfg: MegatronConfig, *, perform_initi
         variable_seq_lengths=mcfg.pp > 1,        # PP: micro-batches of different lengths
         moe_token_dispatcher_type="alltoall",    # (dense model; satisfies the variable-length check)
         bias_activation_fusion=False,
-        masked_softmax_fusion=on_gpu,
-        persist_layer_norm=on_gpu,
+        masked_softmax_fusion=fused,
+        persist_layer_norm=fused,
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
         use_cpu_initialization=not on_gpu,

@@ -34,9 +34,9 @@ and tensor-parallel size ``tp`` (rank ``r``); HF names drop the ``model.`` prefi
   rows; **row-parallel** weights (``linear_proj``, ``linear_fc2``) split columns; norms are
   replicated on every rank.
 * **Vocabulary padding.** Megatron splits the vocabulary evenly over TP ranks; the embedding and
-  output layer get ``V' = ceil(V / (divisor * tp)) * divisor * tp`` rows (``divisor`` = 128, as
+  output layer get ``V' = ceil(V / m) * m`` rows, ``m = divisor * lcm(tp, 8)`` (``divisor`` = 128, as
   Megatron's ``--make-vocab-size-divisible-by``). Padding rows are zero on import and dropped on
-  export; the log-softmax masks them (``vocab_parallel.vocab_parallel_log_probs_entropy(...,
+  export; the log-softmax masks them (``vocab_parallel.vocab_parallel_log_probs_from_hidden(...,
   vocab_size=V)``) so probabilities equal the Hugging Face model's over its ``V`` entries.
 * **Tied embeddings** (``tie_word_embeddings``; small Qwen2 / Llama 3.2): Megatron's
   ``share_embeddings_and_output_weights`` drops ``output_layer.weight`` on the first pipeline
@@ -78,11 +78,21 @@ SUPPORTED_ARCHITECTURES = ("qwen2", "llama")
 TensorSource = Union[Mapping[str, torch.Tensor], Callable[[str], torch.Tensor]]
 
 
+RESHARD_TP = 8   # checkpoints reshard between every TP size dividing this (1, 2, 4, 8)
+
+
 def padded_vocab_size(vocab_size: int, tp_size: int = 1, divisor: int = 128) -> int:
-    """``V' = ceil(V / (divisor * tp)) * divisor * tp`` (Megatron's vocabulary padding)."""
+    """``V' = ceil(V / m) * m`` with ``m = divisor * lcm(tp, 8)``.
+
+    Megatron pads the vocabulary to a multiple of ``divisor * tp``, which makes the embedding's
+    global shape depend on TP (Qwen2.5's 152064 is 152064 at TP 4 and 152576 at TP 8), and a
+    checkpoint saved at one TP then cannot be loaded at another. Padding to a multiple of
+    ``divisor * lcm(tp, 8)`` gives every TP in {1, 2, 4, 8} the same ``V'``, so distributed
+    checkpoints resume across those TP sizes; the padded rows are never sampled or scored.
+    """
     if vocab_size < 1 or tp_size < 1 or divisor < 1:
         raise ValueError(f"vocab_size, tp_size and divisor must be >= 1, got {vocab_size}, {tp_size}, {divisor}")
-    m = divisor * tp_size
+    m = divisor * math.lcm(tp_size, RESHARD_TP)
     return int(math.ceil(vocab_size / m) * m)
 
 

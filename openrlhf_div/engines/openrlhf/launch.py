@@ -12,9 +12,11 @@
 * **Plan.** :func:`plan` merges config + command line + the flags the method implies
   (:mod:`.flags`), validates them with OpenRLHF's own checks, counts GPUs and renders the
   final command. ``--dry-run`` prints it and exits without importing Ray or vLLM.
-* **Run.** :func:`run` calls OpenRLHF's own ``train(args)`` with two classes swapped for the
+* **Run.** :func:`run` calls OpenRLHF's own ``train(args)`` with three classes swapped for the
   duration of the call, in the driver process only: ``PolicyModelActor`` ->
-  :data:`~.actor.DivPolicyModelActor` and ``PPOTrainer`` -> :data:`~.trainer.DivPPOTrainer`.
+  :data:`~.actor.DivPolicyModelActor`, ``ReferenceModelActor`` ->
+  :data:`~.logprob_actor.DivReferenceModelActor` (log-probs from hidden states, no
+  ``[tokens, V]`` logits) and ``PPOTrainer`` -> :data:`~.trainer.DivPPOTrainer`.
   OpenRLHF then creates the reference actor only when ``--algo.kl.init_coef > 0`` (which
   the driver sets only for methods that need it) and no critic (no registered method uses GAE).
 """
@@ -330,7 +332,9 @@ def div_classes(args=None):
     from .trainer import DivPPOTrainer
 
     policy_cls = (mg.actor_class_for(args) if args is not None else None) or DivPolicyModelActor
-    ref_cls = (mg.reference_class_for(args) if args is not None else None) or upstream_cli.ReferenceModelActor
+    from .logprob_actor import DivReferenceModelActor
+
+    ref_cls = (mg.reference_class_for(args) if args is not None else None) or DivReferenceModelActor
     with _swapped(upstream_cli, "PolicyModelActor", policy_cls), \
             _swapped(upstream_cli, "ReferenceModelActor", ref_cls), \
             _swapped(ppo_trainer, "PPOTrainer", DivPPOTrainer):

@@ -22,6 +22,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
+from openrlhf_div.algorithms.authors import micro_batch_token_mean
 from openrlhf_div.algorithms.registry import AnchorInputs, LossInputs, Method
 from openrlhf_div.compat.flash_attn_standin import install as _install_flash_attn_standin
 
@@ -109,6 +110,26 @@ def metric_keys(method: Method) -> List[str]:
     return [f"div/{k}" for k in m] + ["div/loss_exp", "div/loss_pef", "div/loss"]
 
 
+def _aggregate(per_tok: torch.Tensor, mask: torch.Tensor, method: Method, token_level: Optional[bool],
+               info: Dict) -> torch.Tensor:
+    """OpenRLHF's ``aggregate_loss`` with its window normaliser, or, for the authors'
+    ``micro-batch-token-mean``, groups of ``micro_batch_seqs`` rows of this micro-batch each weighted
+    ``k / global_batch_size`` (times ``dp_size``, as ``aggregate_loss`` compensates DP averaging)."""
+    if token_level is None:
+        n = info.get("global_batch_size")  # the window's sequences on all ranks / gas
+        loss = micro_batch_token_mean(per_tok, mask, int(method.hparams["micro_batch_seqs"]),
+                                      None if n is None else float(n), masked_zero=True)
+        return loss * float(info.get("dp_size", 1))
+    return aggregate_loss(per_tok, mask, token_level_loss=token_level, **info)
+
+
+def _count(info: Optional[Dict], rows: int) -> float:
+    """Sequences of one kind in the optimiser step (the window normaliser's), or this micro-batch's."""
+    if info and info.get("global_batch_size") is not None:
+        return float(info["global_batch_size"])
+    return float(rows)
+
+
 def _sub(t: Optional[torch.Tensor], rows: torch.Tensor) -> Optional[torch.Tensor]:
     return None if t is None else t[rows]
 
@@ -156,7 +177,7 @@ def div_actor_loss(
             entropy=_sub(entropy, on) if needs.entropy else None, generator=generator,
             log_z=_sub(log_z, on) if needs.prompt_hidden else None)
         per_tok, m = method.online_loss(online)
-        l_exp = aggregate_loss(per_tok, online.mask, token_level_loss=token_level, **info)
+        l_exp = _aggregate(per_tok, online.mask, method, token_level, info)
         total = total + l_exp
         metrics.update({f"div/{k}": v for k, v in m.items()})
         metrics["div/loss_exp"] = float(l_exp.detach())
@@ -173,8 +194,10 @@ def div_actor_loss(
         anchor = AnchorInputs(log_probs=log_probs[an], ref_log_probs=ref_log_probs[an].to(log_probs.dtype),
                               mask=mask_an[an])
         per_tok = method.anchor_loss(anchor)
-        l_pef = aggregate_loss(per_tok, anchor.mask, token_level_loss=True, **(anchor_info or {}))
-        total = total + method.anchor_weight * l_pef
+        l_pef = _aggregate(per_tok, anchor.mask, method, None if token_level is None else True, anchor_info or {})
+        # anchor_weighting: eta, or eta x anchor / online sequences of the window (microbatch_share)
+        weight = method.effective_anchor_weight(_count(info, int(on.sum())), _count(anchor_info, int(an.sum())))
+        total = total + weight * l_pef
         metrics["div/loss_pef"] = float(l_pef.detach())
     metrics["div/loss"] = float(total.detach())
     return total, {k: metrics.get(k, 0.0) for k in metric_keys(method)}

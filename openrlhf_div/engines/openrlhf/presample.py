@@ -6,8 +6,13 @@ engines (``--vllm.num_engines`` x ``--vllm.tensor_parallel_size``) at the rollou
 scored by the task's reward-function file inside the vLLM actors (as in training). A prompt
 is near-perfect when ``#correct >= tau``; for each, the first correct response is kept and
 its per-token base log-probs ``ref_t`` are computed by the **training** forward (OpenRLHF's
-``Actor`` in a ``ReferenceModelActor`` group, ``--ref.num_nodes`` x ``--ref.num_gpus_per_node``,
-temperature-scaled exactly like the trainer's), not taken from the sampler.
+``Actor`` as :class:`~.logprob_actor.HiddenLogProbActor`, in a ``ReferenceModelActor`` group,
+``--ref.num_nodes`` x ``--ref.num_gpus_per_node``,
+temperature-scaled exactly like the trainer's), not taken from the sampler. With
+``--div.actor_backend megatron`` (the 32B Megatron configs) that forward is the Megatron
+reference actor's, TP-sharded by the ``--megatron.*`` flags (a config's ``presample:`` section
+may set e.g. ``megatron.tp: 4`` for its reference GPUs): a bf16 32B model is 16 GB per GPU at
+TP 4, where OpenRLHF's DeepSpeed reference at ZeRO-2 holds the full 65 GB on every GPU.
 
 Prompts are rendered with OpenRLHF's own ``PromptDataset`` (same ``--data.*`` flags as
 training), processed in chunks of ``--presample.chunk_size``; each finished chunk is written
@@ -41,18 +46,26 @@ class Sample:
 
 def split_chunk(rows: Sequence[Dict[str, Any]], prompt_texts: Sequence[str], prompt_ids: Sequence[List[int]],
                 samples: Sequence[Sequence[Sample]], *, n_pre: int, tau: int, drop_unsolved: bool,
-                correct_threshold: float = 1.0) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]], List[int]]:
+                correct_threshold: float = 1.0, fresh: Optional[Sequence[Optional[Sample]]] = None,
+                ) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]], List[int]]:
     """Split one chunk of prompts.
 
     Returns ``(pef, exp, n_correct)``: ``pef`` rows (without ``ref_log_probs`` yet) for prompts
     with ``#correct >= tau`` (and at least one correct), each keeping its *first* correct
     sample; ``exp`` rows for the others (prompts with 0 correct left out when
     ``drop_unsolved``); ``n_correct`` per prompt. ``correct = reward >= correct_threshold``.
+
+    ``fresh`` (``resample_anchor_responses``, the DPH-RL authors' ``generate_sft`` pass): one
+    freshly drawn sample per prompt (``None`` where none was drawn); a near-perfect prompt keeps
+    its fresh sample as the anchor if it is correct and gets no anchor otherwise (nor a place
+    in ``D_exp``, as in the authors' split).
     """
     if not 1 <= tau <= n_pre:
         raise ValueError(f"tau must be in [1, n_pre={n_pre}], got {tau}")
     pef, exp, counts = [], [], []
-    for row, text, pids, group in zip(rows, prompt_texts, prompt_ids, samples):
+    if fresh is not None and len(fresh) != len(samples):
+        raise ValueError(f"fresh has {len(fresh)} entries for {len(samples)} prompts")
+    for p, (row, text, pids, group) in enumerate(zip(rows, prompt_texts, prompt_ids, samples)):
         if len(group) != n_pre:
             raise ValueError(f"prompt {row.get('id', text[:40])!r}: {len(group)} samples, expected n_pre={n_pre}")
         correct = [s.reward >= correct_threshold for s in group]
@@ -60,6 +73,10 @@ def split_chunk(rows: Sequence[Dict[str, Any]], prompt_texts: Sequence[str], pro
         counts.append(c)
         if c >= tau and c > 0:
             s = group[correct.index(True)]
+            if fresh is not None:
+                s = fresh[p]
+                if s is None or not s.reward >= correct_threshold:
+                    continue
             pef.append({**row, "prompt_text": text, "response": s.text, "prompt_ids": list(pids),
                         "response_ids": list(s.response_ids), "n_correct": c, "n_pre": n_pre})
         elif not (drop_unsolved and c == 0):
@@ -135,7 +152,11 @@ class ShardStore:
                 hist[int(k)] += 1
         write_jsonl_atomic(os.path.join(self.out_dir, "d_pef.jsonl"), pef)
         write_jsonl_atomic(os.path.join(self.out_dir, "d_exp.jsonl"), exp)
-        summary = {"complete": True, "n_prompts": self.n_prompts, "n_pef": len(pef), "n_exp": len(exp),
+        extra = {}
+        if self.settings.get("resample_anchor_responses"):
+            tau = int(self.settings["tau"])
+            extra["n_resample_failed"] = sum(hist[max(tau, 1):]) - len(pef)
+        summary = {"complete": True, "n_prompts": self.n_prompts, "n_pef": len(pef), "n_exp": len(exp), **extra,
                    "n_dropped_unsolved": hist[0] if self.settings.get("drop_unsolved") else 0,
                    "correct_histogram": hist,
                    "mean_correct_rate": sum(k * v for k, v in enumerate(hist)) / max(1, n_pre * self.n_prompts),
@@ -151,6 +172,8 @@ def add_presample_arguments(parser) -> None:
     g.add_argument("--presample.tau", type=int, default=None, help="near-perfect: #correct >= tau (default n_pre)")
     g.add_argument("--presample.drop_unsolved", action="store_true",
                    help="leave prompts with 0 correct out of D_exp (DPH-RL does for math)")
+    g.add_argument("--presample.resample_anchor_responses", action="store_true",
+                   help="draw each anchor response afresh (n=1, kept if correct), as the DPH-RL authors' code does")
     g.add_argument("--presample.chunk_size", type=int, default=256, help="prompts per resumable chunk")
     g.add_argument("--presample.correct_threshold", type=float, default=1.0,
                    help="a sample is correct when its reward >= this")
@@ -167,7 +190,9 @@ def settings_from_args(args) -> Dict[str, Any]:
             "model": args.actor.model_name_or_path, "data": args.data.prompt_dataset,
             "input_key": args.data.input_key, "label_key": args.data.label_key,
             "apply_chat_template": bool(args.data.apply_chat_template), "input_template": args.data.input_template,
-            "reward": list(args.reward.remote_url or [])}
+            "reward": list(args.reward.remote_url or []),
+            # only when on, so runs started before the option existed still resume
+            **({"resample_anchor_responses": True} if getattr(p, "resample_anchor_responses", False) else {})}
 
 
 def format_summary(s: Dict[str, Any]) -> str:
@@ -217,14 +242,25 @@ def _to_samples(responses, tokenizer) -> Tuple[List[int], List[Sample]]:
     return prompt_ids, samples
 
 
-def _base_log_probs(group, pef: List[Dict[str, Any]], pad_id: int, micro: int) -> None:
-    """Fill ``ref_log_probs`` of the ``pef`` rows with the DeepSpeed actor forward."""
-    import ray
+def _fresh_anchor_samples(engines, prompts, labels, tokenizer, args, parsed, settings) -> List[Optional[Sample]]:
+    """One new sample (n=1) for each near-perfect prompt of the chunk; ``None`` for the others."""
+    thr, tau = settings["correct_threshold"], settings["tau"]
+    hot = [i for i, (_, group) in enumerate(parsed) if sum(s.reward >= thr for s in group) >= max(tau, 1)]
+    out: List[Optional[Sample]] = [None] * len(parsed)
+    if hot:
+        draws = _sample_chunk(engines, [prompts[i] for i in hot], [labels[i] for i in hot], tokenizer, args, 1)
+        for i, d in zip(hot, draws):
+            out[i] = _to_samples(d, tokenizer)[1][0]
+    return out
+
+
+def base_log_prob_batches(pef: List[Dict[str, Any]], pad_id: int, micro: int) -> List[Tuple[list, Any, Any, Any]]:
+    """``(rows, sequences, attention_mask, action_mask)`` micro-batches of ``pef`` rows for the
+    reference forward (right-padded ``prompt + response``; the mask covers the response)."""
     import torch
 
     from openrlhf.utils.utils import zero_pad_sequences
 
-    n_actors = len(group._actor_handlers) // max(1, group.duplicate_actors)
     batches = []
     for i in range(0, len(pef), micro):
         part = pef[i:i + micro]
@@ -237,6 +273,23 @@ def _base_log_probs(group, pef: List[Dict[str, Any]], pad_id: int, micro: int) -
         batches.append((part, zero_pad_sequences(seqs, "right", value=pad_id, stack=True),
                         zero_pad_sequences([torch.ones_like(s) for s in seqs], "right", stack=True),
                         zero_pad_sequences(masks, "right", stack=True)))
+    return batches
+
+
+def store_base_log_probs(batches: Sequence[Tuple[list, Any, Any, Any]], outs: Sequence[Any]) -> None:
+    """Write each row's response log-probs (from the forward's ``[B, T - 1]`` output) into
+    ``row["ref_log_probs"]``."""
+    for (part, *_), lp in zip(batches, outs):
+        for row, r in zip(lp, part):
+            r["ref_log_probs"] = response_log_probs(row.tolist(), len(r["prompt_ids"]), len(r["response_ids"]))
+
+
+def _base_log_probs(group, pef: List[Dict[str, Any]], pad_id: int, micro: int) -> None:
+    """Fill ``ref_log_probs`` of the ``pef`` rows with the reference group's forward."""
+    import ray
+
+    n_actors = len(group._actor_handlers) // max(1, group.duplicate_actors)
+    batches = base_log_prob_batches(pef, pad_id, micro)
     real = len(batches)
     while len(batches) < n_actors:  # OpenRLHF needs at least one batch per actor
         batches.append(batches[0])
@@ -244,9 +297,19 @@ def _base_log_probs(group, pef: List[Dict[str, Any]], pad_id: int, micro: int) -
                                         attention_mask=[b[2] for b in batches],
                                         action_mask=[b[3] for b in batches])
     outs = [x for chunk in ray.get(refs)[::max(1, group.duplicate_actors)] for x in chunk][:real]
-    for (part, *_), lp in zip(batches[:real], outs):
-        for row, r in zip(lp, part):
-            r["ref_log_probs"] = response_log_probs(row.tolist(), len(r["prompt_ids"]), len(r["response_ids"]))
+    store_base_log_probs(batches[:real], outs)
+
+
+def reference_actor_class(args):
+    """The reference group's actor: the Megatron reference (TP-sharded, ``--megatron.*``; sets
+    ``ds.tensor_parallel_size = tp * pp`` for the group's de-duplication) with
+    ``--div.actor_backend megatron``, else OpenRLHF's DeepSpeed reference building
+    :class:`~.logprob_actor.HiddenLogProbActor`."""
+    from openrlhf_div.engines import megatron as mg
+
+    from .logprob_actor import DivReferenceModelActor
+
+    return mg.reference_class_for(args) or DivReferenceModelActor
 
 
 def run(args) -> Dict[str, Any]:
@@ -256,7 +319,8 @@ def run(args) -> Dict[str, Any]:
 
     from openrlhf.datasets import PromptDataset
     from openrlhf.trainer.ray import create_vllm_engines
-    from openrlhf.trainer.ray.launcher import RayActorGroup, ReferenceModelActor
+    from openrlhf.trainer.ray.launcher import RayActorGroup
+
     from openrlhf.utils import get_strategy, get_tokenizer
 
     from .jobs import init_ray
@@ -276,7 +340,8 @@ def run(args) -> Dict[str, Any]:
             args.train.full_determinism_enable, args.vllm.enable_prefix_caching, args.vllm.enforce_eager,
             args.data.max_len, None, args.vllm.gpu_memory_utilization, False, None,
             remote_rm_url=args.reward.remote_url)
-        group = RayActorGroup(args.ref.num_nodes, args.ref.num_gpus_per_node, ReferenceModelActor,
+        ref_cls = reference_actor_class(args)      # before duplicate_actors: may set ds.tensor_parallel_size
+        group = RayActorGroup(args.ref.num_nodes, args.ref.num_gpus_per_node, ref_cls,
                               duplicate_actors=args.ds.ring_attn_size * args.ds.tensor_parallel_size)
         ray.get(group.async_init_model_from_pretrained(strategy, model))
         bar = tqdm(total=len(rows), initial=len(rows) - sum(store.bounds(c)[1] - store.bounds(c)[0] for c in todo),
@@ -287,10 +352,13 @@ def run(args) -> Dict[str, Any]:
             labels = [dataset.labels[i] for i in range(lo, hi)]
             outs = _sample_chunk(engines, prompts, labels, tokenizer, args, settings["n_pre"])
             parsed = [_to_samples(o, tokenizer) for o in outs]
+            fresh = None
+            if settings.get("resample_anchor_responses"):
+                fresh = _fresh_anchor_samples(engines, prompts, labels, tokenizer, args, parsed, settings)
             pef, exp, counts = split_chunk(
                 rows[lo:hi], prompts, [p for p, _ in parsed], [s for _, s in parsed], n_pre=settings["n_pre"],
                 tau=settings["tau"], drop_unsolved=settings["drop_unsolved"],
-                correct_threshold=settings["correct_threshold"])
+                correct_threshold=settings["correct_threshold"], fresh=fresh)
             if pef:
                 _base_log_probs(group, pef, tokenizer.pad_token_id, args.rollout.micro_batch_size)
             store.write_chunk(c, pef, exp, counts)

@@ -7,7 +7,8 @@ Labels: JSON strings ``{"db_id": ..., "sql": gold}``. Environment: ``OPENRLHF_DI
 e.g. BIRD's train and dev databases ``/data/bird/train_databases:/data/bird/dev_databases``, the
 first that holds a ``db_id`` wins), ``OPENRLHF_DIV_SQL_TIMEOUT`` (seconds per query, default 5),
 ``OPENRLHF_DIV_SQL_MAX_ROWS`` (default 10000), ``OPENRLHF_DIV_SQL_COMPARE``
-(set|multiset|ordered), ``OPENRLHF_DIV_SQL_FLOAT_ROUND``, ``OPENRLHF_DIV_VERIFIER_WORKERS``.
+(set|multiset|ordered), ``OPENRLHF_DIV_SQL_FLOAT_ROUND``, ``OPENRLHF_DIV_SQL_BLOCK`` (last|first
+```sql block), ``OPENRLHF_DIV_SQL_MAX_RESULT_MB`` (default 64), ``OPENRLHF_DIV_VERIFIER_WORKERS``.
 
 A missing resource is an error, never a reward of 0: an unset variable, a root that is not a
 folder, or a label whose database is in none of the roots raises at the call, naming the
@@ -22,7 +23,8 @@ from openrlhf_div.tasks.reward_funcs._common import cached_task, compute, env_op
 DB_ROOT_VAR = "OPENRLHF_DIV_SQL_DB_ROOT"
 _ENV = {"db_root": (DB_ROOT_VAR, str), "timeout": ("OPENRLHF_DIV_SQL_TIMEOUT", float),
         "max_rows": ("OPENRLHF_DIV_SQL_MAX_ROWS", int), "compare": ("OPENRLHF_DIV_SQL_COMPARE", str),
-        "float_round": ("OPENRLHF_DIV_SQL_FLOAT_ROUND", int), "num_workers": ("OPENRLHF_DIV_VERIFIER_WORKERS", int)}
+        "float_round": ("OPENRLHF_DIV_SQL_FLOAT_ROUND", int), "num_workers": ("OPENRLHF_DIV_VERIFIER_WORKERS", int),
+        "sql_block": ("OPENRLHF_DIV_SQL_BLOCK", str), "max_result_mb": ("OPENRLHF_DIV_SQL_MAX_RESULT_MB", float)}
 
 
 def check_databases(task, labels) -> None:

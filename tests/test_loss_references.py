@@ -1,13 +1,13 @@
-"""The fused losses (``algorithms/_fused.py``: value + hand-derived gradient, one backward
-product) against the plain autograd expressions of the same formulas, written here with
-``torch.where`` masking and autograd's own derivatives; plus gradcheck in float64, the
-registry's fused composition and its logged metrics, and Clip-Cov's random pick."""
+"""The library's losses against independent reference expressions of the spec's formulas,
+written here with ``torch.where`` masking and autograd's own derivatives; plus gradcheck in
+float64, the registry's composition and its logged metrics, and Clip-Cov's random pick.
+(The hand-fused losses these tests were written for have left the library, issue 11; the
+expectations are unchanged.)"""
 import math
 
 import pytest
 import torch
 
-import openrlhf_div.algorithms._fused as fused
 from openrlhf_div.algorithms import (
     AnchorInputs,
     LossInputs,
@@ -24,7 +24,6 @@ from openrlhf_div.algorithms import (
     list_methods,
     ppo_clip_loss,
 )
-from openrlhf_div.algorithms.losses import _uniform_pick
 
 F64 = torch.float64
 
@@ -158,17 +157,14 @@ def test_ppo_without_grad_gives_the_same_value():
     assert torch.equal(a, b) and not a.requires_grad
 
 
-def test_ppo_clip_stats_is_ppo_clip_mask():
+def test_ppo_clipfrac_metric_is_ppo_clip_mask():
     i = inputs(4)
-    for need in (True, False):
-        st = {}
-        fused.ppo_clip_terms(i["lp"], i["old"], i["A"], fused.Keep(i["mask"]), 0.2, 0.28, 3.0, need, st)
-        r = torch.exp(_w(i["mask"], i["lp"] - i["old"]).clamp(-20, 20))
-        A = i["A"]
-        want = _w(i["mask"], (((A > 0) & (r > 1.28)) | ((A < 0) & (r < 0.8))).to(F64))
-        assert torch.equal(st["clipped"], want)
-        got = fused.clipped_count(i["lp"], i["old"], i["A"], fused.Keep(i["mask"]), 0.2, 0.28)
-        assert float(got) == float(want.sum())
+    m = get_method("grpo", eps_high=0.28)
+    _, metrics = m.loss(online=LossInputs(i["lp"], i["old"], i["A"], i["mask"]))
+    r = torch.exp(_w(i["mask"], i["lp"] - i["old"]).clamp(-20, 20))
+    A = i["A"]
+    want = _w(i["mask"], (((A > 0) & (r > 1.28)) | ((A < 0) & (r < 0.8))).to(F64))
+    assert metrics["clipfrac"] == pytest.approx(float(want.sum() / i["mask"].sum()), rel=1e-12)
 
 
 # ------------------------------------------------------------------ k3 and JS-definition
@@ -194,6 +190,8 @@ def test_js_def_matches_autograd(on):
 
 
 def test_float32_accuracy_no_worse_than_the_plain_expressions():
+    # (the fused code's own bound of 2.5e-7 is gone with it: the reference expressions
+    # themselves reach 2.8e-7 on the JS-definition gradient, and the library now is them)
     i32 = {k: v.float() for k, v in inputs(7, B=32, T=64, spread=0.3, extremes=False).items()}
     i64 = {k: v.double() for k, v in i32.items()}  # the same (rounded) inputs, exactly
     pairs = [(lambda k: kl_estimate(k["lp"], k["ref"], k["mask"], "k3"), lambda k: ref_k3(k["lp"], k["ref"], k["mask"]))]
@@ -208,7 +206,6 @@ def test_float32_accuracy_no_worse_than_the_plain_expressions():
             errs.append(((v32.double() - v64).abs().max(), (g32.double() - g64).abs().max()))
         (ev, eg), (rv, rg) = errs
         assert ev <= 2 * rv + 1e-8 and eg <= 2 * rg + 1e-8, errs
-        assert ev < 2.5e-7 and eg < 2.5e-7, errs  # exp(d) is within an ulp: ~1.2e-7 near 1
 
 
 @pytest.mark.parametrize("name", ["ppo", "k3", "k3_clamp25", "js_anchor", "js_online", "clip_cov_none"])
@@ -226,21 +223,7 @@ def test_gradcheck(name):
     assert torch.autograd.gradcheck(fns[name], (lp,), eps=1e-6, atol=1e-6)
 
 
-def test_cpu_shortcut_equals_the_full_path(monkeypatch):
-    """``within`` skips clamps that cannot bind (CPU); forcing the full path changes nothing."""
-    i = inputs(9, spread=0.2)
-    i["ref"][4, 0], i["ref"][5, 1] = i["lp"][4, 0], i["lp"][5, 1]  # no clamp binds
-    fns = [lambda k: kl_estimate(k["lp"], k["ref"], k["mask"], "k3"),
-           lambda k: dph_js_def_loss(k["lp"], k["ref"], k["mask"], "online")]
-    fast = [value_and_grad(f, i) for f in fns]
-    assert fused.within(i["lp"], -10.0, 1.0)
-    monkeypatch.setattr(fused, "within", lambda x, lo, hi: False)
-    for f, (v, (g,)) in zip(fns, fast):
-        v2, (g2,) = value_and_grad(f, i)
-        assert torch.equal(v, v2) and torch.equal(g, g2)
-
-
-# ------------------------------------------------------------------ the other fused losses
+# ------------------------------------------------------------------ the other losses
 def test_cispo_matches_autograd():
     i = inputs(12)
     got, (g,) = value_and_grad(lambda k: cispo_loss(k["lp"], k["old"], k["A"], k["mask"], 0.2, 0.28), i)
@@ -317,29 +300,33 @@ def test_gradcheck_more(name):
 
 
 # ------------------------------------------------------------------ Clip-Cov's pick
-def test_uniform_pick_is_uniform_distinct_and_seeded():
-    cand = torch.zeros(400)
-    cand[torch.arange(0, 400, 7)] = 1.0  # 58 candidates
+def test_clip_cov_pick_is_uniform_distinct_and_seeded():
+    """Clip-Cov detaches ``max(1, floor(ratio N))`` candidates, uniformly among them, seeded."""
+    B, T = 4, 100
+    lp = torch.full((B, T), -1.0, dtype=F64)
+    A = torch.zeros(B, T, dtype=F64)
+    A[:, ::7] = 1.0  # covariance > 0 only where A > 0 and lp above its mean
+    lp[:, ::7] = 0.0
+    old = lp.clone()  # r = 1: nothing clipped
+    mask = torch.ones(B, T, dtype=F64)
+    cand = torch.zeros(B, T, dtype=torch.bool)
+    cand[:, ::7] = True
     n = int(cand.sum())
-    counts = torch.zeros(400)
-    for seed in range(600):
-        p = _uniform_pick(cand, n, 5, torch.Generator().manual_seed(seed))
-        assert p.numel() == 5 and p.unique().numel() == 5 and torch.all(cand[p] == 1)
-        counts[p] += 1
-    assert torch.equal(_uniform_pick(cand, n, 5, torch.Generator().manual_seed(3)),
-                       _uniform_pick(cand, n, 5, torch.Generator().manual_seed(3)))
-    c = counts[cand == 1]
-    expect = 600 * 5 / n  # ~51.7 per candidate; a chi-square test at ~1e-4 significance
+    counts = torch.zeros(B, T)
+    for seed in range(300):
+        x = lp.clone().requires_grad_(True)
+        clip_cov_loss(x, old, A, mask, ratio=5.5 / (B * T), lb=0.5, ub=1e9,
+                      generator=torch.Generator().manual_seed(seed)).sum().backward()
+        picked = (x.grad == 0) & cand
+        assert int(picked.sum()) == 5 and not bool(((x.grad == 0) & ~cand & (A != 0)).any())
+        counts += picked
+    c = counts[cand]
+    expect = 300 * 5 / n
     chi2 = float(((c - expect) ** 2 / expect).sum())
-    assert chi2 < 110, chi2  # 57 degrees of freedom
-    # sparse candidates (fallback: nonzero + permutation) and k = all candidates
-    sparse = torch.zeros(1000)
-    sparse[[3, 500, 999]] = 1.0
-    assert sorted(_uniform_pick(sparse, 3, 3, None).tolist()) == [3, 500, 999]
-    assert set(_uniform_pick(sparse, 3, 2, torch.Generator().manual_seed(0)).tolist()) <= {3, 500, 999}
+    assert chi2 < 110, chi2  # n - 1 = 59 degrees of freedom
 
 
-# ------------------------------------------------------------------ the registry's fused path
+# ------------------------------------------------------------------ the registry's composition
 def _metrics_reference(m, lp, old, A, mask, ref):
     h = m.hparams
     r = torch.exp(_w(mask, lp - old).clamp(-20, 20))

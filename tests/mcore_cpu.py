@@ -1,4 +1,9 @@
-"""Run Megatron-core's model, DDP wrapper and optimizers on CPU (tests and CI only).
+"""Test scaffolding for megatron-core on CPU: the CUDA-to-CPU shim and N gloo processes.
+
+Not part of the package: the production engine (``openrlhf_div.engines.megatron``) runs
+megatron-core unmodified; these tests enter :func:`megatron_cpu_compat` around it.
+
+**The shim.** Run Megatron-core's model, DDP wrapper and optimizers on CPU (tests and CI only).
 
 megatron-core 0.16 places a few tensors on ``"cuda"`` unconditionally (rotary ``inv_freq``,
 the default causal mask, optimizer scalars and scratch buffers) and calls a handful of
@@ -15,17 +20,31 @@ in CPU tests with 1-2 gloo processes:
 * the model-parallel CUDA RNG tracker's ``fork()`` becomes a no-op (the configs here use no
   dropout, so no random stream is consumed inside it).
 
-Never used when CUDA is available: on a GPU the engine runs Megatron unmodified.
+Never active when CUDA is available.
+
+**The processes.** ``run_multiprocess(fn, world_size=2)`` forks ``world_size`` processes,
+initialises ``torch.distributed`` with the gloo backend on a free local port, calls
+``fn(rank, world_size, *args)`` in each (inside :func:`megatron_cpu_compat`) and returns the
+per-rank return values (picklable) in rank order. A child that raises fails the call with its
+traceback; a child that hangs is killed after ``timeout`` seconds. Fork (not spawn) keeps
+start-up fast: children inherit the parent's imported modules.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import io
+import multiprocessing as mp
+import os
+import queue as _queue
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Iterator, List, Sequence
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["megatron_cpu_compat", "is_cpu_compat_active"]
+__all__ = ["megatron_cpu_compat", "is_cpu_compat_active", "free_port", "run_multiprocess"]
 
 _ACTIVE = [0]
 
@@ -108,3 +127,72 @@ def megatron_cpu_compat() -> Iterator[None]:
 
 def is_cpu_compat_active() -> bool:
     return _ACTIVE[0] > 0
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank, world_size, port, args, q, timeout):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout))
+        with megatron_cpu_compat():
+            out = fn(rank, world_size, *args)
+        buf = io.BytesIO()
+        torch.save(out, buf)  # by value: torch's queue pickler would pass tensors by file descriptor
+        q.put((rank, True, buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        q.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # pragma: no cover
+            pass
+
+
+def run_multiprocess(fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] = (),
+                     timeout: float = 60.0) -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo-connected processes."""
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, tuple(args), q, timeout), daemon=False)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict = {}
+    errors: List[str] = []
+    try:
+        for _ in range(world_size):
+            try:
+                rank, ok, out = q.get(timeout=timeout)
+            except _queue.Empty:
+                errors.append(f"timed out after {timeout:.0f}s waiting for {world_size - len(results)} process(es)")
+                break
+            if ok:
+                import torch
+
+                results[rank] = torch.load(io.BytesIO(out), weights_only=False)
+            else:
+                errors.append(f"rank {rank} failed:\n{out}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    if errors:
+        raise RuntimeError("run_multiprocess: " + "\n".join(errors))
+    return [results[r] for r in range(world_size)]

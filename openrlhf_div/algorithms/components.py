@@ -1,0 +1,274 @@
+"""The built-in components (ALGORITHMS.md sections 1-5), each registered by name, and the
+preset methods composed of them. Every component is a thin call of the functional API
+(``losses``, ``kl``, ``advantages``): plain autograd, the spec's formulas.
+
+A user's component looks the same, in any module::
+
+    @register_policy_loss("my_loss", defaults={"my_eps": 0.2})
+    def my_loss(b: LossInputs, my_eps):
+        r = torch.exp((b.log_probs - b.old_log_probs).clamp(-20, 20))
+        return zero_masked(-b.advantages * r.clamp(max=1 + my_eps), b.mask), {}
+
+    register_method(Method("my_method", "PPO without the lower clip", policy_loss="my_loss"))
+"""
+from __future__ import annotations
+
+import torch
+
+from ._utils import masked_mean, unknown_name_error
+from .authors import JS_DEF_ONLINE_MODES, LOG_Z_HEADS, clamp_k3, js_def_online_gate
+from .advantages import (
+    ds_reshape_advantages,
+    entropy_advantages,
+    group_advantages,
+    passk_advantages,
+    pkpo_advantages,
+    unlikeliness_rewards,
+)
+from .divergences import check_alpha
+from .kl import kl_estimate
+from .losses import (
+    cispo_loss,
+    clip_cov_loss,
+    diff_entropy_loss,
+    dph_anchor_loss,
+    dph_js_def_loss,
+    entropy_loss,
+    flowrl_loss,
+    kl_cov_loss,
+    lad_loss,
+    ppo_clip_loss,
+)
+from .registry import (
+    LossInputs,
+    Method,
+    Needs,
+    register_adv_reshaping,
+    register_anchor,
+    register_estimator,
+    register_method,
+    register_policy_loss,
+    register_regularizer,
+    register_reward_shaping,
+)
+
+REF = Needs(ref_log_probs=True)
+ENTROPY = Needs(entropy=True)
+
+
+# ------------------------------------------------------------------ estimators (section 1)
+for _name in ("grpo", "dr_grpo", "rloo"):
+    register_estimator(_name)((lambda est: lambda rewards, group_size, correct: group_advantages(
+        rewards, group_size, est))(_name))
+
+
+@register_estimator("passk", defaults={"passk_k": 4})
+def passk(rewards, group_size, correct, passk_k):
+    return passk_advantages(correct.to(torch.float32), group_size, int(passk_k))
+
+
+@register_estimator("pkpo", defaults={"passk_k": 4})
+def pkpo(rewards, group_size, correct, passk_k):
+    return pkpo_advantages(correct.to(torch.float32), group_size, int(passk_k))
+
+
+# ------------------------------------------------------------------ reward shaping (section 3)
+@register_reward_shaping("unlikeliness", defaults={"unlikeliness_beta": 0.25})
+def unlikeliness(rewards, group_size, *, seq_mean_old_log_probs, lengths, unlikeliness_beta):
+    if seq_mean_old_log_probs is None:
+        raise ValueError("the unlikeliness reward needs seq_mean_old_log_probs (the responses' mean old log-prob)")
+    return unlikeliness_rewards(rewards, seq_mean_old_log_probs, group_size, unlikeliness_beta)
+
+
+# ------------------------------------------------------------------ advantage reshaping (section 3)
+@register_adv_reshaping("ds", defaults={"gamma_p": 0.01, "gamma_n": 0.01, "ds_granularity": "token"})
+def ds(advantages, *, correct, old_log_probs, mask, gamma_p, gamma_n, ds_granularity):
+    return ds_reshape_advantages(advantages, correct, old_log_probs, mask, float(gamma_p), float(gamma_n),
+                                 ds_granularity)
+
+
+@register_adv_reshaping("entadv", defaults={"entadv_alpha": 0.4, "entadv_kappa": 2.0}, needs=ENTROPY, at="loss")
+def entadv(advantages, b: LossInputs, entadv_alpha, entadv_kappa):
+    return entropy_advantages(advantages, b.entropy, b.mask, float(entadv_alpha), float(entadv_kappa))
+
+
+# ------------------------------------------------------------------ policy losses (sections 2 and 5)
+@register_policy_loss("ppo_clip", defaults={"eps_low": 0.2, "eps_high": 0.2, "dual_clip": 3.0})
+def ppo_clip(b: LossInputs, eps_low, eps_high, dual_clip):
+    return ppo_clip_loss(b.log_probs, b.old_log_probs, b.advantages, b.mask, eps_low, eps_high, dual_clip), {}
+
+
+@register_policy_loss("cispo", defaults={"eps_low": 1.0, "eps_high": 0.28})
+def cispo(b: LossInputs, eps_low, eps_high):
+    return cispo_loss(b.log_probs, b.old_log_probs, b.advantages, b.mask, eps_low, eps_high), {}
+
+
+@register_policy_loss("clip_cov", defaults={"eps_low": 0.2, "eps_high": 0.2, "dual_clip": 3.0,
+                                            "clip_cov_ratio": 2e-4, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0})
+def clip_cov(b: LossInputs, eps_low, eps_high, dual_clip, clip_cov_ratio, clip_cov_lb, clip_cov_ub):
+    return clip_cov_loss(b.log_probs, b.old_log_probs, b.advantages, b.mask, eps_low, eps_high, dual_clip,
+                         clip_cov_ratio, clip_cov_lb, clip_cov_ub, generator=b.generator), {}
+
+
+@register_policy_loss("kl_cov", defaults={"kl_cov_ratio": 2e-3, "kl_cov_k": 1.0, "kl_cov_min_one": False})
+def kl_cov(b: LossInputs, kl_cov_ratio, kl_cov_k, kl_cov_min_one):
+    """``kl_cov_min_one``: penalise at least one token, as verl (docs/ALGORITHMS.md 9, row 9c)."""
+    return kl_cov_loss(b.log_probs, b.old_log_probs, b.advantages, b.mask, kl_cov_ratio, kl_cov_k,
+                       bool(kl_cov_min_one)), {}
+
+
+def _check_lad(h):
+    if not float(h["lad_eta"]) > 0:
+        raise ValueError(f"lad_eta must be > 0, got {h['lad_eta']}")
+
+
+@register_policy_loss("lad", defaults={"lad_divergence": "js", "lad_eta": 0.25, "lad_granularity": "token",
+                                       "lad_clip": None, "lad_hellinger_half": True}, check=_check_lad)
+def lad(b: LossInputs, lad_divergence, lad_eta, lad_granularity, lad_clip, lad_hellinger_half):
+    """``lad_hellinger_half: false``: Hellinger without the 1/2, as the LAD paper's Table 5 loss
+    column writes it (twice the loss and gradient; docs/ALGORITHMS.md 9, row 6b)."""
+    loss = lad_loss(b.log_probs, b.old_log_probs, b.advantages, b.mask, lad_divergence, float(lad_eta),
+                    lad_granularity, tuple(lad_clip) if lad_clip is not None else None)
+    if lad_divergence == "hellinger" and not lad_hellinger_half:
+        loss = 2.0 * loss
+    return loss, {}
+
+
+def _check_flowrl(h):
+    if h["log_z_head"] not in LOG_Z_HEADS:
+        raise unknown_name_error("log_z_head", h["log_z_head"], LOG_Z_HEADS)
+    if h["flowrl_max_weight"] is not None and not float(h["flowrl_max_weight"]) > 0:
+        raise ValueError(f"flowrl_max_weight must be > 0 or null (unclipped), got {h['flowrl_max_weight']}")
+
+
+@register_policy_loss("flowrl", defaults={"flowrl_beta": 15.0, "flowrl_max_weight": 10.0,
+                                          "log_z_head": "small_detached"},
+                      needs=Needs(ref_log_probs=True, prompt_hidden=True), check=_check_flowrl)
+def flowrl(b: LossInputs, flowrl_beta, flowrl_max_weight, log_z_head):
+    """``flowrl_max_weight: null``: the unclipped importance weight of the authors' code;
+    ``log_z_head`` is read by the engines when they build the head (heads.make_log_z_head)."""
+    seq_adv = masked_mean(b.advantages, b.mask, dim=1)
+    return flowrl_loss(b.log_probs, b.old_log_probs, b.ref_log_probs, seq_adv, b.log_z, b.mask,
+                       float(flowrl_beta), None if flowrl_max_weight is None else float(flowrl_max_weight)), {}
+
+
+# ------------------------------------------------------------------ regularizers (sections 2, 4, 5)
+@register_regularizer("kl", defaults={"kl_coef": 0.01, "kl_estimator": "k3"}, needs=REF)
+def kl(b: LossInputs, kl_coef, kl_estimator):
+    k = kl_estimate(b.log_probs, b.ref_log_probs, b.mask, kl_estimator)
+    return float(kl_coef) * k, {"kl": k}
+
+
+@register_regularizer("entropy", defaults={"entropy_coef": 1e-3}, needs=ENTROPY)
+def entropy(b: LossInputs, entropy_coef):
+    return entropy_loss(b.entropy, b.mask, float(entropy_coef)), {"entropy": b.entropy}
+
+
+@register_regularizer("diff_entropy", defaults={"entropy_coef_pos": 1e-3, "entropy_coef_neg": 1e-3}, needs=ENTROPY)
+def diff_entropy(b: LossInputs, entropy_coef_pos, entropy_coef_neg):
+    if b.correct is None:
+        raise ValueError("the diff_entropy regularizer needs LossInputs.correct ([B] bool); got None")
+    loss = diff_entropy_loss(b.entropy, b.correct, b.mask, float(entropy_coef_pos), float(entropy_coef_neg))
+    return loss, {"entropy": b.entropy}
+
+
+def _check_js_def(h):
+    if h["js_def_online"] not in JS_DEF_ONLINE_MODES:
+        raise unknown_name_error("js_def_online", h["js_def_online"], JS_DEF_ONLINE_MODES)
+    if h.get("js_def_clamp") is not None and not float(h["js_def_clamp"]) > 0:
+        raise ValueError(f"js_def_clamp must be > 0 or null, got {h['js_def_clamp']}")
+
+
+@register_regularizer("js_def_online", defaults={"js_def_lambda": 0.125, "anchor_eta": 0.2, "js_def_online": "fixed",
+                                                 "js_def_ratio": 1, "js_def_clamp": None},
+                      needs=REF, check=_check_js_def)
+def js_def_online(b: LossInputs, js_def_lambda, anchor_eta, js_def_online, js_def_ratio, js_def_clamp):
+    """``eta * lambda * KL(pi || M)`` on rollout tokens, with the anchor's weight ``eta``. The
+    DPH-RL authors' code (docs/ALGORITHMS.md 9, rows 3a-b): ``js_def_online: stochastic`` adds
+    ``eta * KL(pi || M)`` to a micro-batch when ``randint(1, 10) <= js_def_ratio`` (drawn from
+    ``LossInputs.generator``) and nothing otherwise; ``js_def_clamp`` clamps the k3 value."""
+    js = dph_js_def_loss(b.log_probs, b.ref_log_probs, b.mask, on="online")
+    if js_def_clamp is not None:
+        js = clamp_k3(js, float(js_def_clamp))
+    if js_def_online == "fixed":
+        w = float(anchor_eta) * float(js_def_lambda)
+    else:
+        if b.generator is None:
+            raise ValueError("js_def_online='stochastic' needs LossInputs.generator (a seeded torch.Generator; "
+                             "both engines pass theirs)")
+        w = float(anchor_eta) if js_def_online_gate(b.generator, int(js_def_ratio)) else 0.0
+    return w * js, {"js_def_online": js}
+
+
+# ------------------------------------------------------------------ D_pef anchors (section 4)
+for _name, _eta in (("forward_kl", 0.01), ("js", 0.2)):
+    register_anchor(_name, eta=_eta)((lambda div: lambda a: dph_anchor_loss(
+        a.log_probs, a.ref_log_probs, a.mask, div))(_name))
+
+
+@register_anchor("alpha", defaults={"anchor_alpha": 0.5}, eta=0.01, check=lambda h: check_alpha(h["anchor_alpha"]))
+def alpha(a, anchor_alpha):
+    return dph_anchor_loss(a.log_probs, a.ref_log_probs, a.mask, "alpha", alpha=anchor_alpha)
+
+
+@register_anchor("js_def", defaults={"js_def_clamp": None}, eta=0.2)
+def js_def(a, js_def_clamp):
+    loss = dph_js_def_loss(a.log_probs, a.ref_log_probs, a.mask, on="anchor")
+    return loss if js_def_clamp is None else clamp_k3(loss, float(js_def_clamp))
+
+
+# ------------------------------------------------------------------ preset methods
+def _presets() -> None:
+    D, S, L = ("DPH-RL (seed 000)", "Differential Smoothing (seed 002)", "LAD (seed 003)")
+    P = [
+        Method("grpo", "GRPO: group-normalised advantages, PPO-clip 0.2/0.2, no KL"),
+        Method("dr_grpo", "Dr. GRPO: mean-centred advantages without std division", estimator="dr_grpo"),
+        Method("rloo", "RLOO: leave-one-out baseline", estimator="rloo"),
+        Method("dapo", "DAPO: clip-higher 0.28, token-mean, dynamic sampling, overlong shaping",
+               dynamic_sampling=True,
+               hparams={"eps_high": 0.28, "overlong_max_len": 20480, "overlong_cache_len": 4096}),
+        Method("rkl", "GRPO + reverse KL (k3) to the online reference, beta 0.01",
+               regularizers=("kl",), hparams={"eps_high": 0.28, "kl_coef": 0.01}, paper=D),
+        Method("dph_f", "DPH-RL forward KL: PPO-clip without KL on D_exp + generator-form "
+               "KL(pi_ref||pi) on D_pef, eta 0.01", anchor="forward_kl",
+               hparams={"eps_high": 0.28}, paper=D),
+        Method("dph_js", "DPH-RL Jensen-Shannon generator anchor on D_pef, eta 0.2", anchor="js",
+               hparams={"eps_high": 0.28}, paper=D),
+        Method("dph_alpha", "DPH-RL alpha-divergence anchor (alpha 0.5), eta 0.01", anchor="alpha",
+               hparams={"eps_high": 0.28}, paper=D),
+        Method("dph_js_def", "DPH-RL JS by definition: KL(ref||M) on D_pef + KL(pi||M) on rollouts "
+               "(needs the online reference)", anchor="js_def", regularizers=("js_def_online",),
+               hparams={"eps_high": 0.28}, paper=D),
+        Method("ds_grpo", "DS-GRPO: A - gamma_p old_t on correct, A + gamma_n old_t on incorrect",
+               adv_reshaping=("ds",), hparams={"eps_high": 0.25}, paper=S),
+        Method("ds_grpo_seq", "DS-GRPO as the paper's Eq. 6 writes it: gamma x log pi_old(y) of the whole response",
+               adv_reshaping=("ds",), hparams={"eps_high": 0.25, "ds_granularity": "seq_sum"}, paper=S),
+        Method("ds_positive", "DS ablation: reshape correct responses only (gamma_n = 0)",
+               adv_reshaping=("ds",), hparams={"eps_high": 0.25, "gamma_n": 0.0}, paper=S),
+        Method("ds_negative", "DS ablation: reshape incorrect responses only (gamma_p = 0)",
+               adv_reshaping=("ds",), hparams={"eps_high": 0.25, "gamma_p": 0.0}, paper=S),
+        Method("entropy_bonus", "GRPO + entropy bonus c_H H (c_H = 1e-3)", regularizers=("entropy",),
+               hparams={"eps_high": 0.25, "entropy_coef": 1e-3}, paper=S),
+        Method("entropy_penalty", "GRPO + entropy penalty (c_H = -1e-3)", regularizers=("entropy",),
+               hparams={"eps_high": 0.25, "entropy_coef": -1e-3}, paper=S),
+        Method("diff_entropy", "Differential entropy control: bonus on correct, penalty on incorrect",
+               regularizers=("diff_entropy",), hparams={"eps_high": 0.25}, paper=S),
+        Method("cispo", "CISPO: clipped, detached IS weight times A log pi", policy_loss="cispo"),
+        Method("clip_cov", "Clip-Cov: detach random high-covariance tokens", policy_loss="clip_cov"),
+        Method("kl_cov", "KL-Cov: |log r| penalty on the top-covariance tokens", policy_loss="kl_cov"),
+        Method("entadv", "EntAdv: A + min(alpha sg(H), |A|/kappa)", adv_reshaping=("entadv",)),
+        Method("flowrl", "FlowRL: length-normalised trajectory balance with a learned log Z",
+               policy_loss="flowrl", aggregation="seq-mean-token-mean"),
+        Method("unlikeliness", "Unlikeliness reward: discount likely correct answers by rank",
+               reward_shaping=("unlikeliness",)),
+        Method("passk", "Pass@k training, analytical advantage (k = 4)", estimator="passk"),
+        Method("pkpo", "PKPO: unbiased pass@k reward transform + leave-one-out baseline", estimator="pkpo"),
+    ]
+    for div in ("kl", "reverse_kl", "jeffreys", "tv", "hellinger", "js"):
+        P.append(Method(f"lad_{div}", f"LAD with the {div} f-divergence, eta 0.25, no PPO clip",
+                        policy_loss="lad", hparams={"lad_divergence": div}, paper=L))
+    for m in P:
+        register_method(m)
+
+
+_presets()

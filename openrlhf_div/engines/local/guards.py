@@ -1,0 +1,111 @@
+"""No silent non-learning: set-ups whose updates are all zero stop with a reason.
+
+* An anchor method (DPH-RL) whose D_pef is empty trains exactly like GRPO: the trainer stops
+  with the pre-sampling ``#correct`` histogram and the threshold to change
+  (:class:`EmptyAnchorError`).
+* ``rollout.group_size < 2`` with a group advantage estimator gives zero advantages: a
+  config error (:func:`check_group_size`).
+* A group whose rewards are all equal has zero advantage for every method's estimator; a
+  step whose groups are *all* such is degenerate. :func:`degenerate_stats` counts them
+  (metrics ``degenerate_groups_frac`` and ``degenerate_step``, and why: every response
+  truncated, every reward 0, or all rewards equal) and :class:`DegenerateMonitor` stops the
+  run after ``optim.stop_after_degenerate_steps`` consecutive degenerate steps.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, Optional
+
+import torch
+
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "passk", "pkpo")
+
+
+class EmptyAnchorError(ValueError):
+    """An anchor method was given an empty D_pef."""
+
+
+class DegenerateRunError(RuntimeError):
+    """Too many consecutive steps without any learning signal."""
+
+
+def empty_anchor_message(method: str, anchor_path: str) -> str:
+    msg = (f"method {method!r} anchors on D_pef, but {anchor_path} holds no sample: with an empty D_pef it "
+           f"trains exactly like GRPO.")
+    summary = os.path.join(os.path.dirname(os.path.abspath(anchor_path)), "summary.json")
+    if os.path.exists(summary):
+        try:
+            with open(summary, encoding="utf-8") as f:
+                s = json.load(f)
+            hist = s.get("correct_histogram") or []
+            n_pre, tau = s.get("n_pre"), s.get("tau")
+            best = max((k for k, v in enumerate(hist) if v), default=0)
+            msg += (f" Pre-sampling: {s.get('n_prompts')} prompts x {n_pre} samples, near-perfect = #correct >= "
+                    f"{tau}; #correct histogram " + " ".join(f"{k}:{v}" for k, v in enumerate(hist)) + ".")
+            if best > 0:
+                n_at = sum(hist[best:])
+                msg += (f" Lower the threshold, e.g. `openrlhf-div presample ... --tau {best} --overwrite` "
+                        f"(presample.tau={best}: {n_at} prompt(s) would qualify),")
+            else:
+                msg += " No prompt was solved even once: the base model cannot anchor on this data;"
+        except (OSError, ValueError):
+            pass
+    return msg + " or train a method without an anchor (e.g. method.name=grpo)."
+
+
+def check_group_size(method, group_size: int) -> Optional[str]:
+    """The config error for ``group_size < 2`` with a group estimator, else None."""
+    if int(group_size) < 2 and getattr(method, "estimator", None) in GROUP_ESTIMATORS:
+        return (f"rollout.group_size={group_size}: method {method.name!r} uses the group estimator "
+                f"{method.estimator!r}, whose advantages are all zero with fewer than 2 responses per prompt "
+                f"(nothing would be learned); use rollout.group_size >= 2 (DPH-RL and GRPO papers use 8-16)")
+    return None
+
+
+def degenerate_stats(rewards: torch.Tensor, finished: torch.Tensor, group_size: int) -> Dict[str, Any]:
+    """Per step: the share of groups whose rewards are all equal, whether every group is so
+    (``degenerate_step``), and why (``degenerate_reason``: ``all truncated`` /
+    ``all rewards 0`` / ``all rewards equal``; empty when the step is fine)."""
+    r = rewards.detach().float().cpu().view(-1, group_size)
+    flat = (r.max(1).values - r.min(1).values) <= 1e-12
+    frac = float(flat.float().mean()) if r.numel() else 0.0
+    step_deg = bool(flat.all()) if r.numel() else False
+    reason = ""
+    if step_deg:
+        parts = []
+        if finished.numel() and not bool(finished.bool().any()):
+            parts.append("every response was truncated at max_new_tokens")
+        if float(r.abs().max()) == 0.0:
+            parts.append("every reward was 0")
+        elif float(r.max() - r.min()) == 0.0:
+            parts.append(f"every reward was {float(r[0, 0]):g}")
+        else:
+            parts.append("within each group all rewards were equal")
+        reason = " and ".join(parts)
+    return {"degenerate_groups_frac": frac, "degenerate_step": float(step_deg), "degenerate_reason": reason}
+
+
+class DegenerateMonitor:
+    """Counts consecutive degenerate steps; :meth:`update` raises :class:`DegenerateRunError`
+    when ``limit`` (> 0) of them follow each other."""
+
+    def __init__(self, limit: int):
+        self.limit = int(limit)
+        self.consecutive = 0
+        self.total = 0
+
+    def update(self, stats: Dict[str, Any], step: int) -> None:
+        if stats.get("degenerate_step"):
+            self.consecutive += 1
+            self.total += 1
+        else:
+            self.consecutive = 0
+        stats["degenerate_steps_total"] = float(self.total)
+        if self.limit > 0 and self.consecutive >= self.limit:
+            raise DegenerateRunError(
+                f"{self.consecutive} consecutive steps (up to step {step}) without any learning signal: "
+                f"{stats.get('degenerate_reason') or 'all groups had equal rewards'}, so every advantage was 0. "
+                f"Check the data and task (do labels match the answers the model gives?), raise "
+                f"rollout.max_new_tokens if responses are cut off, or use an easier curriculum; "
+                f"optim.stop_after_degenerate_steps=0 disables this stop")

@@ -1,0 +1,331 @@
+"""Memory plan of a colocated Megatron actor layout for Qwen2.5-32B, on paper (a planning tool).
+
+    python scripts/megatron_memory.py --config configs/megatron/X.yaml     # one config's plan
+    python scripts/megatron_memory.py --markdown                           # docs/scaling_megatron.md tables
+    python scripts/megatron_memory.py --tp 8 --dp 2 [--cpu_offload] ...    # any layout
+
+It counts what megatron-core 0.16, the engine's offload (``engines/megatron/offload.py``) and
+vLLM's sleep mode actually allocate, per GPU and per node, in the three phases of a colocated
+step (OpenRLHF's order: generate -> old log-probs -> reload/fit/offload -> weight sync).
+``tests/test_megatron_configs.py`` checks that every ``configs/megatron/*.yaml`` states the
+figures this model gives (its ``cluster.plan_*`` keys). Bytes, with ``P`` the parameters of this
+GPU's model shard and ``P_s = P / dp`` the distributed optimiser's shard of it:
+
+GPU, actor during ``fit`` (:func:`estimate_memory`)
+
+* weights ``2P`` (bf16); gradient buffer ``4P`` (fp32, ``grad_reduce_in_fp32``) or ``2P``;
+* optimiser on the GPU: fp32 main params + Adam ``m``, ``v`` = ``12 P_s``; with the host
+  optimiser (``--megatron.optimizer_cpu_offload``, offload fraction ``f``) ``12 (1 - f) P_s`` --
+  as megatron-core expects it, with ``use_precision_aware_optimizer``; without that flag the
+  distributed optimiser would still keep fp32 main-param shards on the GPU, ``+4 f P_s``
+  (``precision_aware=False`` shows that variant);
+* activations with full recomputation: each layer's input ``2 s b h`` (/ tp with sequence
+  parallelism) x layers of the stage (x ``pp`` micro-batches in flight), plus one layer's working
+  set ``2 x 2 s b (6h + 2gd + 3f_ffn) / tp``; with selective or no recomputation, Korthikanti et
+  al.'s ``s b h (34 + ...) / tp`` per layer without the attention-score term (flash attention);
+* log-probs from hidden states: the vocabulary-parallel kernel works on token chunks of at most
+  ``2^26`` fp32 logits (256 MiB), so no ``[s, V/tp]`` logits exist; counted as three chunk-sized
+  buffers (logits, their exponentials, the gradient in backward);
+* overhead: the actor's and the sleeping vLLM worker's CUDA contexts, NCCL buffers,
+  fragmentation: 5 GiB.
+
+GPU, generation (actor offloaded): vLLM's budget ``gpu_memory_utilization x GPU`` + the actor's
+resident bf16 weights ``2P`` + its CUDA context (1 GiB). GPU, weight sync: vLLM's weights only
+(``model bytes / vllm_tp``, woken with ``tags=["weights"]``) + its context + the actor's weights
+and context + the largest gathered tensor three times (TP shards, merged tensor, CUDA-IPC clone).
+
+Host (:func:`node_plan`), per GPU then times GPUs per node:
+
+* host optimiser (megatron-core's ``HybridDeviceOptimizer``): fp32 master ``4 f P_s`` + Adam
+  ``8 f P_s`` (pageable) + fp32 gradient copies ``4 f P_s`` (pinned, ``pin_cpu_grads``); without
+  the precision-aware flag the fp32 master copy is pinned too;
+* optimiser state on the GPU is copied to pinned host buffers while offloaded (``offload.py``):
+  ``12 (1 - f) P_s`` pinned, during generation and weight sync;
+* vLLM sleep (level 1) keeps each engine's weights in pinned host memory: ``model bytes`` per
+  engine on the node.
+
+Not counted: the Ray object store, dataloaders, the HF export's 4 GiB shard buffer (rank 0 only).
+
+Model FLOPs per trained token (the MFU numerator; recomputation not counted):
+``6 (L (h (h + 2gd) + h^2 + 3 h f) + V h) + 6 L h s_bar`` with ``s_bar = s / 2``;
+:func:`expected_mfu` multiplies assumed efficiencies (no GPU in the CI).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from dataclasses import dataclass, replace
+from typing import Dict, Optional
+
+try:
+    from openrlhf_div.engines.megatron.config import MegatronConfig
+    from openrlhf_div.engines.megatron.weights import GPTLayout, padded_vocab_size
+except ImportError:  # pragma: no cover - run from a checkout without the package installed
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from openrlhf_div.engines.megatron.config import MegatronConfig
+    from openrlhf_div.engines.megatron.weights import GPTLayout, padded_vocab_size
+
+GiB = float(1 << 30)
+H100_BF16_DENSE_TFLOPS = 989.0
+OVERHEAD_GIB = 5.0           # fit: CUDA contexts (actor + sleeping vLLM), NCCL buffers, fragmentation
+ACTOR_CONTEXT_GIB = 1.0      # the actor's CUDA context + NCCL while vLLM runs
+VLLM_CONTEXT_GIB = 1.0       # a vLLM worker's CUDA context (weight sync phase)
+LOGPROB_CHUNK_FLOATS = 1 << 26   # fp32 logits per chunk of the log-prob kernel (algorithms/logprobs.py)
+
+# Qwen2.5-32B / Qwen2.5-Coder-32B / OmniSQL-32B (config.json of the released checkpoints)
+QWEN25_32B = GPTLayout(num_layers=64, hidden_size=5120, num_heads=40, num_kv_heads=8, head_dim=128,
+                       ffn_hidden_size=27648, vocab_size=152064, padded_vocab_size=152064,
+                       tie_embeddings=False, qkv_bias=True, norm_eps=1e-6, rope_theta=1e6,
+                       max_position_embeddings=32768, model_type="qwen2")
+
+
+def with_tp(layout: GPTLayout, tp: int, divisor: int = 128) -> GPTLayout:
+    return replace(layout, padded_vocab_size=padded_vocab_size(layout.vocab_size, tp, divisor))
+
+
+def layer_params(L: GPTLayout) -> int:
+    h, g, d, f = L.hidden_size, L.num_kv_heads, L.head_dim, L.ffn_hidden_size
+    qkv = h * (L.num_heads * d + 2 * g * d) + (L.num_heads * d + 2 * g * d if L.qkv_bias else 0)
+    return qkv + L.num_heads * d * h + 3 * h * f + 2 * h
+
+
+def total_params(L: GPTLayout) -> int:
+    emb = L.vocab_size * L.hidden_size
+    return L.num_layers * layer_params(L) + emb * (1 if L.tie_embeddings else 2) + L.hidden_size
+
+
+@dataclass
+class Memory:
+    """Per-GPU bytes of the actor during ``fit`` plus its host-side optimiser bytes."""
+
+    params_per_gpu: float
+    weights: float
+    grads: float
+    optimizer: float               # fp32 main params + Adam moments left on the GPU
+    main_params_gpu: float         # of which: fp32 main-param shards kept by a non-precision-aware host optimizer
+    act_checkpoints: float
+    act_layer: float
+    logits: float
+    overhead: float
+    host_optimizer: float          # host: fp32 master + Adam moments
+    host_pinned_grads: float       # host, pinned: fp32 gradient copies of the host optimizer
+    host_pinned_master: float      # host, pinned: fp32 master copies (non-precision-aware only)
+
+    @property
+    def total(self) -> float:
+        return (self.weights + self.grads + self.optimizer + self.act_checkpoints + self.act_layer + self.logits
+                + self.overhead)
+
+    def as_gib(self) -> Dict[str, float]:
+        keys = ("weights", "grads", "optimizer", "act_checkpoints", "act_layer", "logits", "overhead")
+        out = {k: getattr(self, k) / GiB for k in keys}
+        out["total"] = self.total / GiB
+        out["host_optimizer_per_gpu"] = (self.host_optimizer + self.host_pinned_grads) / GiB
+        out["params_per_gpu_B"] = self.params_per_gpu / 1e9
+        return out
+
+
+def estimate_memory(L: GPTLayout, m: MegatronConfig, dp: int, seq_len: int, micro_batch: int = 1,
+                    overhead_gib: float = OVERHEAD_GIB, precision_aware: bool = True) -> Memory:
+    """The actor's per-GPU bytes during ``fit`` on the busiest pipeline stage (module docstring)."""
+    L = with_tp(L, m.tp, m.vocab_divisor)
+    tp, pp = m.tp, m.pp
+    h, s, b = L.hidden_size, seq_len, micro_batch
+    layers = math.ceil(L.num_layers / pp)
+    emb = L.padded_vocab_size * h
+    stage_emb = emb * (2 if (pp == 1 and not L.tie_embeddings) else 1)
+    P = (layers * layer_params(L) + stage_emb) / tp
+    weights = (2 if m.bf16 else 4) * P
+    grads = (4 if (m.grad_reduce_in_fp32 or not m.bf16) else 2) * P
+    shard = P / (dp if m.distributed_optimizer else 1)
+    f = m.optimizer_offload_fraction if m.optimizer_cpu_offload else 0.0
+    main_gpu = 4 * f * shard if (f > 0 and not precision_aware) else 0.0
+    optimizer = 12 * (1 - f) * shard + main_gpu
+    sp = tp if m.sp else 1
+    in_flight = pp                                    # 1F1B: the first stage holds pp micro-batches
+    g, d, ffn = L.num_kv_heads, L.head_dim, L.ffn_hidden_size
+    layer_work = 2 * 2 * s * b * (6 * h + 2 * g * d + 3 * ffn) / tp
+    if m.recompute == "full":
+        ckpt = 2 * s * b * h / sp * layers * in_flight
+        act_layer = layer_work
+    else:
+        per_layer = s * b * h * (34 + (3 * ffn - 8 * h) * 2 / h) / sp     # SwiGLU-adjusted, flash attention
+        ckpt = per_layer * layers * in_flight
+        act_layer = 0.0
+    logits = 3 * 4 * min(s * b * L.padded_vocab_size / tp, LOGPROB_CHUNK_FLOATS)
+    return Memory(P, weights, grads, optimizer, main_gpu, ckpt, act_layer, logits, overhead_gib * GiB,
+                  host_optimizer=12 * f * shard, host_pinned_grads=4 * f * shard,
+                  host_pinned_master=0.0 if precision_aware else 4 * f * shard)
+
+
+def model_bytes(L: GPTLayout) -> float:
+    """bf16 weights of the whole (unpadded) model: what one vLLM engine holds and sleeps to the host."""
+    return 2.0 * total_params(L)
+
+
+def largest_tensor_bytes(L: GPTLayout, tp: int, divisor: int = 128) -> float:
+    """The largest HF tensor gathered for weight sync, bf16 (the embedding or the MLP projection)."""
+    Lp = with_tp(L, tp, divisor)
+    return 2.0 * max(Lp.padded_vocab_size * L.hidden_size, 2 * L.ffn_hidden_size * L.hidden_size)
+
+
+def node_plan(L: GPTLayout, m: MegatronConfig, *, dp: int, seq_len: int, gpus_per_node: int, gpu_gib: float,
+              vllm_tp: int, vllm_util: float, precision_aware: bool = True) -> Dict[str, float]:
+    """Per-GPU GiB in each phase of a colocated step and per-node host GiB (module docstring)."""
+    mem = estimate_memory(L, m, dp, seq_len, precision_aware=precision_aware)
+    engines_per_node = gpus_per_node / vllm_tp
+    fit = mem.total
+    generate = vllm_util * gpu_gib * GiB + mem.weights + ACTOR_CONTEXT_GIB * GiB
+    sync = (model_bytes(L) / vllm_tp + VLLM_CONTEXT_GIB * GiB + mem.weights + ACTOR_CONTEXT_GIB * GiB
+            + 3 * largest_tensor_bytes(L, m.tp, m.vocab_divisor))
+    offloaded = mem.optimizer                      # GPU optimiser state -> pinned host while offloaded
+    host_gpu = mem.host_optimizer + mem.host_pinned_grads + offloaded
+    pinned_gpu = mem.host_pinned_grads + mem.host_pinned_master + offloaded
+    vllm_host = engines_per_node * model_bytes(L)
+    return {
+        "params_per_gpu_B": mem.params_per_gpu / 1e9,
+        "gpu_fit_gib": fit / GiB,
+        "gpu_generate_gib": generate / GiB,
+        "gpu_weight_sync_gib": sync / GiB,
+        "gpu_peak_gib": max(fit, generate, sync) / GiB,
+        "host_optimizer_per_gpu_gib": (mem.host_optimizer + mem.host_pinned_grads) / GiB,
+        "host_offloaded_per_gpu_gib": offloaded / GiB,
+        "host_vllm_per_node_gib": vllm_host / GiB,
+        "host_per_node_gib": (gpus_per_node * host_gpu + vllm_host) / GiB,
+        "pinned_host_per_node_gib": (gpus_per_node * pinned_gpu + vllm_host) / GiB,
+    }
+
+
+# figures a config states in its cluster section (rounded as written there)
+CONFIG_KEYS = {"plan_gpu_fit_gib": ("gpu_fit_gib", 1), "plan_gpu_peak_gib": ("gpu_peak_gib", 1),
+               "plan_host_gib_per_node": ("host_per_node_gib", 0),
+               "plan_pinned_host_gib_per_node": ("pinned_host_per_node_gib", 0)}
+
+
+def config_plan(cfg: dict) -> Dict[str, float]:
+    """:func:`node_plan` of a parsed ``configs/megatron/*.yaml``."""
+    flags, cluster = cfg["openrlhf"], cfg["cluster"]
+    mcfg = MegatronConfig(**{k.split(".", 1)[1]: v for k, v in flags.items() if k.startswith("megatron.")})
+    gpus = int(flags["actor.num_nodes"]) * int(flags["actor.num_gpus_per_node"])
+    return node_plan(QWEN25_32B, mcfg, dp=gpus // mcfg.model_parallel_size, seq_len=int(flags["data.max_len"]),
+                     gpus_per_node=int(flags["actor.num_gpus_per_node"]), gpu_gib=float(cluster["gpu_mem_gb"]) * 1e9 / GiB,
+                     vllm_tp=int(flags["vllm.tensor_parallel_size"]),
+                     vllm_util=float(flags["vllm.gpu_memory_utilization"]))
+
+
+def config_figures(cfg: dict) -> Dict[str, float]:
+    """The ``cluster.plan_*`` values a config must state."""
+    plan = config_plan(cfg)
+    return {k: round(plan[src], nd) if nd else int(round(plan[src])) for k, (src, nd) in CONFIG_KEYS.items()}
+
+
+def flops_per_token(L: GPTLayout, seq_len: int) -> float:
+    """Model FLOPs (forward + backward) per trained token (see the module docstring)."""
+    h, g, d, f = L.hidden_size, L.num_kv_heads, L.head_dim, L.ffn_hidden_size
+    matmul = L.num_layers * (h * (L.num_heads * d + 2 * g * d) + L.num_heads * d * h + 3 * h * f) + L.vocab_size * h
+    return 6 * matmul + 6 * L.num_layers * h * (seq_len / 2)
+
+
+def expected_mfu(m: MegatronConfig, seq_len: int, gemm_efficiency: Optional[float] = None,
+                 exposed_tp_comm: float = 0.12) -> Dict[str, float]:
+    """MFU on paper: GEMM efficiency x (model / hardware FLOPs under recomputation) x (1 - exposed
+    TP communication). GEMM efficiency defaults to 0.70 for >= 4k-token micro-batches, 0.55 at 1k."""
+    if gemm_efficiency is None:
+        gemm_efficiency = 0.70 if seq_len >= 4096 else (0.55 if seq_len <= 1024 else 0.62)
+    recompute = {"full": 6 / 8, "selective": 0.97, "none": 1.0}[m.recompute]
+    comm = 1 - (exposed_tp_comm if m.tp > 1 else 0.0)
+    return {"gemm_efficiency": gemm_efficiency, "recompute_factor": recompute, "tp_comm_factor": comm,
+            "mfu": gemm_efficiency * recompute * comm}
+
+
+LAYOUTS = [  # (label, MegatronConfig kwargs, dp, precision_aware) of the docs' per-GPU table
+    ("1 node: TP8 DP1, SP, full recompute, host Adam (precision-aware)",
+     dict(tp=8, sp=True, recompute="full", optimizer_cpu_offload=True), 1, True),
+    ("1 node: same, host Adam without use_precision_aware_optimizer",
+     dict(tp=8, sp=True, recompute="full", optimizer_cpu_offload=True), 1, False),
+    ("1 node: TP8 DP1, SP, full recompute, Adam on GPU", dict(tp=8, sp=True, recompute="full"), 1, True),
+    ("2 nodes: TP8 DP2, SP, full recompute, dist. optimizer", dict(tp=8, sp=True, recompute="full"), 2, True),
+    ("2 nodes: same without SP", dict(tp=8, sp=False, recompute="full"), 2, True),
+    ("2 nodes: SP, no recompute (flash attention)", dict(tp=8, sp=True, recompute="none"), 2, True),
+    ("2 nodes: TP4 PP2 DP2, SP, full recompute", dict(tp=4, pp=2, sp=True, recompute="full"), 2, True),
+]
+
+
+def markdown(seq: int = 6144) -> str:
+    rows = ["| layout | weights | grads | optimizer on GPU | acts | log-prob chunks | overhead | **fit total** "
+            "| host optimizer / GPU |", "|---|---|---|---|---|---|---|---|---|"]
+    for label, kw, dp, pa in LAYOUTS:
+        g = estimate_memory(QWEN25_32B, MegatronConfig(**kw), dp, seq, precision_aware=pa).as_gib()
+        rows.append(f"| {label} | {g['weights']:.1f} | {g['grads']:.1f} | {g['optimizer']:.1f} | "
+                    f"{g['act_checkpoints'] + g['act_layer']:.1f} | {g['logits']:.1f} | {g['overhead']:.0f} | "
+                    f"**{g['total']:.1f}** | {g['host_optimizer_per_gpu']:.1f} |")
+    return "\n".join(rows)
+
+
+def config_markdown(paths) -> str:
+    import yaml
+
+    rows = ["| config | GPU: fit | GPU: generation | GPU: weight sync | host / node | of which pinned |",
+            "|---|---|---|---|---|---|"]
+    seen = set()
+    for path in paths:
+        cfg = yaml.safe_load(open(path))
+        p = config_plan(cfg)
+        key = tuple(round(v, 3) for v in p.values())
+        layout = os.path.basename(path).rsplit("_megatron_", 1)[-1].replace(".yaml", "")
+        if (layout, key) in seen:
+            continue
+        seen.add((layout, key))
+        rows.append(f"| `*_megatron_{layout}.yaml` | {p['gpu_fit_gib']:.1f} | {p['gpu_generate_gib']:.1f} | "
+                    f"{p['gpu_weight_sync_gib']:.1f} | {p['host_per_node_gib']:.0f} | "
+                    f"{p['pinned_host_per_node_gib']:.0f} |")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="memory plan and expected MFU of a Megatron actor layout (Qwen2.5-32B)")
+    p.add_argument("--config", help="a configs/megatron/*.yaml (else the flags below)")
+    p.add_argument("--markdown", action="store_true", help="print the tables of docs/scaling_megatron.md")
+    p.add_argument("--tp", type=int, default=8)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--seq", type=int, default=6144, help="tokens per micro-batch sequence (prompt + response)")
+    p.add_argument("--micro_batch", type=int, default=1)
+    p.add_argument("--no_sp", action="store_true")
+    p.add_argument("--recompute", default="full", choices=("none", "selective", "full"))
+    p.add_argument("--cpu_offload", action="store_true")
+    a = p.parse_args(argv)
+    if a.markdown:
+        import glob
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        print(markdown(a.seq))
+        print()
+        print(config_markdown(sorted(glob.glob(os.path.join(root, "configs", "megatron", "*.yaml")))))
+        return 0
+    if a.config:
+        import yaml
+
+        cfg = yaml.safe_load(open(a.config))
+        for k, v in config_plan(cfg).items():
+            print(f"  {k:<28} {v:8.1f}")
+        print("  cluster section:          " + ", ".join(f"{k}: {v}" for k, v in config_figures(cfg).items()))
+        return 0
+    mcfg = MegatronConfig(tp=a.tp, pp=a.pp, sp=not a.no_sp and a.tp > 1, recompute=a.recompute,
+                          optimizer_cpu_offload=a.cpu_offload)
+    mem = estimate_memory(QWEN25_32B, mcfg, a.dp, a.seq, a.micro_batch).as_gib()
+    print(f"Qwen2.5-32B ({total_params(QWEN25_32B) / 1e9:.2f}B params), tp={mcfg.tp} pp={mcfg.pp} dp={a.dp} "
+          f"sp={mcfg.sp} recompute={mcfg.recompute} cpu_offload={mcfg.optimizer_cpu_offload}, "
+          f"micro-batch {a.micro_batch} x {a.seq} tokens")
+    for k, v in mem.items():
+        print(f"  {k:<24} {v:8.2f}")
+    mfu = expected_mfu(mcfg, a.seq)
+    print(f"  model FLOPs/token        {flops_per_token(QWEN25_32B, a.seq) / 1e9:8.1f} GFLOP")
+    print("  expected MFU             " + ", ".join(f"{k} {v:.2f}" for k, v in mfu.items()))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
