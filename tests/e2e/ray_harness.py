@@ -115,11 +115,11 @@ class RayHead:
     """``ray start --head --block`` on 127.0.0.1 in its own process group (see module doc)."""
 
     def __init__(self, *, num_cpus: int = 8, num_gpus: int = 4, env: Optional[Dict[str, str]] = None,
-                 probe: bool = True):
+                 probe: bool = True, keep_logs: Optional[str] = None):
         self.num_cpus, self.num_gpus = num_cpus, num_gpus
         self.extra_env = dict(env or {})
         self.probe = probe
-        self.proc: Optional[subprocess.Popen] = None
+        self.keep_logs = keep_logs  # copy the session's logs here on stop        self.proc: Optional[subprocess.Popen] = None
         self.temp_dir = tempfile.mkdtemp(prefix="rayE2E", dir="/tmp")
         self.gcs_port = free_port()
         self.dashboard_port = free_port()
@@ -246,6 +246,14 @@ class RayHead:
             except ProcessLookupError:
                 pass
         self.proc = None
+        if self.keep_logs:  # what explains a failure outlives the temp dir
+            logs = os.path.join(self.temp_dir, "session_latest", "logs")
+            if os.path.isdir(logs):
+                shutil.copytree(logs, self.keep_logs, dirs_exist_ok=True,
+                                ignore=shutil.ignore_patterns("*.sock", "events"))
+            if os.path.exists(os.path.join(self.temp_dir, "head.log")):
+                os.makedirs(self.keep_logs, exist_ok=True)
+                shutil.copy(os.path.join(self.temp_dir, "head.log"), self.keep_logs)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def __enter__(self):
