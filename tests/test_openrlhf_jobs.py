@@ -130,13 +130,13 @@ def test_launcher_dry_run_is_dry_all_the_way(tmp_path):
              RUN_DIR=str(tmp_path / "run"), PRESAMPLE_DIR=str(tmp_path / "pre"), DATA_DIR=str(tmp_path / "data"))
     e.pop("DRY_RUN", None)
     r = subprocess.run(["bash", os.path.join(ROOT, "examples/scripts/train_qwen25math7b_dapo17k_dph_js.sh"),
-                        "--dry-run"], capture_output=True, text=True, env=e, timeout=300)
+                        "--dry-run"], capture_output=True, text=True, env=e, timeout=900)
     assert r.returncode == 0, r.stderr
     assert not marker.exists(), marker.read_text()  # neither `ray status` nor `ray start`
     assert '"n_pre": 8' in r.stdout  # pre-sampling printed its settings instead of sampling
     assert not (tmp_path / "pre").exists()
     r = subprocess.run(["bash", os.path.join(ROOT, "examples/scripts/submit_qwen25math7b_dapo17k_dph_js.sh"),
-                        "--dry-run"], capture_output=True, text=True, env=e, timeout=300)
+                        "--dry-run"], capture_output=True, text=True, env=e, timeout=900)
     assert r.returncode == 0, r.stderr
     assert not marker.exists()  # nothing submitted
     words = shlex.split(r.stdout)
