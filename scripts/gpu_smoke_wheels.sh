@@ -12,10 +12,12 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${1:-$ROOT/.whl}"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
 LIMIT_MIB="${LIMIT_MIB:-64}"
+GPU_PYTHON_VERSION="${GPU_PYTHON_VERSION:-3.11}"  # the GPU machine's Python (binary wheels must match)
 mkdir -p "$OUT"
 # pure-Python or manylinux wheels, no dependency resolution (the GPU machine has torch/transformers)
 "$PY" -m pip download -q --no-deps -d "$OUT" --no-binary deepspeed "deepspeed==0.19.6"
-"$PY" -m pip download -q --no-deps -d "$OUT" "openrlhf==0.11.2" hjson py-cpuinfo msgpack ninja \
+"$PY" -m pip download -q --no-deps -d "$OUT" --python-version "$GPU_PYTHON_VERSION" --only-binary=:all: \
+  "openrlhf==0.11.2" hjson py-cpuinfo msgpack ninja \
   "nvidia-ml-py" einops jsonlines loralib optree pylatexenc math-verify "latex2sympy2_extended" \
   "antlr4-python3-runtime==4.13.2" torchmetrics lightning-utilities peft
 size_kib="$(du -sk "$OUT" | cut -f1)"
