@@ -181,7 +181,7 @@ def test_every_config_maps_to_a_valid_command(parser, path, monkeypatch):
         assert (h["gamma_p"], h["gamma_n"], h["eps_high"]) == (0.01, 0.01, 0.25)
     if m.name == "lad_js":
         assert h["lad_eta"] == 0.25 and m.dynamic_sampling
-    if m.needs.anchor_batch:
+    if m.needs.anchor_batch and not name.startswith("tiny_cpu_"):
         assert a.div.anchor_batch_size == 256 and a.rollout.batch_size * a.rollout.n_samples_per_prompt == 2048
         assert "presample" in cfg
     # round trip through the printed command
