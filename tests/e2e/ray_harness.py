@@ -154,7 +154,20 @@ class RayHead:
         env.update(self.extra_env)
         return env
 
-    def start(self, timeout: float = 300.0) -> "RayHead":
+    def start(self, timeout: float = 300.0, attempts: int = 3) -> "RayHead":
+        """Start the head; on a loaded machine Ray's hard-coded 30 s raylet registration can
+        time out, so a head whose ``ray start`` exits is retried (fresh ports, fresh temp dir)."""
+        for attempt in range(attempts):
+            try:
+                return self._start_once(timeout)
+            except RuntimeError:
+                if attempt == attempts - 1:
+                    raise
+                self.temp_dir = tempfile.mkdtemp(prefix="rayE2E", dir="/tmp")
+                self.gcs_port, self.dashboard_port = free_port(), free_port()
+        return self
+
+    def _start_once(self, timeout: float) -> "RayHead":
         # the ports Ray fixes by default (52365, 10001); the others it picks at random itself
         ports = {f"--{k}": str(free_port()) for k in ("dashboard-agent-listen-port", "ray-client-server-port")}
         lo = free_port()
@@ -178,8 +191,10 @@ class RayHead:
                 self.stop()
                 raise RuntimeError(f"ray start exited {rc}: {log[-3000:]}")
             try:
+                # the dashboard answers before `ray start` has registered its raylet (Ray gives
+                # that 30 s, hard-coded): ready only once ray start says the runtime started
                 with urllib.request.urlopen(f"{self.address}/api/version", timeout=2) as r:
-                    if r.status == 200:
+                    if r.status == 200 and "Ray runtime started" in self._raw_log():
                         return self
             except OSError:
                 pass
@@ -187,6 +202,13 @@ class RayHead:
         log = self.head_log()
         self.stop()
         raise TimeoutError(f"Ray head did not come up in {timeout}s: {log[-3000:]}")
+
+    def _raw_log(self) -> str:
+        try:
+            with open(os.path.join(self.temp_dir, "head.log")) as fh:
+                return fh.read()
+        except OSError:
+            return ""
 
     def head_log(self) -> str:
         """``ray start``'s output without the dashboard's module chatter, then the tails of the
