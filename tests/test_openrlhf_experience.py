@@ -25,7 +25,7 @@ from openrlhf.trainer.ppo_utils.experience import (  # noqa: E402
 
 from openrlhf_div.engines.openrlhf.advantages import rollout_advantages  # noqa: E402
 from openrlhf_div.engines.openrlhf.anchors import anchor_experience, append_rows, distribute  # noqa: E402
-from openrlhf_div.engines.openrlhf.loss import row_values  # noqa: E402
+from openrlhf_div.engines.contract import row_values  # noqa: E402
 from openrlhf_div.engines.openrlhf.pef import AnchorPool, AnchorRecord, anchor_count  # noqa: E402
 
 NS = types.SimpleNamespace

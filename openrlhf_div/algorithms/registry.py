@@ -366,14 +366,21 @@ class Method:
         """The whole rollout side for ``N = B * G`` responses, in the spec's order: correctness
         of the task rewards, reward shaping (overlong with ``lengths``; unlikeliness with the
         sequence-mean old log-probs), kept groups, token-level advantages ``[N, T]``."""
-        rewards = torch.as_tensor(rewards, dtype=torch.float32)
+        rewards = torch.as_tensor(rewards, dtype=torch.float32).reshape(-1).cpu()
         check_same_shape("old_log_probs", old_log_probs, mask=mask)
+        if rewards.numel() != old_log_probs.shape[0]:
+            raise ValueError(f"{rewards.numel()} rewards for {old_log_probs.shape[0]} responses")
+        if int(group_size) < 1 or rewards.numel() % int(group_size):
+            raise ValueError(f"{rewards.numel()} responses are not a whole number of groups of {group_size} "
+                             "(the group size: rollout.group_size, --rollout.n_samples_per_prompt on OpenRLHF)")
         correct = self.is_correct(rewards)
-        seq_mean_old = masked_mean(old_log_probs.float(), mask, dim=1).cpu()
-        shaped = self.shape_rewards(rewards, group_size, seq_mean_old_log_probs=seq_mean_old, lengths=lengths)
+        seq_mean_old = masked_mean(old_log_probs, mask, dim=1).cpu()
+        shaped = self.shape_rewards(rewards, group_size, seq_mean_old_log_probs=seq_mean_old,
+                                    lengths=None if lengths is None else torch.as_tensor(lengths).cpu())
         keep = self.keep_groups(shaped, group_size)
-        adv = self.advantages(shaped, group_size, old_log_probs=old_log_probs, mask=mask,
-                              correct=correct.to(old_log_probs.device))
+        dev = old_log_probs.device
+        adv = self.advantages(shaped.to(dev), group_size, old_log_probs=old_log_probs, mask=mask,
+                              correct=correct.to(dev))
         return Rollout(shaped, correct, keep, adv)
 
     # -------------------------------------------------------------- training side
