@@ -201,11 +201,6 @@ DERIVED_UPSTREAM = ("--algo.advantage.estimator", "--algo.kl.init_coef", "--algo
                     "--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range")
 
 
-def given_flags(argv: Sequence[str]) -> List[str]:
-    """Option names present in ``argv`` (``--a.b=1`` and ``--a.b 1`` both give ``--a.b``)."""
-    return [tok.split("=", 1)[0] for tok in argv if tok.startswith("--")]
-
-
 def reward_func_path(task: str) -> str:
     """Absolute path of our reward-function file for ``task`` (the tasks branch provides it)."""
     import openrlhf_div

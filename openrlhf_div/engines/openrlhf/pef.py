@@ -68,11 +68,6 @@ class AnchorRecord:
         if bad:
             raise ValueError(f"{where}: ref_log_probs must be finite log-probabilities <= 0, got {bad[:3]}")
 
-    def to_json(self) -> Dict[str, Any]:
-        return {"id": self.id, "prompt_text": self.prompt, "label": self.label, "response": self.response,
-                "prompt_ids": self.prompt_ids, "response_ids": self.response_ids,
-                "ref_log_probs": self.ref_log_probs}
-
 
 def write_jsonl_atomic(path: str, records: Iterable[Dict[str, Any]]) -> int:
     """Write records to ``path`` through a temporary file and ``os.replace`` (never half a file)."""
