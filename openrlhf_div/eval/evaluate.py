@@ -129,7 +129,8 @@ def evaluate(task, examples: Sequence[Mapping[str, Any]], generate_fn: Callable[
     metrics = summarize(problems, n, ks, base_results=base_results, keep_k=keep_k, dist_ns=dist_ns)
     for rec in problems:
         rec.pop("_responses", None)
-    return {"task": task.name, "n": n, "ks": ks, "greedy": bool(greedy), "keep_k": keep_k,
+    grading = task.grading() if hasattr(task, "grading") else None  # duck-typed tasks may lack it
+    return {"task": task.name, "grading": grading, "n": n, "ks": ks, "greedy": bool(greedy), "keep_k": keep_k,
             "sampling": {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens},
             "metrics": metrics, "problems": problems}
 
@@ -209,7 +210,8 @@ def results_markdown(result: Mapping[str, Any]) -> str:
         return f"{100 * v:.1f}"
 
     lines = [f"Task `{result['task']}`, n={n}, temperature={result['sampling']['temperature']}, "
-             f"top_p={result['sampling']['top_p']} (percent; distinct_correct is a count)", "",
+             f"top_p={result['sampling']['top_p']} (percent; distinct_correct is a count)"
+             + (f"; grading: {result['grading']}" if result.get("grading") else ""), "",
              "| dataset | problems | " + " | ".join(cols) + " |",
              "|---|---:|" + "---:|" * len(cols)]
     for src, m in metrics.items():

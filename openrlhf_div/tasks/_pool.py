@@ -16,9 +16,19 @@ Jobs name their function as ``"package.module:function"`` so nothing but plain d
 the pipe. Workers are started from a ``forkserver`` (safe in processes that hold threads or
 CUDA state, unlike ``fork``) that preloads the verifier modules, so a restart costs
 milliseconds, not a fresh interpreter. Set ``OPENRLHF_DIV_MP_CONTEXT`` (``fork``,
-``forkserver``, ``spawn``) to choose another start method. As with any ``spawn``/
-``forkserver`` pool, a worker imports the main script as ``__mp_main__``: keep a script's
-top-level work under ``if __name__ == "__main__":``.
+``forkserver``, ``spawn``) to choose another start method.
+
+Workers never import the caller's main script. A plain ``multiprocessing`` ``spawn`` or
+``forkserver`` child re-imports ``__main__`` (as ``__mp_main__``), so a script without an
+``if __name__ == "__main__":`` guard would run its top level again in every worker (and a
+training script would start training there). The jobs here name importable functions, so the
+workers have no use for ``__main__``: the pool starts them with the main-module entries removed
+from multiprocessing's preparation data (only for its own workers, on the starting thread).
+
+A job whose worker died (``"crash"``) is run once more on a fresh worker before it is reported;
+a timed-out job is not retried (it would only time out again). A job may ask for its worker to
+be replaced after it returns (:func:`request_recycle`: the SQL sandbox does so after a result
+that hit its memory cap, so the memory goes back to the OS).
 """
 from __future__ import annotations
 
@@ -31,11 +41,49 @@ import signal
 import threading
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass
+from multiprocessing import spawn as _mp_spawn
 from multiprocessing.connection import wait as _mp_wait
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["JobResult", "WorkerPool", "WorkerStartError", "SoftTimeout", "soft_time_limit", "shared_pool"]
+__all__ = ["JobResult", "WorkerPool", "WorkerStartError", "SoftTimeout", "soft_time_limit", "shared_pool",
+           "request_recycle"]
+
+# ------------------------------------------------------------------ workers without __main__
+_NO_MAIN = threading.local()
+_MAIN_KEYS = ("init_main_from_name", "init_main_from_path")
+
+
+def _install_no_main_hook() -> None:
+    """Wrap ``multiprocessing.spawn.get_preparation_data`` (what ``spawn`` and ``forkserver``
+    children run ``prepare()`` on) so that, while *this* thread starts one of our workers, the
+    entries that make the child import ``__main__`` are left out. Other threads and other
+    libraries' processes are untouched."""
+    orig = _mp_spawn.get_preparation_data
+    if getattr(orig, "_openrlhf_div_no_main", False):
+        return
+
+    def get_preparation_data(name):
+        d = orig(name)
+        if getattr(_NO_MAIN, "active", False):
+            for k in _MAIN_KEYS:
+                d.pop(k, None)
+        return d
+
+    get_preparation_data._openrlhf_div_no_main = True  # type: ignore[attr-defined]
+    _mp_spawn.get_preparation_data = get_preparation_data
+
+
+_install_no_main_hook()
+
+_RECYCLE = False
+
+
+def request_recycle() -> None:
+    """Called from inside a job: replace this worker after the job's result is sent."""
+    global _RECYCLE
+    _RECYCLE = True
 
 
 class WorkerStartError(RuntimeError):
@@ -111,21 +159,23 @@ def _worker_main(conn, initializer: Optional[str], init_args: tuple) -> None:  #
         if msg is None:
             return
         func_path, args, soft = msg
+        global _RECYCLE
+        _RECYCLE = False
         try:
             fn = cache.get(func_path)
             if fn is None:
                 fn = cache[func_path] = _resolve(func_path)
             with soft_time_limit(soft):
                 value = fn(*args)
-            reply = ("ok", value)
+            reply = ("ok", value, _RECYCLE)
         except SoftTimeout:
-            reply = ("timeout", None)
+            reply = ("timeout", None, _RECYCLE)
         except BaseException as exc:  # noqa: BLE001 - report, never die on a job's error
-            reply = ("err", f"{type(exc).__name__}: {str(exc)[:500]}")
+            reply = ("err", f"{type(exc).__name__}: {str(exc)[:500]}", _RECYCLE)
         try:
             conn.send(reply)
         except Exception as exc:  # an unpicklable result: say so instead of dying
-            conn.send(("err", f"result could not be sent back: {type(exc).__name__}: {exc}"))
+            conn.send(("err", f"result could not be sent back: {type(exc).__name__}: {exc}", _RECYCLE))
 
 
 class _Worker:
@@ -141,7 +191,11 @@ class _Worker:
         parent, child = self.pool._ctx.Pipe(duplex=True)
         proc = self.pool._ctx.Process(target=_worker_main, args=(child, self.pool.initializer, self.pool.init_args),
                                       daemon=True, name=f"{self.pool.name}-worker")
-        proc.start()
+        _NO_MAIN.active = True
+        try:
+            proc.start()
+        finally:
+            _NO_MAIN.active = False
         child.close()
         self.proc, self.conn = proc, parent
         self.pool.starts += 1
@@ -150,7 +204,7 @@ class _Worker:
             self.discard()
             raise WorkerStartError(f"{self.pool.name}: worker did not start within {self.pool.startup_timeout:g}s")
         try:
-            status, payload = parent.recv()
+            status, payload = parent.recv()[:2]
         except (EOFError, OSError):
             status, payload = "init-error", "the worker exited during start-up"
         if status != "ready":
@@ -210,7 +264,8 @@ class WorkerPool:
         self.name = name
         self.startup_timeout = float(startup_timeout)
         self.starts = 0  # worker processes started so far (restarts included); for tests/logs
-        self.kills = 0   # workers killed for a hard timeout or found dead
+        self.kills = 0   # workers killed for a hard timeout, found dead, or recycled on request
+        self.retries = 0  # jobs run again after their worker crashed
         self._idle: "queue.Queue[_Worker]" = queue.Queue()
         self._all = [_Worker(self) for _ in range(num_workers)]
         for w in self._all:
@@ -220,25 +275,35 @@ class WorkerPool:
 
     # ------------------------------------------------------------------ public API
     def run(self, func: str, args_list: Sequence[tuple], timeout: float, grace: float = 1.0) -> List[JobResult]:
-        """Run ``func(*args)`` for each ``args`` with a hard limit of ``timeout + grace`` s."""
+        """Run ``func(*args)`` for each ``args`` with a hard limit of ``timeout + grace`` s.
+        A job whose worker crashed is run once more (on a fresh worker) before it is reported."""
         if self._closed:
             raise RuntimeError(f"WorkerPool {self.name!r} is closed")
         n = len(args_list)
         results: List[Optional[JobResult]] = [None] * n
-        next_job = 0
+        pending = deque(range(n))
+        tried = [0] * n
         active: Dict[Any, Tuple[_Worker, int, float]] = {}  # conn -> (worker, job index, deadline)
         held: List[_Worker] = []
+
+        def crashed(idx: int) -> None:
+            if tried[idx] < 2:
+                self.retries += 1
+                pending.appendleft(idx)
+            else:
+                results[idx] = JobResult(False, None, "crash")
+
         try:
-            while next_job < n or active:
+            while pending or active:
                 # hand out jobs: block for the first worker only when we hold none busy
-                while next_job < n:
+                while pending:
                     try:
                         w = self._idle.get(block=not active, timeout=None)
                     except queue.Empty:
                         break
                     held.append(w)
-                    idx = next_job
-                    next_job += 1
+                    idx = pending.popleft()
+                    tried[idx] += 1
                     if not self._send(w, func, args_list[idx], timeout):
                         results[idx] = JobResult(False, None, "crash")
                         self._release(w, held)
@@ -252,9 +317,12 @@ class WorkerPool:
                 for conn in ready:
                     w, idx, _ = active.pop(conn)
                     try:
-                        status, payload = conn.recv()
+                        status, payload, recycle = conn.recv()
                     except (EOFError, OSError):
-                        status, payload = "crash", None
+                        status, payload, recycle = "crash", None, False
+                        self.kills += 1
+                        w.discard()
+                    if recycle:  # the job asked for a fresh worker (e.g. after a memory cap hit)
                         self.kills += 1
                         w.discard()
                     if status == "ok":
@@ -262,7 +330,7 @@ class WorkerPool:
                     elif status == "timeout":
                         results[idx] = JobResult(False, None, "timeout")
                     elif status == "crash":
-                        results[idx] = JobResult(False, None, "crash")
+                        crashed(idx)
                     else:
                         results[idx] = JobResult(False, None, str(payload))
                     self._release(w, held)

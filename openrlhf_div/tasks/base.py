@@ -7,6 +7,19 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Union
 
+#: Answer extraction reads at most this many characters of a response: the last ones (a final
+#: answer, the last code block or ``<answer>`` tag), or the first ones where a task is told to take
+#: the first block. Every extractor is linear-time besides; the window bounds the work per
+#: response (a policy that emits 10 MB of junk costs the trainer no more than 32 KB does).
+MAX_EXTRACT_CHARS = 32_768
+
+
+def extraction_window(text: str, first: bool = False, limit: int = MAX_EXTRACT_CHARS) -> str:
+    """The part of ``text`` that answer extraction reads (see :data:`MAX_EXTRACT_CHARS`)."""
+    if len(text) <= limit:
+        return text
+    return text[:limit] if first else text[-limit:]
+
 
 @dataclass
 class RewardResult:
@@ -77,6 +90,10 @@ class Task:
         if style is not None:
             return style
         return " ".join(response.split())
+
+    def grading(self) -> str:
+        """One line saying how responses are graded (``eval`` prints it with its results)."""
+        return "task-defined"
 
     def close(self) -> None:
         """Release worker processes, if the task holds any (pools are shared and also closed

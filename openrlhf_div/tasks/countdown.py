@@ -10,6 +10,10 @@ Label: ``{"target": int, "numbers": [int, ...]}``. The response puts its equatio
   spaces, division by zero, unbalanced parentheses;
 * ``0.0``: no ``<answer>...</answer>`` at all.
 
+The equation is the text between the last ``</answer>`` and the ``<answer>`` nearest before it,
+found with two reverse searches (linear time whatever the response holds), in the last
+:data:`~openrlhf_div.tasks.base.MAX_EXTRACT_CHARS` characters of the response.
+
 The equation is parsed by a small recursive-descent parser over exact fractions -- no
 ``eval`` of model text. Differences from TinyZero's script, all on the safe side: ``**``,
 decimals and ``=`` are rejected (TinyZero's character filter let ``**`` through to ``eval``),
@@ -24,12 +28,11 @@ import re
 from fractions import Fraction
 from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
-from .base import RewardResult, Task, decode_label, register_task
+from .base import RewardResult, Task, decode_label, extraction_window, register_task
 
 __all__ = ["CountdownTask", "CountdownError", "evaluate_equation", "countdown_score", "generate_countdown",
            "solve_countdown", "COUNTDOWN_TEMPLATES"]
 
-_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _TOKEN_RE = re.compile(r"\s*(?:(\d+)|([-+*/()]))")
 MAX_EQUATION_CHARS = 256
 MAX_DEPTH = 64
@@ -145,13 +148,23 @@ def _parse_label(label: Any) -> Tuple[int, List[int]]:
     return int(label["target"]), [int(x) for x in nums]
 
 
+def last_answer_tag(text: str) -> Optional[str]:
+    """The contents of the last complete ``<answer>...</answer>`` pair, or None."""
+    text = extraction_window(text)
+    end = text.rfind("</answer>")
+    if end < 0:
+        return None
+    start = text.rfind("<answer>", 0, end)
+    return None if start < 0 else text[start + len("<answer>"):end]
+
+
 def countdown_score(response: str, target: int, numbers: Sequence[int], format_score: float = 0.1,
                     score: float = 1.0) -> Tuple[float, str, Optional[str]]:
     """``(reward, reason, equation)`` for one response (see the module docstring)."""
-    matches = _ANSWER_RE.findall(response or "")
-    if not matches:
+    eq = last_answer_tag(response or "")
+    if eq is None:
         return 0.0, "no <answer> tag", None
-    eq = matches[-1].strip()
+    eq = eq.strip()
     try:
         value, used = evaluate_equation(eq)
     except CountdownError as exc:

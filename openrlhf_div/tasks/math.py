@@ -5,10 +5,15 @@ Scoring one response against a gold answer string:
 
 1. **Extract** the final answer (:func:`extract_answer`): the last ``\\boxed{...}`` /
    ``\\fbox{...}`` (nested braces handled), else the last "the (final) answer is ..." or
-   "Answer: ..." phrase, else the last number in the text.
+   "Answer: ..." phrase. That is the default, ``extract="strict"``: a response that states no
+   final answer scores 0 (``"32 - 30 = 2. I made a mistake."`` is not an answer of 2). With
+   ``extract="lenient"`` the last number in the text is the fallback (what many evaluation
+   scripts do). Extraction is linear-time and reads only the last
+   :data:`~openrlhf_div.tasks.base.MAX_EXTRACT_CHARS` characters of a response.
 2. **Fast path** (:func:`quick_equal`): identical after light normalisation -> correct; both
-   plain numbers (integers, decimals, ``a/b``, ``\\frac{a}{b}``, ``1,000``) -> compared exactly
-   (relative tolerance 1e-9). Most competition answers are integers and never leave here.
+   plain numbers (integers, decimals, ``a/b``, ``\\frac{a}{b}``, ``1,000``, integer powers and
+   power towers such as ``2^{2^{2^{2^{2}}}}`` up to 2^20 bits) -> compared exactly (relative
+   tolerance 1e-9). Most competition answers are integers and never leave here.
 3. **math-verify** for everything else (fractions vs decimals, radicals, percentages,
    intervals, sets, LaTeX vs plain, equations like ``x=3``), run in a worker process of a
    :class:`~openrlhf_div.tasks._pool.WorkerPool` with a hard wall-clock limit per check: a
@@ -27,7 +32,7 @@ from fractions import Fraction
 from functools import lru_cache
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .base import RewardResult, Task, register_task
+from .base import RewardResult, Task, extraction_window, register_task
 
 __all__ = ["MathTask", "MathVerifier", "extract_answer", "find_boxed", "quick_equal", "normalize_answer",
            "MATH_TEMPLATES"]
@@ -65,36 +70,43 @@ MATH_TEMPLATES: Dict[str, Tuple[Optional[str], str]] = {
 
 # --------------------------------------------------------------------------- extraction
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\b")
+_BARE_BOX_RE = re.compile(r"[^\s$]+")
 
 
 def find_boxed(text: str) -> List[str]:
     """Contents of every ``\\boxed{...}`` / ``\\fbox{...}`` in ``text`` (nested braces, escaped
-    ``\\{``/``\\}`` inside), plus the brace-less form ``\\boxed 5``. Unclosed boxes are skipped."""
-    out: List[str] = []
+    ``\\{``/``\\}`` inside), plus the brace-less form ``\\boxed 5``, in the order the boxes
+    open. Unclosed boxes are skipped. One pass over the text (linear time): a stack of open
+    braces remembers which of them opened a box."""
+    out: List[Tuple[int, str]] = []
+    starts: Dict[int, int] = {}  # position of a box's "{" -> its order key
     for m in _BOX_RE.finditer(text):
         i = m.end()
         while i < len(text) and text[i] == " ":
             i += 1
         if i < len(text) and text[i] == "{":
-            depth, j = 0, i
-            while j < len(text):
-                ch = text[j]
-                if ch == "\\":
-                    j += 2  # skip the escaped character (\{ \} \\)
-                    continue
-                if ch == "{":
-                    depth += 1
-                elif ch == "}":
-                    depth -= 1
-                    if depth == 0:
-                        out.append(text[i + 1:j])
-                        break
-                j += 1
+            starts[i] = m.start()
         elif i > m.end():  # "\boxed 5": up to whitespace or '$'
-            mm = re.match(r"[^\s$]+", text[i:])
+            mm = _BARE_BOX_RE.match(text, i)
             if mm:
-                out.append(mm.group(0))
-    return out
+                out.append((m.start(), mm.group(0)))
+    if starts:
+        stack: List[int] = []
+        j, n = 0, len(text)
+        while j < n:
+            ch = text[j]
+            if ch == "\\":
+                j += 2  # skip the escaped character (\{ \} \\)
+                continue
+            if ch == "{":
+                stack.append(j)
+            elif ch == "}" and stack:
+                i = stack.pop()
+                if i in starts:
+                    out.append((starts[i], text[i + 1:j]))
+            j += 1
+    out.sort(key=lambda t: t[0])
+    return [c for _, c in out]
 
 
 _PHRASE_RE = re.compile(
@@ -105,9 +117,14 @@ _PHRASE_RE = re.compile(
 _NUMBER_RE = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?(?!\d)|-?\d+(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
 
 
+_HOPE = "i hope it is correct"
+
+
 def _clean(ans: str) -> str:
     s = ans.strip()
-    s = re.sub(r"\s*I hope it is correct\.?\s*$", "", s, flags=re.IGNORECASE)
+    tail = s[:-1] if s.endswith(".") else s
+    if tail[-len(_HOPE):].lower() == _HOPE:  # not a regex: "\s*...$" is quadratic on long spaces
+        s = tail[:-len(_HOPE)].strip()
     for _ in range(3):
         s = s.strip().rstrip(".").strip()
         if len(s) >= 2 and s[0] == "$" and s[-1] == "$":
@@ -121,11 +138,13 @@ def _clean(ans: str) -> str:
     return s
 
 
-def extract_answer(text: str) -> Tuple[Optional[str], str]:
-    """``(answer, method)`` with method ``"boxed"``, ``"phrase"``, ``"last_number"`` or
-    ``"none"`` (answer ``None``)."""
+def extract_answer(text: str, last_number: bool = True) -> Tuple[Optional[str], str]:
+    """``(answer, method)`` with method ``"boxed"``, ``"phrase"``, ``"last_number"`` (only with
+    ``last_number=True``) or ``"none"`` (answer ``None``). Reads the last
+    :data:`~openrlhf_div.tasks.base.MAX_EXTRACT_CHARS` characters of ``text``."""
     if not text:
         return None, "none"
+    text = extraction_window(text)
     boxed = find_boxed(text)
     if boxed:
         return _clean(boxed[-1]), "boxed"
@@ -139,9 +158,10 @@ def extract_answer(text: str) -> Tuple[Optional[str], str]:
         cleaned = _clean(raw)
         if cleaned:
             return cleaned, "phrase"
-    nums = _NUMBER_RE.findall(text)
-    if nums:
-        return nums[-1].replace(" ", ""), "last_number"
+    if last_number:
+        nums = _NUMBER_RE.findall(text)
+        if nums:
+            return nums[-1].replace(" ", ""), "last_number"
     return None, "none"
 
 
@@ -188,6 +208,38 @@ def _as_number(s: str) -> Optional[Fraction]:
     return None
 
 
+_INT_RE = re.compile(r"[+-]?\d+")
+_MAX_POWER_BITS = 1 << 20  # 2^{2^{20}} has a million bits: computed exactly in ~10 ms
+
+
+def _int_power(s: str) -> Optional[int]:
+    """The value of an integer or an integer power tower (``2^{2^{16}}``, ``10^5``, ``(-3)^{3}``)
+    when it has at most 2^20 bits; ``None`` for anything else or anything bigger (left to
+    math-verify, under its time limit). The size is bounded before anything is computed."""
+    s = s.strip()
+    if len(s) > 200:
+        return None
+    if _INT_RE.fullmatch(s):
+        return int(s)
+    if s.startswith("{") and s.endswith("}") or s.startswith("(") and s.endswith(")"):
+        inner = s[1:-1]
+        if inner.count("{") == inner.count("}") and inner.count("(") == inner.count(")"):
+            return _int_power(inner)
+    m = re.fullmatch(r"(\d+|\([+-]?\d+\)|\{[+-]?\d+\})\^(.+)", s)
+    if not m:
+        return None
+    base = int(m.group(1).strip("(){}"))
+    exp_s = m.group(2)
+    if not (exp_s.startswith("{") and exp_s.endswith("}")) and not re.fullmatch(r"\d", exp_s):
+        return None  # "2^10" means 2^1 followed by 0 in LaTeX: only one digit binds without braces
+    exp = _int_power(exp_s)
+    if exp is None or exp < 0:
+        return None
+    if abs(base) > 1 and exp * max(1, abs(base).bit_length()) > _MAX_POWER_BITS:
+        return None
+    return base ** exp
+
+
 def quick_equal(pred: str, gold: str) -> Optional[bool]:
     """Decide cheaply when possible: True if equal after normalisation, a definite answer if both
     are plain numbers (|a - b| <= 1e-9 max(1, |b|)), else None (ask math-verify)."""
@@ -200,6 +252,11 @@ def quick_equal(pred: str, gold: str) -> Optional[bool]:
     b = _as_number(g) if ", " not in gold else None
     if a is not None and b is not None:
         return abs(a - b) <= Fraction(1, 10**9) * max(1, abs(b))
+    if "^" in p or "^" in g:  # integer powers and power towers, compared exactly
+        ia = _int_power(p) if a is None else (int(a) if a.denominator == 1 else None)
+        ib = _int_power(g) if b is None else (int(b) if b.denominator == 1 else None)
+        if ia is not None and ib is not None:
+            return ia == ib
     return None
 
 
@@ -358,15 +415,21 @@ class MathTask(Task):
     Options: ``template`` (one of :data:`MATH_TEMPLATES`), ``timeout`` (seconds per
     math-verify check, default 5), ``num_workers`` (verifier processes), ``timeout_mode``
     (``"process"`` or ``"inline"``, see :class:`MathVerifier`), ``max_answer_chars`` (longer
-    extracted answers score 0 without a check).
+    extracted answers score 0 without a check), ``extract`` (``"strict"``, the default:
+    ``\\boxed{}`` or an explicit final-answer phrase only; ``"lenient"``: the last number in the
+    response as a fallback).
     """
 
     name = "math"
 
     def __init__(self, template: str = "qwen-math", timeout: float = 5.0, num_workers: Optional[int] = None,
-                 timeout_mode: str = "process", max_answer_chars: int = 1000):
+                 timeout_mode: str = "process", max_answer_chars: int = 1000, extract: str = "strict"):
         if template not in MATH_TEMPLATES:
             raise ValueError(f"unknown math template {template!r}; choose one of {sorted(MATH_TEMPLATES)}")
+        if extract not in ("strict", "lenient"):
+            raise ValueError(f"math option extract={extract!r}: choose 'strict' (\\boxed{{}} or a final-answer "
+                             "phrase only) or 'lenient' (the last number as a fallback)")
+        self.extract = extract
         self.template = template
         self.max_answer_chars = int(max_answer_chars)
         self.verifier = MathVerifier(timeout=timeout, num_workers=num_workers, mode=timeout_mode)
@@ -380,7 +443,7 @@ class MathTask(Task):
 
     def _prepare(self, response: str, label: Any) -> Tuple[Optional[RewardResult], str, str, str]:
         gold = gold_answer(label)
-        ans, method = extract_answer(response or "")
+        ans, method = extract_answer(response or "", last_number=self.extract == "lenient")
         if ans is None:
             return RewardResult(0.0, False, "no answer found", {"answer": None, "method": method}), "", gold, method
         if len(ans) > self.max_answer_chars:
@@ -391,6 +454,11 @@ class MathTask(Task):
             return (RewardResult(float(q), q, "ok" if q else "wrong answer", {"answer": ans, "method": method}),
                     ans, gold, method)
         return None, ans, gold, method
+
+    def grading(self) -> str:
+        if self.extract == "strict":
+            return "math, strict: the answer is the last \\boxed{} or an explicit final-answer phrase"
+        return "math, lenient: the last \\boxed{}, else a final-answer phrase, else the last number"
 
     def score(self, response: str, label: Any) -> RewardResult:
         return self.score_batch([response], [label])[0]

@@ -2,9 +2,16 @@
 
 Label: ``{"db_id": ..., "sql": gold}``; the database lives at
 ``{db_root}/{db_id}/{db_id}.sqlite`` (the BIRD and Spider layout). A response scores 1.0 when
-its SQL -- the last fenced code block, else the last ``SELECT``/``WITH`` statement in the
-text -- returns the same result set as the gold SQL (BIRD's execution accuracy, see
+its SQL returns the same result set as the gold SQL (BIRD's execution accuracy, see
 :mod:`openrlhf_div.tasks.sqlite_sandbox` for the comparison and the sandbox), else 0.0.
+
+The SQL of a response (:func:`extract_sql`): the last ```sql (or ```sqlite) block -- the first
+with ``sql_block="first"``; other fences (a model's invented "Output" table, ```python) are
+ignored. Without any sql-labelled block: the last bare ``` block that holds a ``SELECT``/``WITH``
+query, else an unclosed final ```sql block (a truncated generation), else the last
+``SELECT``/``WITH`` statement in the prose. Of several statements in the block, the last is
+taken. Extraction is linear-time and reads the last (``"first"``: the first)
+:data:`~openrlhf_div.tasks.base.MAX_EXTRACT_CHARS` characters of the response.
 
 The prompt follows the DPH paper's SQL setup (OmniSQL-style): the database engine, the
 schema as ``CREATE TABLE`` statements each followed by a few sample rows, the external
@@ -18,7 +25,7 @@ import sqlite3
 import threading
 from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
 
-from .base import RewardResult, Task, decode_label, register_task
+from .base import RewardResult, Task, decode_label, extraction_window, register_task
 from .sqlite_sandbox import SQLExecutor, open_readonly
 
 __all__ = ["SQLTask", "extract_sql", "split_statements", "normalize_sql", "schema_text", "SQL_TEMPLATES"]
@@ -30,37 +37,62 @@ _STMT_START_RE = re.compile(r"\b(SELECT|WITH)\b", re.IGNORECASE)
 
 
 def split_statements(sql: str) -> List[str]:
-    """Split on ``;`` outside string literals and comments (uses ``sqlite3.complete_statement``)."""
-    out, buf = [], ""
-    for piece in sql.split(";"):
-        buf += piece + ";"
-        if sqlite3.complete_statement(buf):
-            stmt = buf.strip().rstrip(";").strip()
-            if stmt and not _only_comments(stmt):
-                out.append(stmt)
-            buf = ""
-    rest = buf[:-1].strip() if buf.endswith(";") else buf.strip()
-    if rest and not _only_comments(rest):
-        out.append(rest)
+    """Split on ``;`` outside string literals, quoted identifiers and comments, dropping empty
+    and comment-only statements. One left-to-right pass (linear time: an unclosed ``/*`` or
+    quote is scanned once, not once per ``;``)."""
+    out: List[str] = []
+    i, n, start, has_code = 0, len(sql), 0, False
+    while i < n:
+        c = sql[i]
+        if c in "'\"`":
+            j = sql.find(c, i + 1)
+            while j != -1 and j + 1 < n and sql[j + 1] == c:  # '' inside a literal
+                j = sql.find(c, j + 2)
+            i, has_code = (n if j < 0 else j + 1), True
+        elif c == "[":
+            j = sql.find("]", i + 1)
+            i, has_code = (n if j < 0 else j + 1), True
+        elif c == "-" and sql.startswith("--", i):
+            j = sql.find("\n", i)
+            i = n if j < 0 else j + 1
+        elif c == "/" and sql.startswith("/*", i):
+            j = sql.find("*/", i + 2)
+            i = n if j < 0 else j + 2
+        elif c == ";":
+            if has_code:
+                out.append(sql[start:i].strip())
+            start, has_code, i = i + 1, False, i + 1
+        else:
+            if not c.isspace():
+                has_code = True
+            i += 1
+    if has_code:
+        out.append(sql[start:].strip())
     return out
 
 
-def _only_comments(s: str) -> bool:
-    s = re.sub(r"--[^\n]*", "", s)
-    s = re.sub(r"/\*.*?\*/", "", s, flags=re.DOTALL)
-    return not s.strip()
+def _looks_like_query(block: str) -> bool:
+    stmts = split_statements(block)
+    return bool(stmts) and bool(_STMT_START_RE.match(stmts[-1].lstrip("( \t\n")))
 
 
-def extract_sql(text: str) -> Optional[str]:
-    """The SQL a response proposes: the last fenced code block (```sql ... ``` or a bare
-    fence; an unclosed final ```sql block counts, for truncated generations), else the last
-    statement starting with ``SELECT``/``WITH``. Of several statements, the last is taken."""
+def extract_sql(text: str, block: str = "last") -> Optional[str]:
+    """The SQL a response proposes (see the module docstring): the last (``block="first"``:
+    the first) ```sql block, other fences ignored; then a bare fence holding a query, an
+    unclosed final ```sql block, or a ``SELECT``/``WITH`` statement in the prose. Of several
+    statements, the last is taken."""
+    if block not in ("last", "first"):
+        raise ValueError(f"extract_sql: block must be 'last' or 'first', got {block!r}")
     if not text:
         return None
+    text = extraction_window(text, first=block == "first")
+    pick = (lambda xs: xs[0]) if block == "first" else (lambda xs: xs[-1])
     candidate = None
-    blocks = [b for lang, b in _FENCE_RE.findall(text) if b.strip() and lang.lower() in ("", "sql", "sqlite")]
-    if blocks:
-        candidate = blocks[-1]
+    fences = _FENCE_RE.findall(text)
+    sql_blocks = [b for lang, b in fences if b.strip() and lang.lower() in ("sql", "sqlite")]
+    bare = [b for lang, b in fences if lang == "" and _looks_like_query(b)] if not sql_blocks else []
+    if sql_blocks or bare:
+        candidate = pick(sql_blocks or bare)
     else:
         m = _OPEN_FENCE_RE.search(text)
         if m and m.group(1).strip():
@@ -68,7 +100,7 @@ def extract_sql(text: str) -> Optional[str]:
         else:
             starts = list(_STMT_START_RE.finditer(text))
             if starts:
-                tail = text[starts[-1].start():]
+                tail = text[pick(starts).start():]
                 candidate = tail.split(";", 1)[0]
                 # a statement written in prose ends at a blank line
                 candidate = re.split(r"\n\s*\n", candidate, maxsplit=1)[0]
@@ -171,7 +203,10 @@ class SQLTask(Task):
     10000), ``compare`` (``"set"`` = BIRD, ``"multiset"``, ``"ordered"``), ``float_round``
     (decimals, default None = exact), ``num_workers``, ``sample_rows`` (rows shown per table in
     the prompt, default 3), ``template`` (``"dph"``), ``heap_limit_mb`` (SQLite heap cap per
-    worker, default 1024).
+    worker, default 1024), ``max_result_mb`` (cap on the bytes of a fetched result, default 64:
+    more scores 0 with reason ``"result too large"`` and the worker is replaced),
+    ``address_space_mb`` (address-space limit of each worker above its start-up size, default
+    2048), ``sql_block`` (``"last"``, the default, or ``"first"`` ```sql block).
     """
 
     name = "sql"
@@ -179,15 +214,21 @@ class SQLTask(Task):
     def __init__(self, db_root: Optional[str] = None, timeout: float = 5.0, max_rows: int = 10_000,
                  compare: str = "set", float_round: Optional[int] = None, num_workers: Optional[int] = None,
                  sample_rows: int = 3, template: str = "dph", max_value_chars: int = 60,
-                 heap_limit_mb: Optional[int] = 1024):
+                 heap_limit_mb: Optional[int] = 1024, max_result_mb: float = 64, address_space_mb: Optional[int] = 2048,
+                 sql_block: str = "last"):
         if template not in SQL_TEMPLATES:
             raise ValueError(f"unknown sql template {template!r}; choose one of {sorted(SQL_TEMPLATES)}")
+        if sql_block not in ("last", "first"):
+            raise ValueError(f"sql option sql_block={sql_block!r}: choose 'last' or 'first' (which ```sql block "
+                             "of a response is graded)")
+        self.sql_block = sql_block
         self.db_root = db_root
         self.template = template
         self.sample_rows = int(sample_rows)
         self.max_value_chars = int(max_value_chars)
         self.executor = SQLExecutor(timeout=timeout, max_rows=max_rows, num_workers=num_workers,
-                                    compare=compare, float_round=float_round, heap_limit_mb=heap_limit_mb)
+                                    compare=compare, float_round=float_round, heap_limit_mb=heap_limit_mb,
+                                    max_result_mb=max_result_mb, address_space_mb=address_space_mb)
         self._schema_cache: Dict[str, str] = {}
         self._lock = threading.Lock()
 
@@ -222,6 +263,10 @@ class SQLTask(Task):
         msgs.append({"role": "user", "content": text})
         return msgs
 
+    def grading(self) -> str:
+        return (f"sql: the {self.sql_block} ```sql block (other fences ignored), executed read-only and compared "
+                f"as a {self.executor.compare} of rows with the gold result")
+
     def score(self, response: str, label: Any) -> RewardResult:
         return self.score_batch([response], [label])[0]
 
@@ -237,7 +282,7 @@ class SQLTask(Task):
                 if not os.path.isfile(path):
                     out[i] = RewardResult(0.0, False, f"database not found: {path}")
                     continue
-                sql = extract_sql(resp or "")
+                sql = extract_sql(resp or "", self.sql_block)
             except Exception as exc:  # noqa: BLE001
                 out[i] = RewardResult(0.0, False, f"verifier error: {type(exc).__name__}: {exc}")
                 continue
@@ -258,7 +303,7 @@ class SQLTask(Task):
         return out  # type: ignore[return-value]
 
     def solution_key(self, response: str, result: RewardResult) -> Hashable:
-        sql = (result.info or {}).get("sql") or extract_sql(response or "")
+        sql = (result.info or {}).get("sql") or extract_sql(response or "", self.sql_block)
         return normalize_sql(sql) if sql else " ".join((response or "").split())
 
 

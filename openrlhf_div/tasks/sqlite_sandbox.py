@@ -1,6 +1,6 @@
 """Sandboxed SQLite execution and BIRD-style execution accuracy.
 
-Model-written SQL is hostile input. Every query here runs under five guards:
+Model-written SQL is hostile input. Every query here runs under six guards:
 
 1. the database is opened **read-only** through a URI (``file:...?mode=ro``);
 2. an **authorizer** that denies by default: only ``SELECT``, column reads, recursive CTEs
@@ -9,9 +9,27 @@ Model-written SQL is hostile input. Every query here runs under five guards:
    pragmas) and ``load_extension`` are refused at prepare time;
 3. a **progress handler** aborts a statement once it has run ``timeout`` seconds (infinite
    recursive CTEs, huge cross joins), plus SQLite limits on value length and heap size;
-4. a **row cap**: at most ``max_rows`` rows are fetched; more is an error, not a silent cut;
+4. a **row cap** and a **byte cap**: at most ``max_rows`` rows and ``max_result_mb`` MB of
+   values are fetched into Python; more is an error (``"row cap exceeded"``, ``"result too
+   large"``), not a silent cut;
 5. queries run in **worker processes** (:class:`~openrlhf_div.tasks._pool.WorkerPool`) that
-   the parent kills at a hard deadline, so a crash or a hang cannot take the trainer down.
+   the parent kills at a hard deadline -- the time limit plus 0.5 s, for a hang inside C code
+   that neither the progress handler nor a signal reaches -- so a crash or a hang cannot take
+   the trainer down; a crashed worker's job is retried once on a fresh worker;
+6. each worker has an **address-space limit** (``RLIMIT_AS``: its size at start-up plus
+   ``address_space_mb``): memory growth that slips past the caps ends in a ``MemoryError``,
+   reported as ``"result too large"``; after either memory outcome the worker is replaced, so
+   its memory goes back to the operating system.
+
+The (predicted, gold) pair of a job shares one time limit: the predicted query may use all of
+it, the gold query (cached per worker after its first run) what is left.
+
+``json_each``/``json_tree`` are allowed: constructing these eponymous virtual tables asks the
+authorizer for an ``UPDATE`` of the schema row's columns (``sqlite_master``: ``type``, ``name``,
+``tbl_name``, ``rootpage``, ``sql``), which is granted for those columns of ``main`` only.
+Nothing can write through it: the connection is read-only (``mode=ro``), ``PRAGMA
+writable_schema`` is refused (without it SQLite refuses any change to ``sqlite_master``), and
+``CREATE VIRTUAL TABLE`` stays denied, so a real ``UPDATE sqlite_master`` still fails (tested).
 
 Execution accuracy (BIRD's evaluator): run the predicted and the gold query and compare the
 result rows **as sets** -- row order and duplicate rows do not matter, ``NULL`` equals
@@ -22,6 +40,7 @@ result rows **as sets** -- row order and duplicate rows do not matter, ``NULL`` 
 from __future__ import annotations
 
 import os
+import resource
 import sqlite3
 import time
 import urllib.parse
@@ -37,8 +56,14 @@ _DENIED_FUNCTIONS = {"load_extension", "fts3_tokenizer", "readfile", "writefile"
 _INTROSPECTION_PRAGMAS = {"table_info", "table_xinfo", "index_list", "index_info", "index_xinfo",
                           "foreign_key_list", "table_list"}
 
+#: the schema row a virtual table's constructor asks to update (never written: see the docstring)
+_VTAB_SCHEMA_COLUMNS = {"type", "name", "tbl_name", "rootpage", "sql"}
+
 
 def _authorizer(action, arg1, arg2, dbname, source):
+    if action == sqlite3.SQLITE_UPDATE and arg1 == "sqlite_master" and arg2 in _VTAB_SCHEMA_COLUMNS \
+            and dbname == "main":
+        return sqlite3.SQLITE_OK  # json_each()/json_tree() construction (see the module docstring)
     if action in _ALLOWED_ACTIONS:
         if action == sqlite3.SQLITE_FUNCTION and arg2 and arg2.lower() in _DENIED_FUNCTIONS:
             return sqlite3.SQLITE_DENY
@@ -106,29 +131,58 @@ def _conn_for(db_path: str, heap_limit_mb: Optional[int]):
     return hit
 
 
+_CHUNK_ROWS = 256
+
+
+def _value_bytes(v) -> int:
+    if isinstance(v, (str, bytes)):
+        return len(v) + 48
+    return 32
+
+
 def run_query(db_path: str, sql: str, timeout: float = 5.0, max_rows: int = 10_000,
-              heap_limit_mb: Optional[int] = 1024) -> Dict[str, Any]:
+              heap_limit_mb: Optional[int] = 1024, max_result_mb: Optional[float] = 64) -> Dict[str, Any]:
     """Run one statement under the guards. Returns ``{"ok": True, "rows": [...]}`` or
     ``{"ok": False, "error": "..."}`` (``"timeout"``, ``"row cap exceeded (> N rows)"``,
-    ``"not authorized"``, the SQLite message, ...). Never raises for a bad query."""
+    ``"result too large"``, ``"not authorized"``, the SQLite message, ...). Never raises for a
+    bad query. Rows are fetched in chunks while their size is counted; a result over
+    ``max_result_mb`` (or a ``MemoryError``) asks the pool to replace this worker."""
+    from ._pool import request_recycle
+
     try:
         conn, deadline = _conn_for(db_path, heap_limit_mb)
     except Exception as exc:  # noqa: BLE001
         return {"ok": False, "error": f"cannot open database: {type(exc).__name__}: {exc}"}
     deadline.t = time.monotonic() + timeout
+    cap = float("inf") if not max_result_mb else float(max_result_mb) * 1024 * 1024
     cur = None
+    rows: List[tuple] = []
     try:
         cur = conn.execute(sql)
-        rows = cur.fetchmany(max_rows + 1)
-        if len(rows) > max_rows:
-            return {"ok": False, "error": f"row cap exceeded (> {max_rows} rows)"}
+        size = 0
+        while True:
+            chunk = cur.fetchmany(_CHUNK_ROWS)
+            if not chunk:
+                break
+            rows += chunk
+            if len(rows) > max_rows:
+                return {"ok": False, "error": f"row cap exceeded (> {max_rows} rows)"}
+            size += sum(_value_bytes(v) for r in chunk for v in r)
+            if size > cap:
+                rows = []
+                request_recycle()
+                return {"ok": False, "error": "result too large"}
         return {"ok": True, "rows": rows}
+    except MemoryError:
+        rows = []
+        request_recycle()
+        return {"ok": False, "error": "result too large"}
     except sqlite3.OperationalError as exc:
         msg = str(exc)
         if msg == "interrupted" or time.monotonic() > deadline.t:
             return {"ok": False, "error": "timeout"}
         return {"ok": False, "error": f"OperationalError: {msg}"}
-    except (sqlite3.Error, sqlite3.Warning, ValueError, OverflowError, MemoryError) as exc:
+    except (sqlite3.Error, sqlite3.Warning, ValueError, OverflowError) as exc:
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     finally:
         deadline.t = float("inf")
@@ -137,6 +191,19 @@ def run_query(db_path: str, sql: str, timeout: float = 5.0, max_rows: int = 10_0
                 cur.close()
             except Exception:  # noqa: BLE001
                 pass
+
+
+def limit_address_space(extra_mb: Optional[int]) -> None:
+    """Worker initializer: ``RLIMIT_AS`` = the current address-space size + ``extra_mb`` MB."""
+    if not extra_mb:
+        return
+    with open("/proc/self/statm") as f:
+        vm_bytes = int(f.read().split()[0]) * resource.getpagesize()
+    limit = vm_bytes + int(extra_mb) * 1024 * 1024
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
 
 
 def _norm_value(v, float_round: Optional[int]):
@@ -166,20 +233,23 @@ def compare_results(pred_rows: Sequence[Sequence[Any]], gold_rows: Sequence[Sequ
 
 def execute_and_compare(db_path: str, pred_sql: str, gold_sql: str, timeout: float = 5.0,
                         max_rows: int = 10_000, compare: str = "set", float_round: Optional[int] = None,
-                        heap_limit_mb: Optional[int] = 1024) -> Dict[str, Any]:
+                        heap_limit_mb: Optional[int] = 1024, max_result_mb: Optional[float] = 64) -> Dict[str, Any]:
     """Run predicted and gold SQL on ``db_path`` and compare (runs inside a worker).
 
     Returns ``{"correct": bool, "reason": str, "pred_rows": int|None, "gold_rows": int|None}``;
     reasons: ``"ok"``, ``"wrong result"``, ``"pred error: ..."``, ``"gold error: ..."``.
-    Gold results are cached per worker (every sample of a prompt shares one gold query).
+    Gold results are cached per worker (every sample of a prompt shares one gold query). The
+    two queries share ``timeout``.
     """
-    pred = run_query(db_path, pred_sql, timeout, max_rows, heap_limit_mb)
+    t_end = time.monotonic() + timeout
+    pred = run_query(db_path, pred_sql, timeout, max_rows, heap_limit_mb, max_result_mb)
     if not pred["ok"]:
         return {"correct": False, "reason": f"pred error: {pred['error']}", "pred_rows": None, "gold_rows": None}
     key = (os.path.abspath(db_path), gold_sql, max_rows)
     gold = _GOLD_CACHE.get(key)
     if gold is None:
-        gold = run_query(db_path, gold_sql, timeout, max_rows, heap_limit_mb)
+        gold = run_query(db_path, gold_sql, max(0.01, t_end - time.monotonic()), max_rows, heap_limit_mb,
+                         max_result_mb)
         if gold["ok"] and len(gold["rows"]) <= _GOLD_CACHE_MAX_ROWS:
             _GOLD_CACHE[key] = gold
             while len(_GOLD_CACHE) > _MAX_GOLD:
@@ -198,13 +268,18 @@ def execute_and_compare(db_path: str, pred_sql: str, gold_sql: str, timeout: flo
 _PRELOAD = ["openrlhf_div.tasks._preload"]  # the same list as the math pool: one fork server serves both
 
 
+#: after the query deadline: the in-worker alarm fires at +SOFT_S, the parent kills at +HARD_S
+_SOFT_S, _HARD_S = 0.25, 0.5
+
+
 class SQLExecutor:
     """Runs :func:`execute_and_compare` in a shared worker pool under a hard deadline of
-    ``2 * timeout + 1`` seconds per (pred, gold) pair (each query also has its own
-    ``timeout`` through the progress handler)."""
+    ``timeout + 0.5`` seconds per (pred, gold) pair (the queries stop at ``timeout`` through
+    the progress handler; the kill is for hangs in C code)."""
 
     def __init__(self, timeout: float = 5.0, max_rows: int = 10_000, num_workers: Optional[int] = None,
-                 compare: str = "set", float_round: Optional[int] = None, heap_limit_mb: Optional[int] = 1024):
+                 compare: str = "set", float_round: Optional[int] = None, heap_limit_mb: Optional[int] = 1024,
+                 max_result_mb: Optional[float] = 64, address_space_mb: Optional[int] = 2048):
         if compare not in ("set", "multiset", "ordered"):
             raise ValueError(f"compare must be 'set', 'multiset' or 'ordered', got {compare!r}")
         if not timeout or timeout <= 0:
@@ -217,12 +292,19 @@ class SQLExecutor:
         self.compare = compare
         self.float_round = float_round
         self.heap_limit_mb = heap_limit_mb
+        if max_result_mb is not None and max_result_mb <= 0:
+            raise ValueError(f"max_result_mb must be > 0 (or None for no cap), got {max_result_mb}")
+        self.max_result_mb = max_result_mb
+        self.address_space_mb = int(address_space_mb) if address_space_mb else None
 
     @property
     def pool(self):
         from ._pool import shared_pool
 
-        return shared_pool("sqlite-sandbox", self.num_workers, preload=_PRELOAD)
+        # one pool per address-space limit: the limit is set once, when a worker starts
+        return shared_pool(f"sqlite-sandbox-as{self.address_space_mb or 0}", self.num_workers, preload=_PRELOAD,
+                           initializer="openrlhf_div.tasks.sqlite_sandbox:limit_address_space",
+                           init_args=(self.address_space_mb,))
 
     def compare_many(self, jobs: Sequence[Tuple[str, str, str]]) -> List[Dict[str, Any]]:
         """``jobs``: ``(db_path, pred_sql, gold_sql)``. One result dict per job (see
@@ -230,10 +312,10 @@ class SQLExecutor:
         or ``"crash"``."""
         if not jobs:
             return []
-        args = [(db, p, g, self.timeout, self.max_rows, self.compare, self.float_round, self.heap_limit_mb)
-                for db, p, g in jobs]
+        args = [(db, p, g, self.timeout, self.max_rows, self.compare, self.float_round, self.heap_limit_mb,
+                 self.max_result_mb) for db, p, g in jobs]
         res = self.pool.run("openrlhf_div.tasks.sqlite_sandbox:execute_and_compare", args,
-                            timeout=2 * self.timeout)
+                            timeout=self.timeout + _SOFT_S, grace=_HARD_S - _SOFT_S)
         out = []
         for r in res:
             if r.ok:
