@@ -36,7 +36,7 @@ from openrlhf_div.algorithms import get_method
 from openrlhf_div.compat import install_flash_attn_standin, install_vllm_stub
 from openrlhf_div.engines.local import trainer as local_trainer
 from openrlhf_div.engines.local.config import load_config
-from openrlhf_div.engines.local.data import write_jsonl_atomic
+from openrlhf_div.io import atomic_write_jsonl
 from openrlhf_div.engines.local.generation import GenerationOutput, pack_sequences
 from openrlhf_div.engines.local.trainer import Trainer
 from openrlhf_div.tasks import RewardResult, Task
@@ -359,8 +359,8 @@ ANCHORS = [  # D_pef records as presample writes them (prompt_ids, response_ids,
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("xengine")
-    write_jsonl_atomic(str(d / "train.jsonl"), [{"prompt": "ab=", "label": "b", "id": f"t{i}"} for i in range(B)])
-    write_jsonl_atomic(str(d / "d_pef.jsonl"), ANCHORS)
+    atomic_write_jsonl(str(d / "train.jsonl"), [{"prompt": "ab=", "label": "b", "id": f"t{i}"} for i in range(B)])
+    atomic_write_jsonl(str(d / "d_pef.jsonl"), ANCHORS)
     return d
 
 

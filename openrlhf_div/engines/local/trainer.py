@@ -105,14 +105,6 @@ def git_commit() -> Optional[str]:
         return None
 
 
-def write_json_atomic(path: str, obj: Any) -> None:
-    atomic_write_json(path, obj, default=str)
-
-
-def write_text_atomic(path: str, text: str) -> None:
-    atomic_write_text(path, text)
-
-
 def fit_width(t: torch.Tensor, width: int) -> torch.Tensor:
     """``[N, R0]`` -> ``[N, width]``: cut padding columns or pad with zeros on the right."""
     if t.shape[1] >= width:
@@ -582,7 +574,7 @@ class Trainer:
 
         os.makedirs(self.checkpoint_dir(), exist_ok=True)
         path = _atomic_dir_write(os.path.join(self.checkpoint_dir(), name), write)
-        write_text_atomic(os.path.join(self.checkpoint_dir(), "latest"), name + "\n")
+        atomic_write_text(os.path.join(self.checkpoint_dir(), "latest"), name + "\n")
         keep = max(1, self.cfg.checkpoint.keep)
         old = sorted(d for d in os.listdir(self.checkpoint_dir()) if d.startswith("step_") and not d.startswith("."))
         for d in old[:-keep]:
@@ -621,7 +613,7 @@ class Trainer:
             return
         with open(p) as f:
             keep = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= step]
-        write_text_atomic(p, "".join(keep))
+        atomic_write_text(p, "".join(keep))
 
     def _tb_log(self, scalars: Dict[str, Any]) -> None:
         if not self.cfg.logging.tensorboard:
@@ -638,15 +630,15 @@ class Trainer:
 
         from openrlhf_div import __version__
         os.makedirs(self.run_dir, exist_ok=True)
-        write_text_atomic(os.path.join(self.run_dir, "config.yaml"), dump_config(self.cfg))
+        atomic_write_text(os.path.join(self.run_dir, "config.yaml"), dump_config(self.cfg))
         info = {"seed": self.cfg.seed, "openrlhf_div": __version__, "git_commit": git_commit(),
                 "torch": torch.__version__, "transformers": transformers.__version__, "device": str(self.device),
                 "num_threads": torch.get_num_threads(), "method": self.method.describe(),
                 "n_train_examples": len(self.train_examples), "n_eval_examples": len(self.eval_examples),
                 "n_anchor_samples": len(self.anchor_samples), "reference_model_loaded": self.ref_model is not None,
                 "time": time.strftime("%Y-%m-%d %H:%M:%S"), "resumed_from_step": self.step if resumed else None}
-        write_json_atomic(os.path.join(self.run_dir, "run_info.json" if not resumed else
-                                       f"run_info.resume_{self.step:06d}.json"), info)
+        atomic_write_json(os.path.join(self.run_dir, "run_info.json" if not resumed else
+                                       f"run_info.resume_{self.step:06d}.json"), info, default=str)
 
     # ------------------------------------------------------------------ the loop
     def _on_sigint(self, signum, frame):
