@@ -188,12 +188,20 @@ def compile_losses(enabled: bool = True) -> None:
     _COMPILE["on"] = bool(enabled)
 
 
-def _run(fn: Callable) -> Callable:
+def _call(c: Component, inputs, hparams: Mapping[str, Any]):
+    """``c.fn(inputs, **its hyperparameters)``, compiled when :func:`compile_losses` is on.
+
+    Compiled, float hyperparameters are specialised (each value its own guarded graph):
+    measured with torch 2.13, ``dynamic=True`` alone reused a graph traced for
+    ``eps_high=0.2`` when called with ``0.28`` once a gradient was taken
+    (tests/test_loss_references.py checks compiled against plain)."""
+    kw = c.kwargs(hparams)
     if not _COMPILE["on"]:
-        return fn
-    if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, dynamic=True)
-    return _COMPILED[fn]
+        return c.fn(inputs, **kw)
+    if c.fn not in _COMPILED:
+        _COMPILED[c.fn] = torch.compile(c.fn, dynamic=True)
+    with torch._dynamo.config.patch(specialize_float=True):
+        return _COMPILED[c.fn](inputs, **kw)
 
 
 class Rollout(NamedTuple):
@@ -400,7 +408,7 @@ class Method:
         b = dataclasses.replace(b, advantages=adv)
         pol = POLICY_LOSSES[self.policy_loss]
         pol.require(b, self.name)
-        loss, extra = _run(pol.fn)(b, **pol.kwargs(h))
+        loss, extra = _call(pol, b, h)
         with torch.no_grad():
             r = torch.exp((b.log_probs - b.old_log_probs).clamp(-20, 20))
             clipped = ppo_clip_mask(r, adv, float(h.get("eps_low", 0.2)), float(h.get("eps_high", 0.2)))
@@ -408,7 +416,7 @@ class Method:
         for name in self.regularizers:
             reg = REGULARIZERS[name]
             reg.require(b, self.name)
-            l_reg, m_reg = _run(reg.fn)(b, **reg.kwargs(h))
+            l_reg, m_reg = _call(reg, b, h)
             loss = loss + l_reg
             metrics.update(m_reg)
         return loss, _means(metrics, b.mask)
@@ -418,7 +426,7 @@ class Method:
         if self.anchor is None:
             raise ValueError(f"method {self.name!r} has no anchor loss (needs.anchor_batch is False)")
         c = ANCHORS[self.anchor]
-        return _run(c.fn)(a, **c.kwargs(self.hparams))
+        return _call(c, a, self.hparams)
 
     def loss(
         self,
