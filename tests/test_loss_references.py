@@ -344,7 +344,7 @@ def _metrics_reference(m, lp, old, A, mask, ref):
 
 
 @pytest.mark.parametrize("name", ["grpo", "rkl", "dph_js_def", "clip_cov"])
-def test_registry_fused_loss_metrics_and_gradients(name):
+def test_registry_loss_metrics_and_gradients(name):
     m = get_method(name)
     i = inputs(10)
     lp = i["lp"].clone().requires_grad_(True)
@@ -383,7 +383,7 @@ def _policy_reference(m, lp, old, A, mask):
 
 @pytest.mark.parametrize("name", ["cispo", "kl_cov", "lad_js", "lad_hellinger", "entropy_bonus", "entropy_penalty",
                                   "diff_entropy", "entadv"])
-def test_registry_other_fused_methods(name):
+def test_registry_other_methods(name):
     m = get_method(name, **({"kl_cov_ratio": 0.05} if name == "kl_cov" else {}))
     h = m.hparams
     i = inputs(18)
@@ -419,7 +419,7 @@ def test_registry_other_fused_methods(name):
     assert metrics["policy_loss"] == pytest.approx(float(pol.detach().sum() / mask.sum()), rel=1e-12)
 
 
-def test_registry_anchor_losses_fused():
+def test_registry_anchor_losses():
     i = inputs(19, spread=1.0)
     for name, div in (("dph_f", "forward_kl"), ("dph_js", "js"), ("dph_alpha", "alpha")):
         m = get_method(name)
