@@ -151,3 +151,127 @@ def test_authors_log_z_head_shape_size_and_gradient_to_trunk():
     y = torch.randn(3, H, requires_grad=True)
     LogZHead(H)(y).sum().backward()
     assert y.grad is None  # the library's small head detaches its input
+
+
+# ------------------------------------------------------------------ the options in the registry
+from openrlhf_div.algorithms import LossInputs, get_method  # noqa: E402
+from openrlhf_div.algorithms.losses import flowrl_loss, ppo_clip_loss  # noqa: E402
+
+
+def _online(B=3, T=7, seed=0, ref=True, lr_sd=0.5):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 2
+    lp = (old + torch.randn(B, T, generator=g, dtype=torch.float64) * lr_sd).requires_grad_(True)
+    mask = torch.ones(B, T, dtype=torch.float64)
+    mask[0, 5:] = 0
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    r = (old + torch.randn(B, T, generator=g, dtype=torch.float64) * 4) if ref else None
+    return LossInputs(log_probs=lp, old_log_probs=old, advantages=adv, mask=mask, ref_log_probs=r)
+
+
+def test_js_def_stochastic_online_half_and_clamp():
+    eta = 0.3
+    m = get_method("dph_js_def", anchor_eta=eta, js_def_online="stochastic", js_def_clamp=10.0)
+    b = _online(seed=1)
+    h = m.hparams
+    base = ppo_clip_loss(b.log_probs, b.old_log_probs, b.advantages, b.mask, h["eps_low"], h["eps_high"], h["dual_clip"])
+    js = A.clamp_k3(dph_js_def_loss(b.log_probs, b.ref_log_probs, b.mask, on="online"), 10.0)
+    assert float((js == 10.0).sum()) > 0  # the clamp engages on these inputs
+    gen, twin = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    hits = 0
+    for _ in range(40):
+        b.generator = gen
+        loss, _ = m.online_loss(b)
+        on = A.js_def_online_gate(twin, 1)  # the same draw, made independently
+        hits += on
+        torch.testing.assert_close(loss, base + (eta if on else 0.0) * js)
+    assert 0 < hits < 40
+    b.generator = None
+    with pytest.raises(ValueError, match="needs LossInputs.generator"):
+        m.online_loss(b)
+    # fixed (the preset): eta x lambda on every call, unclamped
+    f = get_method("dph_js_def", anchor_eta=eta)
+    loss, _ = f.online_loss(b)
+    full = dph_js_def_loss(b.log_probs, b.ref_log_probs, b.mask, on="online")
+    torch.testing.assert_close(loss, base + eta * 0.125 * full, rtol=1e-9, atol=1e-9)
+
+
+def test_js_def_clamp_on_the_anchor_side():
+    from openrlhf_div.algorithms import AnchorInputs
+
+    b = _online(seed=2)
+    a = AnchorInputs(b.log_probs, b.ref_log_probs, b.mask)
+    clamped = get_method("dph_js_def", js_def_clamp=10.0).anchor_loss(a)
+    torch.testing.assert_close(clamped, _verl_k3(b.ref_log_probs, torch.logaddexp(b.log_probs, b.ref_log_probs)
+                                                 - math.log(2)) * b.mask)
+    assert float(get_method("dph_js_def").anchor_loss(a).max()) > 10.0
+
+
+def test_lad_hellinger_without_the_half_doubles_loss_and_gradient():
+    b = _online(seed=3, ref=False, lr_sd=0.2)
+    half, _ = get_method("lad_hellinger").online_loss(b)
+    full, _ = get_method("lad_hellinger", lad_hellinger_half=False).online_loss(b)
+    g_half, = torch.autograd.grad(half.sum(), b.log_probs)
+    g_full, = torch.autograd.grad(full.sum(), b.log_probs)
+    torch.testing.assert_close(full, 2 * half)
+    torch.testing.assert_close(g_full, 2 * g_half)
+    js, _ = get_method("lad_js", lad_hellinger_half=False).online_loss(b)  # other divergences: no effect
+    torch.testing.assert_close(js, get_method("lad_js").online_loss(b)[0])
+
+
+def test_kl_cov_min_one_penalises_one_token():
+    b = _online(B=4, T=25, seed=4, ref=False)  # 98 valid tokens: floor(2e-3 x 98) = 0
+    plain, _ = get_method("kl_cov").online_loss(b)
+    one, _ = get_method("kl_cov", kl_cov_min_one=True).online_loss(b)
+    r = (b.log_probs - b.old_log_probs).exp()
+    no_kl = (-b.advantages.unsqueeze(-1) * r) * b.mask
+    torch.testing.assert_close(plain, no_kl)
+    assert int((~torch.isclose(one, no_kl)).sum()) == 1
+
+
+def test_flowrl_unclipped_importance_weight():
+    g = torch.Generator().manual_seed(5)
+    B, T = 3, 6
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64)
+    lp = old + 1.0  # sum_t (lp - old) = 6: weight e^6 > 10
+    ref = old.clone()
+    mask = torch.ones(B, T, dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64)
+    log_z = torch.zeros(B, dtype=torch.float64)
+    capped = flowrl_loss(lp, old, ref, adv, log_z, mask, 15.0, 10.0)
+    free = flowrl_loss(lp, old, ref, adv, log_z, mask, 15.0, None)
+    torch.testing.assert_close(free, capped * math.exp(6.0) / 10.0)
+
+
+def test_presets_options_validation_and_modes():
+    from openrlhf_div.algorithms.heads import make_log_z_head
+
+    m = get_method("ds_grpo_seq")
+    assert m.hparams["ds_granularity"] == "seq_sum" and m.adv_reshaping == ("ds",)
+    for key, bad in (("anchor_weighting", "micro"), ("js_def_online", "random"), ("log_z_head", "big")):
+        name = "dph_js_def" if key != "log_z_head" else "flowrl"
+        with pytest.raises(ValueError, match=f"unknown {key} {bad!r}"):
+            get_method(name, **{key: bad})
+    with pytest.raises(ValueError, match="micro_batch_seqs must be >= 1"):
+        get_method("grpo", micro_batch_seqs=0)
+    with pytest.raises(ValueError, match="flowrl_max_weight must be > 0 or null"):
+        get_method("flowrl", flowrl_max_weight=0)
+    assert isinstance(make_log_z_head("authors", 8), A.AuthorsLogZHead)
+    assert isinstance(make_log_z_head("small_detached", 8), LogZHead)
+    d = get_method("dph_js").describe()["authors_modes"]
+    assert d["anchor_weighting"]["follows"] == "spec" and "seamoke/DPH-RL" in d["anchor_weighting"]["source"]
+    auth = get_method("dph_js", anchor_eta=0.01, anchor_weighting="microbatch_share",
+                      aggregation="micro-batch-token-mean")
+    assert A.mode_summary(auth).startswith("the authors' code: ")
+    assert A.mode_summary(get_method("dph_js")).startswith("the spec's clean form: ")
+    cc = get_method("clip_cov", eps_low=1.0, eps_high=1.0, dual_clip=None).describe()["authors_modes"]
+    assert cc["eps_low/eps_high/dual_clip"]["follows"] == "authors"
+
+
+def test_methods_cli_shows_the_mode_and_its_source(capsys):
+    from openrlhf_div.cli.main import main
+
+    assert main(["methods", "dph_js"]) == 0
+    out = capsys.readouterr().out
+    assert '"anchor_weighting"' in out and '"follows": "spec"' in out
+    assert "dp_actor.py update_policy" in out and '"authors": "microbatch_share"' in out

@@ -47,6 +47,8 @@ def test_demo_tiny_end_to_end(tmp_path, capsys):
     assert os.path.isfile(out / "presample" / "d_pef.jsonl")
     md = open(out / "report.md").read()
     assert "| dph_f |" in md and "Settings used" in md
+    # the report states the form each method ran in (the demo keeps the spec's clean form)
+    assert "`mode=the spec's clean form: " in md and "anchor_weighting=token_mean" in md
 
     # the eval.json files reproduce the demo's metrics through `compare`
     runs = [str(out / "runs" / "base")] + [str(out / "runs" / n / "seed0") for n in ("grpo", "dph_f")]

@@ -328,6 +328,46 @@ def test_presample_resample_anchor_responses(data_dir, presample_dir, tmp_path):
         torch.testing.assert_close(torch.tensor(r["ref_log_probs"]), lp, atol=1e-6, rtol=0)
 
 
+def test_authors_mode_microbatch_share_and_micro_batch_token_mean(data_dir, presample_dir, tmp_path):
+    """The DPH-RL authors' aggregation in the local engine: per optimizer step the micro-batch
+    losses add up to the mean over 2-sequence groups of their token-means, the anchor groups
+    weighted eta x #anchors / #online rows (written out here from the per-token losses)."""
+    from openrlhf_div.algorithms.losses import dph_anchor_loss, ppo_clip_loss
+
+    eta = 0.5
+    events = []
+    cfg = load_config(None, _overrides(data_dir, tmp_path / "run", "dph_f", [
+        f"data.presample_dir={presample_dir}", "optim.micro_batch_size=4", "optim.mini_batches=2",
+        "optim.anchor_ratio=2", f"method.anchor_eta={eta}", "method.anchor_weighting=microbatch_share",
+        "method.aggregation=micro-batch-token-mean", "method.micro_batch_seqs=2"]))
+    Trainer(cfg, hooks=[events.append]).train()
+    m = get_method("dph_f", anchor_eta=eta)
+    h = m.hparams
+    steps = {}
+    for e in events:
+        steps.setdefault((e["step"], e["epoch"], e["mini_batch"]), []).append(e)
+    assert len(steps) == 4  # 2 RL steps x 2 mini-batches
+    for evs in steps.values():
+        n_on, n_an = evs[0]["num_online_seqs"], evs[0]["num_anchor_seqs"]
+        assert (n_on, n_an) == (8.0, 4.0)
+        expected = 0.0
+        for e in evs:
+            on, an = e["online"], e["anchor"]
+            parts = [(ppo_clip_loss(on.log_probs, on.old_log_probs, on.advantages, on.mask, h["eps_low"],
+                                    h["eps_high"], h["dual_clip"]), on.mask, 1.0 / n_on)]
+            if an is not None:
+                assert an.log_probs.shape[0] % 2 == 0  # anchors travel in whole groups of 2
+                parts.append((dph_anchor_loss(an.log_probs, an.ref_log_probs, an.mask, "forward_kl"), an.mask,
+                              eta * (n_an / n_on) / n_an))
+            for per_tok, mask, w in parts:
+                for i in range(0, per_tok.shape[0], 2):
+                    expected += 2 * w * float((per_tok[i:i + 2] * mask[i:i + 2]).sum() / mask[i:i + 2].sum())
+        assert sum(float(e["loss"]) for e in evs) == pytest.approx(expected, rel=1e-5, abs=1e-7)
+    with pytest.raises(ConfigError, match="must be a multiple of it"):
+        load_config(None, _overrides(data_dir, tmp_path / "r2", "dph_f", [
+            "optim.micro_batch_size=3", "method.aggregation=micro-batch-token-mean"]))
+
+
 # ---------------------------------------------------------------- resume, NaN, config errors
 def _first_losses(events):
     out = {}

@@ -378,21 +378,16 @@ def test_mixed_micro_batch_is_l_exp_plus_eta_l_pef(trainer):
     assert l_pef > 0  # the anchor part is present and weighted by eta
 
 
-def test_ppo_train_gas2_normalises_each_part_over_its_own_tokens(world):
-    """OpenRLHF's ppo_train loop (DataLoader, shuffling, gas windows, DeepSpeed accumulation)
-    with our split normaliser: per optimizer step, sum of applied micro-batch losses / gas ==
-    Method.loss on the step's rows with the step's online and anchor token counts."""
-    from openrlhf_div.algorithms import get_method
+def _ppo_train_gas2(world, method, seeds):
+    """OpenRLHF's ppo_train over 4 rollout rows + 4 anchor rows (micro 2, train batch 4: gas 2);
+    per micro-batch ``(experience, plain log-probs, loss_batch_info, applied loss)``."""
     from openrlhf_div.engines.openrlhf.anchors import append_rows
-    from openrlhf_div.engines.openrlhf.loss import ANCHOR_NORM_KEY
-    from openrlhf.trainer.ppo_utils.experience import make_experience_batch
 
-    method = get_method("dph_js", anchor_eta=0.3)
     mp = pytest.MonkeyPatch()
     try:
         tr = _build_trainer(world, mp, micro=2, train_batch=4, method=method)
-        exp = append_rows(_rollout(tr, method, [1.0, 0.0, 1.0, 1.0], seed=11, resp_lens=(4, 2, 5, 3)),
-                          _anchor_rows(tr, n=4, seed=12), pad_token_id=0)
+        exp = append_rows(_rollout(tr, method, [1.0, 0.0, 1.0, 1.0], seed=seeds[0], resp_lens=(4, 2, 5, 3)),
+                          _anchor_rows(tr, n=4, seed=seeds[1]), pad_token_id=0)
         tr.replay_buffer.append(exp)
         assert len(tr.replay_buffer) == 8
         seen = []
@@ -407,9 +402,23 @@ def test_ppo_train_gas2_normalises_each_part_over_its_own_tokens(world):
 
         mp.setattr(type(tr), "training_step", spy)
         mp.setattr(torch.cuda, "current_device", lambda: "cpu")  # OpenRLHF moves batches to "cuda"
+        torch.manual_seed(seeds[0])  # the replay buffer's shuffle draws from the global generator
         tr.ppo_train(0.0)
     finally:
         mp.undo()
+    return seen
+
+
+def test_ppo_train_gas2_normalises_each_part_over_its_own_tokens(world):
+    """OpenRLHF's ppo_train loop (DataLoader, shuffling, gas windows, DeepSpeed accumulation)
+    with our split normaliser: per optimizer step, sum of applied micro-batch losses / gas ==
+    Method.loss on the step's rows with the step's online and anchor token counts."""
+    from openrlhf_div.algorithms import get_method
+    from openrlhf_div.engines.openrlhf.loss import ANCHOR_NORM_KEY
+    from openrlhf.trainer.ppo_utils.experience import make_experience_batch
+
+    method = get_method("dph_js", anchor_eta=0.3)
+    seen = _ppo_train_gas2(world, method, seeds=(11, 12))
     assert len(seen) == 4  # 8 rows / micro 2, two optimizer steps of gas 2
     for w in (seen[:2], seen[2:]):
         items = [split for e, *_ in w for split in _split(e)]
@@ -453,3 +462,46 @@ def _window_registry_loss(method, window, n_on, n_an):
         loss, _ = method.loss(online=online, anchor=anchor, num_online_tokens=n_on, num_anchor_tokens=n_an)
         total += float(loss)
     return total
+
+
+def test_ppo_train_authors_mode_microbatch_share_and_micro_batch_token_mean(world):
+    """The DPH-RL authors' aggregation through OpenRLHF's own ppo_train loop (gas 2, micro 2):
+    per optimizer step, the applied losses add up to [sum over 2-row groups of each kind of their
+    token-means] x 2 / N_kind, the anchor part weighted eta x N_anchor / N_online (written out
+    here from the per-token losses, not through Method.loss)."""
+    from openrlhf_div.algorithms import get_method
+    from openrlhf_div.algorithms.losses import dph_anchor_loss, ppo_clip_loss
+
+    eta = 0.3
+    method = get_method("dph_f", anchor_eta=eta, anchor_weighting="microbatch_share",
+                        aggregation="micro-batch-token-mean", micro_batch_seqs=2)
+    seen = _ppo_train_gas2(world, method, seeds=(21, 22))
+    assert len(seen) == 4
+    h = method.hparams
+    mixed = [w for w in (seen[:2], seen[2:]) if any((~_flag(e)).any() for e, *_ in w) and any(_flag(e).any() for e, *_ in w)]
+    assert mixed  # at least one optimizer step shares the anchor weight with online rows
+    for w in (seen[:2], seen[2:]):
+        n_on = sum(int((~_flag(e)).sum()) for e, *_ in w)
+        n_an = sum(int(_flag(e).sum()) for e, *_ in w)
+        expected = 0.0
+        for e, lp, _, _ in w:
+            a = _flag(e)
+            m = e.action_mask.float()
+            for rows, kind in ((~a, "online"), (a, "anchor")):
+                if not rows.any():
+                    continue
+                if kind == "online":
+                    per_tok = ppo_clip_loss(lp[rows], e.action_log_probs[rows].float(), e.advantages[rows].float(),
+                                            m[rows], h["eps_low"], h["eps_high"], h["dual_clip"])
+                else:
+                    per_tok = dph_anchor_loss(lp[rows], e.base_action_log_probs[rows].float(), m[rows], "forward_kl")
+                mm = m[rows]
+                idx = list(range(per_tok.shape[0]))
+                groups = [idx[i:i + 2] for i in range(0, len(idx), 2)]
+                tms = sum(float((per_tok[g] * mm[g]).sum() / mm[g].sum()) for g in groups)
+                if kind == "online":
+                    expected += tms * 2 / n_on
+                else:  # a window without online rows has nothing to share with: eta (authors.anchor_weight)
+                    expected += eta * (n_an / n_on if n_on else 1.0) * tms * 2 / n_an
+        applied = sum(loss for *_, loss in w) / 2  # DeepSpeed's 1/gas
+        assert applied == pytest.approx(expected, rel=1e-5, abs=1e-7)

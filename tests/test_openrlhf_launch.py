@@ -155,10 +155,26 @@ def test_every_config_maps_to_a_valid_command(parser, path, monkeypatch):
     assert p.method.name == cfg["div"]["method"]
     # the papers' settings as ALGORITHMS.md / the configs' headers state them
     m, h = p.method, p.method.hparams
+    name = os.path.basename(path)[:-5]
+    authors_sql = name.startswith("llama8b_bird_") and not name.endswith("_spec")  # scripts/llama/*.sh
     if m.name in ("dph_f", "dph_alpha"):
         assert h["anchor_eta"] == 0.01 and h["eps_high"] == 0.28
-    if m.name == "dph_js":
-        assert h["anchor_eta"] == 0.2 and h["eps_high"] == 0.28
+    if m.name == "dph_js":  # js_kl.sh sft_loss_coeff 0.01; the paper's Table 5 (and the spec config) 0.2
+        assert h["anchor_eta"] == (0.01 if authors_sql else 0.2) and h["eps_high"] == 0.28
+    if m.needs.anchor_batch:
+        # the effective anchor weight of the authors' trainer: eta x 256 / 2048 (docs/ALGORITHMS.md row 1)
+        from openrlhf_div.algorithms.authors import anchor_weight
+        mode = "token_mean" if name.endswith("_spec") else "microbatch_share"
+        assert h["anchor_weighting"] == mode
+        assert anchor_weight(h["anchor_eta"], mode, num_online_seqs=2048, num_anchor_seqs=256) == pytest.approx(
+            h["anchor_eta"] / (8 if mode == "microbatch_share" else 1))
+    if authors_sql:  # two optimizer steps per rollout (ppo_mini_batch_size 64 of 128 prompts), top-p 0.9
+        n_rows = 2048 + (256 if m.needs.anchor_batch else 0)
+        assert a.train.batch_size * 2 == n_rows and a.rollout.top_p == 0.9
+        if name == "llama8b_bird_dph_f":  # forward_kl.sh: fixed micro-batches of 2
+            assert m.aggregation == "micro-batch-token-mean" and h["micro_batch_seqs"] == 2
+        else:  # dynamic token-budget micro-batches: the step's token-mean is the closest form
+            assert m.aggregation == "token-mean"
     if m.name == "rkl":
         assert h["kl_coef"] == 0.01 and a.algo.kl.init_coef > 0
     if m.name == "ds_grpo":
@@ -181,7 +197,13 @@ def test_presample_sections_parse(capsys, monkeypatch):
             continue
         assert P.main(["--config", path, "--dry-run"]) == 0, path
         out = capsys.readouterr().out
-        assert '"n_pre": 8' in out and '"tau": 8' in out
+        name = os.path.basename(path)[:-5]
+        if name.startswith("llama8b_bird_") and not name.endswith("_spec"):
+            # data/sql/process_data/exact_correct_id.py (4 of 4) + generate_sft's fresh anchor draw
+            assert '"n_pre": 4' in out and '"tau": 4' in out and '"resample_anchor_responses": true' in out
+            assert '"drop_unsolved": false' in out
+        else:
+            assert '"n_pre": 8' in out and '"tau": 8' in out and "resample_anchor_responses" not in out
 
 
 # ------------------------------------------------------------------ shell scripts

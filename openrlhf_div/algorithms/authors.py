@@ -21,7 +21,6 @@ the presets say which one they use and why (``openrlhf-div methods NAME``):
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -56,20 +55,13 @@ def anchor_weight(eta: float, mode: str = "token_mean", *, num_online_seqs: Opti
     return eta * float(num_anchor_seqs) / float(num_online_seqs)
 
 
-def num_micro_batches(num_seqs: float, micro_batch_seqs: int) -> int:
-    """``ceil(num_seqs / micro_batch_seqs)``: the micro-batch count the authors divide by."""
-    k = int(micro_batch_seqs)
-    if k < 1:
-        raise ValueError(f"micro_batch_seqs must be >= 1, got {micro_batch_seqs}")
-    return max(1, math.ceil(float(num_seqs) / k))
-
-
 def micro_batch_token_mean(loss: torch.Tensor, mask: torch.Tensor, micro_batch_seqs: int = 2,
                            num_seqs: Optional[float] = None, masked_zero: bool = False) -> torch.Tensor:
-    """Token-mean inside each group of ``micro_batch_seqs`` consecutive rows, summed and divided
-    by the optimiser step's micro-batch count ``ceil(num_seqs / micro_batch_seqs)`` (default: the
-    rows here). A group whose tokens are all masked contributes 0 (as verl's ``masked_mean``
-    with no valid token)."""
+    """Token-mean inside each group of ``micro_batch_seqs`` (``k``) consecutive rows, each group
+    weighted ``k / num_seqs`` (``num_seqs``: the optimiser step's sequence count, default the rows
+    here) -- verl's ``loss / gradient_accumulation`` with ``gradient_accumulation = mini-batch rows
+    // k``, so a trailing partial group weighs as much as a full one, as there. With full groups
+    this is the mean over groups of their token-means. A group with no valid token contributes 0."""
     check_same_shape("loss", loss, mask=mask)
     k = int(micro_batch_seqs)
     if k < 1:
@@ -84,18 +76,18 @@ def micro_batch_token_mean(loss: torch.Tensor, mask: torch.Tensor, micro_batch_s
         seq_tok = torch.cat([seq_tok, seq_tok.new_zeros(pad)])
     g_sum, g_tok = seq_sum.view(-1, k).sum(1), seq_tok.view(-1, k).sum(1)
     per_group = g_sum / g_tok.clamp(min=1.0)
-    return per_group.sum() / num_micro_batches(B if num_seqs is None else num_seqs, k)
+    n = float(B if num_seqs is None else num_seqs)
+    return per_group.sum() * (k / max(n, 1.0))
 
 
 def micro_batch_token_weights(lengths: torch.Tensor, micro_batch_seqs: int = 2) -> torch.Tensor:
     """Per-sequence weight of one token under :func:`micro_batch_token_mean` (rows in order):
-    ``1 / (#micro-batches * tokens of its micro-batch)``. The step's token-mean gives every token
+    ``(k / #sequences) / tokens of its micro-batch``. The step's token-mean gives every token
     ``1 / sum(lengths)``."""
     L = torch.as_tensor(lengths, dtype=torch.float64)
     k = int(micro_batch_seqs)
-    G = num_micro_batches(L.numel(), k)
     group_tok = torch.stack([L[i:i + k].sum() for i in range(0, L.numel(), k)])
-    return 1.0 / (G * group_tok.repeat_interleave(k)[:L.numel()])
+    return (k / L.numel()) / group_tok.repeat_interleave(k)[:L.numel()]
 
 
 def js_def_online_gate(generator: torch.Generator, js_ratio: int = 1) -> bool:
@@ -127,3 +119,101 @@ class AuthorsLogZHead(torch.nn.Module):
 
     def forward(self, prompt_hidden: torch.Tensor) -> torch.Tensor:
         return self.net(prompt_hidden.float()).squeeze(-1)
+
+
+# ------------------------------------------------------------------ what `methods NAME` prints
+# option -> (the spec's value, the authors' code's value, source). The presets keep the spec's
+# value unless they say otherwise; `openrlhf-div methods NAME` shows each option a method has,
+# its value and which side it follows (docs/ALGORITHMS.md section 9, rows in brackets).
+AUTHORS_OPTIONS = {
+    "anchor_weighting": ("token_mean", "microbatch_share",
+                         "[1] seamoke/DPH-RL verl/workers/actor/dp_actor.py update_policy: whole micro-batches "
+                         "routed by data['type'][0], each divided by gradient_accumulation -> eta x #anchor / "
+                         "#online micro-batches (eta/8 at 2048:256)"),
+    "aggregation": ("token-mean", MICRO_BATCH_TOKEN_MEAN,
+                    "[2] seamoke/DPH-RL dp_actor.py update_policy + core_algos.agg_loss('token-mean') per "
+                    "micro-batch of ppo_micro_batch_size_per_gpu=2 (scripts/llama/forward_kl.sh)"),
+    "micro_batch_seqs": (2, 2, "[2] scripts/llama/*.sh ppo_micro_batch_size_per_gpu=2"),
+    "js_def_clamp": (None, 10.0, "[3a] seamoke/DPH-RL verl/trainer/ppo/core_algos.py kl_penalty('low_var_kl'): "
+                                 "k3 clamped to [-10, 10]"),
+    "js_def_online": ("fixed", "stochastic", "[3b] seamoke/DPH-RL dp_actor.py update_policy: "
+                                            "random.randint(1, 10) <= js_ratio, weight sft_loss_coeff"),
+    "js_def_ratio": (1, 1, "[3b] seamoke/DPH-RL verl/trainer/config/ppo_trainer.yaml js_ratio: 1"),
+    "lad_clip": (None, (0.2, 0.28), "[6a] LAD paper App. C.2: DAPO clip-higher for every method"),
+    "lad_hellinger_half": (True, False, "[6b] LAD paper Table 5 loss column (no 1/2; generator has it)"),
+    "log_z_head": ("small_detached", "authors", "[7a] Xuekai-Zhu/FlowRL verl/workers/fsdp_workers.py ProjZModule "
+                                                "(porj_layer=3), not detached"),
+    "flowrl_max_weight": (10.0, None, "[7b] Xuekai-Zhu/FlowRL dp_actor.py compute_flowrl_objective multiplies by "
+                                      "the unclipped importance weight"),
+    "ds_granularity": ("token", "seq_sum", "[8a] Differential Smoothing paper Eq. 6 (sequence log-probability; "
+                                           "no public code)"),
+    "kl_cov_min_one": (False, True, "[9c] volcengine/verl core_algos.py compute_policy_loss_kl_cov: "
+                                    "max(1, int(N * ratio))"),
+    "eps_low": (None, None, ""), "eps_high": (None, None, ""), "dual_clip": (None, None, ""),
+}
+# the authors' PPO clip where it differs from the presets', per method: (eps_low, eps_high, dual_clip)
+AUTHORS_CLIP = {
+    "clip_cov": ((1.0, 1.0, None), "[5] PRIME-RL/Entropy-Mechanism-of-RL recipe/dapo/7b_clip_cov.sh clip_ratio 1 / 1; "
+                                   "compute_policy_loss_clip_cov has no dual clip"),
+    "cispo": ((10.0, 0.2, None), "[9b] volcengine/verl examples/cispo_trainer/run_cispo_qwen2_5_0_5b_gsm8k.sh "
+                                 "clip_ratio_low 10, clip_ratio_high 0.2"),
+}
+
+
+# per preset: hyperparameters whose value in the authors' published scripts differs from the
+# preset's (which follows the paper's text): name -> {hparam: (authors' value, source)}
+AUTHORS_SCRIPT_VALUES = {
+    "dph_js": {"anchor_eta": (0.01, "[4e] seamoke/DPH-RL scripts/llama/js_kl.sh sft_loss_coeff=${2:-'0.01'} "
+                                    "(paper Table 5: 0.2)")},
+    "dph_alpha": {"anchor_alpha": (0.2, "[4e] seamoke/DPH-RL scripts/llama/alpha.sh alpha_coeff=${3:-'0.2'}")},
+}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) and not isinstance(b, bool):
+        return float(a) == float(b)
+    return a == b
+
+
+def authors_modes(method) -> dict:
+    """For each spec-vs-authors option a method has: its value, the spec's and the authors'
+    value, which one it follows (``spec`` / ``authors`` / ``both`` / ``other``) and the source."""
+    h = dict(getattr(method, "hparams", {}) or {})
+    h["aggregation"] = getattr(method, "aggregation", "token-mean")
+    out = {}
+    for opt, (spec, auth, src) in AUTHORS_OPTIONS.items():
+        if opt in ("eps_low", "eps_high", "dual_clip") or opt not in h:
+            continue
+        if opt == "micro_batch_seqs" and h["aggregation"] != MICRO_BATCH_TOKEN_MEAN:
+            continue
+        if opt == "aggregation" and h["aggregation"] not in (spec, auth):
+            continue  # a method whose own aggregation is neither (FlowRL's sequence mean)
+        v = h[opt]
+        follows = ("both" if _same(v, spec) and _same(v, auth) else "spec" if _same(v, spec)
+                   else "authors" if _same(v, auth) else "other")
+        out[opt] = {"value": v, "spec": spec, "authors": auth, "follows": follows, "source": src}
+    for opt, (auth, src) in AUTHORS_SCRIPT_VALUES.get(getattr(method, "name", ""), {}).items():
+        if opt in h:
+            out[opt] = {"value": h[opt], "spec": "the preset's (paper text)", "authors": auth,
+                        "follows": "authors" if _same(h[opt], auth) else "spec", "source": src}
+    clip = AUTHORS_CLIP.get(getattr(method, "policy_loss", None))
+    if clip is not None and all(k in h for k in ("eps_low", "eps_high", "dual_clip")):
+        v = (h["eps_low"], h["eps_high"], h["dual_clip"])
+        out["eps_low/eps_high/dual_clip"] = {"value": v, "spec": "the preset's", "authors": clip[0],
+                                             "follows": "authors" if _same(v, clip[0]) else "spec",
+                                             "source": clip[1]}
+    return out
+
+
+def mode_summary(method) -> str:
+    """One line for reports: which form the method runs in (the spec's clean form, the authors'
+    code, or a mix) and the options' values."""
+    modes = authors_modes(method)
+    if not modes:
+        return "the spec's form (no authors'-code option applies)"
+    sides = {m["follows"] for m in modes.values()} - {"both"}
+    kind = ("the spec's clean form" if sides <= {"spec"} else "the authors' code" if sides == {"authors"}
+            else "mixed")
+    return kind + ": " + ", ".join(f"{k}={m['value']}" for k, m in modes.items())

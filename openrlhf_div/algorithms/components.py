@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import masked_mean
+from ._utils import masked_mean, unknown_name_error
+from .authors import JS_DEF_ONLINE_MODES, LOG_Z_HEADS, clamp_k3, js_def_online_gate
 from .advantages import (
     ds_reshape_advantages,
     entropy_advantages,
@@ -109,9 +110,11 @@ def clip_cov(b: LossInputs, eps_low, eps_high, dual_clip, clip_cov_ratio, clip_c
                          clip_cov_ratio, clip_cov_lb, clip_cov_ub, generator=b.generator), {}
 
 
-@register_policy_loss("kl_cov", defaults={"kl_cov_ratio": 2e-3, "kl_cov_k": 1.0})
-def kl_cov(b: LossInputs, kl_cov_ratio, kl_cov_k):
-    return kl_cov_loss(b.log_probs, b.old_log_probs, b.advantages, b.mask, kl_cov_ratio, kl_cov_k), {}
+@register_policy_loss("kl_cov", defaults={"kl_cov_ratio": 2e-3, "kl_cov_k": 1.0, "kl_cov_min_one": False})
+def kl_cov(b: LossInputs, kl_cov_ratio, kl_cov_k, kl_cov_min_one):
+    """``kl_cov_min_one``: penalise at least one token, as verl (docs/ALGORITHMS.md 9, row 9c)."""
+    return kl_cov_loss(b.log_probs, b.old_log_probs, b.advantages, b.mask, kl_cov_ratio, kl_cov_k,
+                       bool(kl_cov_min_one)), {}
 
 
 def _check_lad(h):
@@ -120,18 +123,33 @@ def _check_lad(h):
 
 
 @register_policy_loss("lad", defaults={"lad_divergence": "js", "lad_eta": 0.25, "lad_granularity": "token",
-                                       "lad_clip": None}, check=_check_lad)
-def lad(b: LossInputs, lad_divergence, lad_eta, lad_granularity, lad_clip):
-    return lad_loss(b.log_probs, b.old_log_probs, b.advantages, b.mask, lad_divergence, float(lad_eta),
-                    lad_granularity, tuple(lad_clip) if lad_clip is not None else None), {}
+                                       "lad_clip": None, "lad_hellinger_half": True}, check=_check_lad)
+def lad(b: LossInputs, lad_divergence, lad_eta, lad_granularity, lad_clip, lad_hellinger_half):
+    """``lad_hellinger_half: false``: Hellinger without the 1/2, as the LAD paper's Table 5 loss
+    column writes it (twice the loss and gradient; docs/ALGORITHMS.md 9, row 6b)."""
+    loss = lad_loss(b.log_probs, b.old_log_probs, b.advantages, b.mask, lad_divergence, float(lad_eta),
+                    lad_granularity, tuple(lad_clip) if lad_clip is not None else None)
+    if lad_divergence == "hellinger" and not lad_hellinger_half:
+        loss = 2.0 * loss
+    return loss, {}
 
 
-@register_policy_loss("flowrl", defaults={"flowrl_beta": 15.0, "flowrl_max_weight": 10.0},
-                      needs=Needs(ref_log_probs=True, prompt_hidden=True))
-def flowrl(b: LossInputs, flowrl_beta, flowrl_max_weight):
+def _check_flowrl(h):
+    if h["log_z_head"] not in LOG_Z_HEADS:
+        raise unknown_name_error("log_z_head", h["log_z_head"], LOG_Z_HEADS)
+    if h["flowrl_max_weight"] is not None and not float(h["flowrl_max_weight"]) > 0:
+        raise ValueError(f"flowrl_max_weight must be > 0 or null (unclipped), got {h['flowrl_max_weight']}")
+
+
+@register_policy_loss("flowrl", defaults={"flowrl_beta": 15.0, "flowrl_max_weight": 10.0,
+                                          "log_z_head": "small_detached"},
+                      needs=Needs(ref_log_probs=True, prompt_hidden=True), check=_check_flowrl)
+def flowrl(b: LossInputs, flowrl_beta, flowrl_max_weight, log_z_head):
+    """``flowrl_max_weight: null``: the unclipped importance weight of the authors' code;
+    ``log_z_head`` is read by the engines when they build the head (heads.make_log_z_head)."""
     seq_adv = masked_mean(b.advantages, b.mask, dim=1)
     return flowrl_loss(b.log_probs, b.old_log_probs, b.ref_log_probs, seq_adv, b.log_z, b.mask,
-                       float(flowrl_beta), float(flowrl_max_weight)), {}
+                       float(flowrl_beta), None if flowrl_max_weight is None else float(flowrl_max_weight)), {}
 
 
 # ------------------------------------------------------------------ regularizers (sections 2, 4, 5)
@@ -154,11 +172,32 @@ def diff_entropy(b: LossInputs, entropy_coef_pos, entropy_coef_neg):
     return loss, {"entropy": b.entropy}
 
 
-@register_regularizer("js_def_online", defaults={"js_def_lambda": 0.125, "anchor_eta": 0.2}, needs=REF)
-def js_def_online(b: LossInputs, js_def_lambda, anchor_eta):
-    """``eta * lambda * KL(pi || M)`` on rollout tokens, with the anchor's weight ``eta``."""
+def _check_js_def(h):
+    if h["js_def_online"] not in JS_DEF_ONLINE_MODES:
+        raise unknown_name_error("js_def_online", h["js_def_online"], JS_DEF_ONLINE_MODES)
+    if h.get("js_def_clamp") is not None and not float(h["js_def_clamp"]) > 0:
+        raise ValueError(f"js_def_clamp must be > 0 or null, got {h['js_def_clamp']}")
+
+
+@register_regularizer("js_def_online", defaults={"js_def_lambda": 0.125, "anchor_eta": 0.2, "js_def_online": "fixed",
+                                                 "js_def_ratio": 1, "js_def_clamp": None},
+                      needs=REF, check=_check_js_def)
+def js_def_online(b: LossInputs, js_def_lambda, anchor_eta, js_def_online, js_def_ratio, js_def_clamp):
+    """``eta * lambda * KL(pi || M)`` on rollout tokens, with the anchor's weight ``eta``. The
+    DPH-RL authors' code (docs/ALGORITHMS.md 9, rows 3a-b): ``js_def_online: stochastic`` adds
+    ``eta * KL(pi || M)`` to a micro-batch when ``randint(1, 10) <= js_def_ratio`` (drawn from
+    ``LossInputs.generator``) and nothing otherwise; ``js_def_clamp`` clamps the k3 value."""
     js = dph_js_def_loss(b.log_probs, b.ref_log_probs, b.mask, on="online")
-    return float(anchor_eta) * float(js_def_lambda) * js, {"js_def_online": js}
+    if js_def_clamp is not None:
+        js = clamp_k3(js, float(js_def_clamp))
+    if js_def_online == "fixed":
+        w = float(anchor_eta) * float(js_def_lambda)
+    else:
+        if b.generator is None:
+            raise ValueError("js_def_online='stochastic' needs LossInputs.generator (a seeded torch.Generator; "
+                             "both engines pass theirs)")
+        w = float(anchor_eta) if js_def_online_gate(b.generator, int(js_def_ratio)) else 0.0
+    return w * js, {"js_def_online": js}
 
 
 # ------------------------------------------------------------------ D_pef anchors (section 4)
@@ -172,9 +211,10 @@ def alpha(a, anchor_alpha):
     return dph_anchor_loss(a.log_probs, a.ref_log_probs, a.mask, "alpha", alpha=anchor_alpha)
 
 
-@register_anchor("js_def", eta=0.2)
-def js_def(a):
-    return dph_js_def_loss(a.log_probs, a.ref_log_probs, a.mask, on="anchor")
+@register_anchor("js_def", defaults={"js_def_clamp": None}, eta=0.2)
+def js_def(a, js_def_clamp):
+    loss = dph_js_def_loss(a.log_probs, a.ref_log_probs, a.mask, on="anchor")
+    return loss if js_def_clamp is None else clamp_k3(loss, float(js_def_clamp))
 
 
 # ------------------------------------------------------------------ preset methods
@@ -201,6 +241,8 @@ def _presets() -> None:
                hparams={"eps_high": 0.28}, paper=D),
         Method("ds_grpo", "DS-GRPO: A - gamma_p old_t on correct, A + gamma_n old_t on incorrect",
                adv_reshaping=("ds",), hparams={"eps_high": 0.25}, paper=S),
+        Method("ds_grpo_seq", "DS-GRPO as the paper's Eq. 6 writes it: gamma x log pi_old(y) of the whole response",
+               adv_reshaping=("ds",), hparams={"eps_high": 0.25, "ds_granularity": "seq_sum"}, paper=S),
         Method("ds_positive", "DS ablation: reshape correct responses only (gamma_n = 0)",
                adv_reshaping=("ds",), hparams={"eps_high": 0.25, "gamma_n": 0.0}, paper=S),
         Method("ds_negative", "DS ablation: reshape incorrect responses only (gamma_p = 0)",

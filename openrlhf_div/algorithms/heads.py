@@ -16,3 +16,17 @@ class LogZHead(torch.nn.Module):
 
     def forward(self, prompt_hidden: torch.Tensor) -> torch.Tensor:
         return self.net(prompt_hidden.detach().float()).squeeze(-1)
+
+
+def make_log_z_head(kind: str, hidden_size: int) -> torch.nn.Module:
+    """The FlowRL log Z head a method asks for (hyperparameter ``log_z_head``):
+    ``small_detached`` (:class:`LogZHead`, the library's) or ``authors`` (Xuekai-Zhu/FlowRL's
+    ``ProjZModule``, not detached: :class:`~.authors.AuthorsLogZHead`)."""
+    from ._utils import unknown_name_error
+    from .authors import LOG_Z_HEADS, AuthorsLogZHead
+
+    if kind == "small_detached":
+        return LogZHead(hidden_size)
+    if kind == "authors":
+        return AuthorsLogZHead(hidden_size)
+    raise unknown_name_error("log_z_head", kind, LOG_Z_HEADS)

@@ -23,7 +23,7 @@ from ._utils import (
 from .divergences import LAD_DIVERGENCES, check_alpha, f_divergence
 
 LOG2 = math.log(2.0)
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "micro-batch-token-mean")
 
 
 # ---------------------------------------------------------------- aggregation
@@ -33,12 +33,17 @@ def aggregate_loss(
     mode: str = "token-mean",
     num_tokens: Optional[float] = None,
     num_seqs: Optional[float] = None,
+    micro_batch_seqs: int = 2,
 ) -> torch.Tensor:
     """Reduce a per-token loss ``[B, T]`` to a scalar.
 
     * ``token-mean``: ``sum(m * l) / sum(m)`` over the whole batch (DAPO / OpenRLHF default)
     * ``seq-mean-token-mean``: mean over sequences of each sequence's token mean
     * ``seq-mean-token-sum``: mean over sequences of each sequence's token sum
+    * ``micro-batch-token-mean``: the token-mean of each group of ``micro_batch_seqs``
+      consecutive sequences, each group weighted ``micro_batch_seqs / num_seqs`` -- how verl's
+      ``token-mean`` comes out per micro-batch in the DPH-RL authors' code
+      (:func:`~.authors.micro_batch_token_mean`, docs/ALGORITHMS.md section 9 row 2)
 
     ``num_tokens`` / ``num_seqs`` override the denominators, so micro-batches of one
     optimiser step can each divide by the *global* count (gradient accumulation stays exact).
@@ -49,6 +54,10 @@ def aggregate_loss(
     if mode == "token-mean":
         denom = m.sum().clamp(min=1.0) if num_tokens is None else float(max(num_tokens, 1))
         return lm.sum() / denom
+    if mode == "micro-batch-token-mean":
+        from .authors import micro_batch_token_mean
+
+        return micro_batch_token_mean(lm, mask, micro_batch_seqs, num_seqs, masked_zero=True)
     if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
         per_seq = lm.sum(dim=1)
         if mode == "seq-mean-token-mean":
@@ -159,9 +168,11 @@ def clip_cov_loss(
     return torch.where(detach, loss.detach(), loss)
 
 
-def kl_cov_loss(log_probs, old_log_probs, advantages, mask, ratio: float = 2e-3, k: float = 1.0):
+def kl_cov_loss(log_probs, old_log_probs, advantages, mask, ratio: float = 2e-3, k: float = 1.0,
+                min_one: bool = False):
     """KL-Cov (Cui et al. 2025): the top ``floor(ratio * N)`` tokens by ``Cov_t`` get
-    ``-A r + k |log r|``, all others ``-A r`` (no ratio clipping)."""
+    ``-A r + k |log r|``, all others ``-A r`` (no ratio clipping). ``min_one``: at least one
+    token (verl's ``max(1, int(N * ratio))``, docs/ALGORITHMS.md section 9 row 9c)."""
     check_same_shape("log_probs", log_probs, old_log_probs=old_log_probs, mask=mask)
     A = _adv(advantages, log_probs, mask)
     r, log_r = _ratio(log_probs, old_log_probs, mask)
@@ -169,6 +180,8 @@ def kl_cov_loss(log_probs, old_log_probs, advantages, mask, ratio: float = 2e-3,
     valid = mask.bool()
     n_valid = int(valid.sum().item())
     n_pick = int(math.floor(ratio * n_valid))
+    if min_one and n_valid > 0:
+        n_pick = max(1, n_pick)
     if n_pick > 0:
         cov = _covariance(A, log_probs, mask).masked_fill(~valid, float("-inf"))
         top = torch.topk(cov.reshape(-1), n_pick).indices
@@ -200,7 +213,7 @@ def diff_entropy_loss(entropy, correct, mask, coef_pos: float, coef_neg: float):
 # ---------------------------------------------------------------- FlowRL
 def flowrl_loss(
     log_probs, old_log_probs, ref_log_probs, advantages, log_z, mask,
-    beta: float = 15.0, max_weight: float = 10.0,
+    beta: float = 15.0, max_weight: Optional[float] = 10.0,
 ):
     """FlowRL trajectory balance with length normalisation.
 
@@ -221,7 +234,9 @@ def flowrl_loss(
     mean_lp_minus_ref = fill_masked(log_probs - ref_log_probs.detach(), mask).sum(1) / n
     delta = log_z + mean_lp_minus_ref - beta * advantages.detach().to(log_probs.dtype)
     log_w = clamp_log(fill_masked(log_probs.detach() - old_log_probs, mask).sum(1))
-    w = torch.exp(log_w).clamp(max=max_weight)
+    w = torch.exp(log_w)
+    if max_weight is not None:  # None: unclipped, as Xuekai-Zhu/FlowRL's compute_flowrl_objective multiplies
+        w = w.clamp(max=max_weight)
     seq = w * delta**2
     return zero_masked(seq.unsqueeze(-1).expand_as(log_probs), mask)
 

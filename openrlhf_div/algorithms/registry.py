@@ -54,6 +54,7 @@ import torch
 
 from ._utils import broadcast_seq, check_same_shape, fill_masked, masked_mean, unknown_name_error
 from .advantages import dynamic_sampling_mask, overlong_penalty
+from .authors import ANCHOR_WEIGHTINGS, MICRO_BATCH_TOKEN_MEAN, anchor_weight, authors_modes
 from .losses import AGGREGATIONS, aggregate_loss, ppo_clip_mask
 
 
@@ -127,6 +128,7 @@ COMMON_HPARAMS: Dict[str, Any] = {
     "correct_threshold": 1.0,   # correct_i = (R_i >= threshold) for binary verifiable rewards
     "overlong_max_len": None,   # DAPO overlong shaping L_max (None: off)
     "overlong_cache_len": None,  # DAPO overlong shaping L_c
+    "micro_batch_seqs": 2,      # sequences per group of aggregation "micro-batch-token-mean"
 }
 ESTIMATORS: Dict[str, Component] = {}
 REWARD_SHAPING: Dict[str, Component] = {}
@@ -166,15 +168,20 @@ def register_adv_reshaping(name: str, defaults=None, needs=None, check=None, at:
 
 
 def register_anchor(name: str, defaults=None, eta: float = 0.01, check=None, overwrite: bool = False):
-    """Decorator: a ``D_pef`` anchor loss; ``eta`` is the default weight ``anchor_eta``."""
+    """Decorator: a ``D_pef`` anchor loss; ``eta`` is the default weight ``anchor_eta``. Every
+    anchor also has ``anchor_weighting`` (``token_mean``: ``L_exp + eta L_pef``;
+    ``microbatch_share``: the DPH-RL authors' ``eta x #anchor / #online`` sequences of the step,
+    docs/ALGORITHMS.md section 9 row 1)."""
     d = dict(defaults or {})
-    return _registrar("anchor", ANCHORS)(name, {"anchor_eta": eta, **d}, Needs(anchor_batch=True), check,
-                                         overwrite, passed=tuple(d))
+    return _registrar("anchor", ANCHORS)(name, {"anchor_eta": eta, "anchor_weighting": "token_mean", **d},
+                                         Needs(anchor_batch=True), check, overwrite, passed=tuple(d))
 
 
 def _check_anchor_eta(h: Dict[str, Any]) -> None:
     if float(h["anchor_eta"]) < 0:
         raise ValueError(f"anchor_eta must be >= 0, got {h['anchor_eta']}")
+    if h.get("anchor_weighting", "token_mean") not in ANCHOR_WEIGHTINGS:
+        raise unknown_name_error("anchor_weighting", h["anchor_weighting"], ANCHOR_WEIGHTINGS)
 
 
 # ------------------------------------------------------------------ compile flag
@@ -265,6 +272,16 @@ class Method:
         """``eta`` of ``L = L_exp + eta * L_pef`` (0 without an anchor)."""
         return float(self.hparams["anchor_eta"]) if self.anchor is not None else 0.0
 
+    def effective_anchor_weight(self, num_online_seqs: Optional[float] = None,
+                                num_anchor_seqs: Optional[float] = None) -> float:
+        """The weight of ``L_pef`` in one optimiser step: ``eta`` (``anchor_weighting:
+        token_mean``) or ``eta x num_anchor_seqs / num_online_seqs`` (``microbatch_share``, the
+        DPH-RL authors' code; :func:`~.authors.anchor_weight`)."""
+        if self.anchor is None:
+            return 0.0
+        return anchor_weight(self.anchor_weight, self.hparams.get("anchor_weighting", "token_mean"),
+                             num_online_seqs=num_online_seqs, num_anchor_seqs=num_anchor_seqs)
+
     def describe(self) -> Dict[str, Any]:
         return {
             "name": self.name, "summary": self.summary, "estimator": self.estimator,
@@ -273,6 +290,7 @@ class Method:
             "anchor": self.anchor, "aggregation": self.aggregation,
             "dynamic_sampling": self.dynamic_sampling, "hparams": dict(self.hparams),
             "needs": dataclasses.asdict(self.needs), "paper": self.paper,
+            "authors_modes": authors_modes(self),
         }
 
     def with_overrides(self, **overrides) -> "Method":
@@ -301,6 +319,8 @@ class Method:
     def validate(self) -> None:
         if self.aggregation not in AGGREGATIONS:
             raise unknown_name_error("loss aggregation", self.aggregation, AGGREGATIONS)
+        if int(self.hparams.get("micro_batch_seqs", 2)) < 1:
+            raise ValueError(f"micro_batch_seqs must be >= 1, got {self.hparams['micro_batch_seqs']}")
         for c in self.components():
             if c.check is not None:
                 c.check(self.hparams)
@@ -435,24 +455,37 @@ class Method:
         num_online_tokens: Optional[float] = None,
         num_anchor_tokens: Optional[float] = None,
         num_online_seqs: Optional[float] = None,
+        num_anchor_seqs: Optional[float] = None,
     ) -> Tuple[torch.Tensor, Dict[str, float]]:
         """Scalar ``L = L_exp + eta * L_pef`` for one micro-batch (either part may be absent).
 
         Each part is aggregated over its own tokens; the ``num_*`` arguments give the
-        global counts of the optimiser step so micro-batch losses add up exactly.
+        global counts of the optimiser step so micro-batch losses add up exactly. With
+        ``anchor_weighting: microbatch_share`` the anchor weight is ``eta x num_anchor_seqs /
+        num_online_seqs`` (both default to this micro-batch's rows); with aggregation
+        ``micro-batch-token-mean`` both parts are means of ``micro_batch_seqs``-sequence
+        token-means (docs/ALGORITHMS.md section 9).
         """
+        if num_online_seqs is None and online is not None:
+            num_online_seqs = float(online.log_probs.shape[0])
+        if num_anchor_seqs is None and anchor is not None:
+            num_anchor_seqs = float(anchor.log_probs.shape[0])
+        k = int(self.hparams["micro_batch_seqs"])
         total = None
         metrics: Dict[str, float] = {}
         parts: Dict[str, torch.Tensor] = {}
         if online is not None:
             per_tok, metrics = self.online_loss(online)
-            l_exp = aggregate_loss(per_tok, online.mask, self.aggregation, num_online_tokens, num_online_seqs)
+            l_exp = aggregate_loss(per_tok, online.mask, self.aggregation, num_online_tokens, num_online_seqs,
+                                   micro_batch_seqs=k)
             parts["loss_exp"] = l_exp.detach()
             total = l_exp
         if anchor is not None:
-            l_pef = aggregate_loss(self.anchor_loss(anchor), anchor.mask, "token-mean", num_anchor_tokens)
+            agg = MICRO_BATCH_TOKEN_MEAN if self.aggregation == MICRO_BATCH_TOKEN_MEAN else "token-mean"
+            l_pef = aggregate_loss(self.anchor_loss(anchor), anchor.mask, agg, num_anchor_tokens, num_anchor_seqs,
+                                   micro_batch_seqs=k)
             parts["loss_pef"] = l_pef.detach()
-            weighted = self.anchor_weight * l_pef
+            weighted = self.effective_anchor_weight(num_online_seqs, num_anchor_seqs) * l_pef
             total = weighted if total is None else total + weighted
         if total is None:
             raise ValueError("Method.loss needs online inputs, anchor inputs, or both")

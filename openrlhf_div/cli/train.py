@@ -33,6 +33,7 @@ def run(args) -> int:
         print("openrlhf-div train: give --config FILE (or --resume RUN_DIR)", file=sys.stderr)
         return 2
     from openrlhf_div.engines.local.models import ModelNotFoundError
+    from openrlhf_div.engines.local.checkpoint import CorruptCheckpointError, NonFiniteWeightsError
     from openrlhf_div.engines.local.trainer import DegenerateRunError, EmptyAnchorError, NonFiniteLossError, train
     from openrlhf_div.tasks.datasets import DatasetError
 
@@ -50,9 +51,12 @@ def run(args) -> int:
     except (FileExistsError, FileNotFoundError) as e:
         print(f"openrlhf-div train: {e}", file=sys.stderr)
         return 2
-    except NonFiniteLossError as e:
+    except (NonFiniteLossError, NonFiniteWeightsError) as e:
         print(f"training stopped: {e}", file=sys.stderr)
         return 3
+    except CorruptCheckpointError as e:
+        print(f"openrlhf-div train: {e}", file=sys.stderr)
+        return 2
     ev = result.get("eval") or {}
     scores = ", ".join(f"{k} {v:.3f}" for k, v in ev.items() if k.startswith("pass@"))
     print(f"done: {result['run_dir']}" + (f" (final eval: {scores})" if scores else ""))

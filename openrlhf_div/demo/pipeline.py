@@ -97,6 +97,15 @@ def load_demo_config(path: Optional[str] = None, *, quick: bool = False,
     return cfg
 
 
+def _mode(reg: str, hp: Dict[str, Any]) -> str:
+    """Which form the method ran in: the spec's clean form or the papers' code (its options and
+    values; docs/ALGORITHMS.md section 9)."""
+    from ..algorithms import get_method
+    from ..algorithms.authors import mode_summary
+
+    return mode_summary(get_method(reg, **hp))
+
+
 def method_spec(cfg: Dict[str, Any], name: str):
     """``(registry method, hyperparameters, train overrides)`` of a demo entry.
 
@@ -280,7 +289,7 @@ def run_demo(cfg: Dict[str, Any], out_dir: str, *, cache_dir: Optional[str] = No
     settings_md = {}
     for m in methods:
         reg, hp, train_over = method_spec(cfg, m)
-        s = {"method": reg, "hyperparameters": json.dumps(hp)}
+        s = {"method": reg, "hyperparameters": json.dumps(hp), "mode": _mode(reg, hp)}
         if train_over:
             s["budget changes"] = json.dumps(train_over)
         s["why"] = (cfg.get("method_notes") or {}).get(m, "-")

@@ -131,9 +131,6 @@ def _conn_for(db_path: str, heap_limit_mb: Optional[int]):
     return hit
 
 
-_CHUNK_ROWS = 256
-
-
 def _value_bytes(v) -> int:
     if isinstance(v, (str, bytes)):
         return len(v) + 48
@@ -145,7 +142,7 @@ def run_query(db_path: str, sql: str, timeout: float = 5.0, max_rows: int = 10_0
     """Run one statement under the guards. Returns ``{"ok": True, "rows": [...]}`` or
     ``{"ok": False, "error": "..."}`` (``"timeout"``, ``"row cap exceeded (> N rows)"``,
     ``"result too large"``, ``"not authorized"``, the SQLite message, ...). Never raises for a
-    bad query. Rows are fetched in chunks while their size is counted; a result over
+    bad query. Rows are fetched one at a time while their size is counted; a result over
     ``max_result_mb`` (or a ``MemoryError``) asks the pool to replace this worker."""
     from ._pool import request_recycle
 
@@ -160,14 +157,11 @@ def run_query(db_path: str, sql: str, timeout: float = 5.0, max_rows: int = 10_0
     try:
         cur = conn.execute(sql)
         size = 0
-        while True:
-            chunk = cur.fetchmany(_CHUNK_ROWS)
-            if not chunk:
-                break
-            rows += chunk
+        for r in cur:  # one row at a time: a single row can be 10 MB (SQLITE_LIMIT_LENGTH)
+            rows.append(r)
             if len(rows) > max_rows:
                 return {"ok": False, "error": f"row cap exceeded (> {max_rows} rows)"}
-            size += sum(_value_bytes(v) for r in chunk for v in r)
+            size += sum(_value_bytes(v) for v in r)
             if size > cap:
                 rows = []
                 request_recycle()

@@ -116,6 +116,9 @@ class EvalConfig:
 class CheckpointConfig:
     every: int = _f(50, "Write a checkpoint every N steps (0: only at the end and on Ctrl-C).")
     keep: int = _f(2, "Checkpoints kept (older ones are deleted).")
+    max_weight_growth: float = _f(100.0, "Stop the run (before checkpointing) when the weights' global L2 norm "
+                                         "exceeds this multiple of its value at the start or resume of the run "
+                                         "(exploding weights); non-finite weights always stop it. 0: finiteness only.")
 
 
 @dataclass
@@ -211,6 +214,11 @@ class TrainConfig:
         err = check_group_size(method, r.group_size)
         if err:
             raise ConfigError(err)
+        if method.aggregation == "micro-batch-token-mean":
+            k = int(method.hparams["micro_batch_seqs"])
+            if o.micro_batch_size % k:
+                raise ConfigError(f"aggregation micro-batch-token-mean groups micro_batch_seqs={k} sequences: "
+                                  f"optim.micro_batch_size ({o.micro_batch_size}) must be a multiple of it")
         return self
 
 

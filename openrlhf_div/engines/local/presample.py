@@ -18,7 +18,8 @@ rollout temperature and score them with the task. A prompt is *near-perfect* whe
 * ``summary.json``: the split's counts, the ``#correct`` histogram and the settings.
 
 Resumable: prompts are processed in chunks of ``chunk_size``; each finished chunk is
-written atomically to ``shards/chunk_NNNNNN.json`` and skipped on restart. Chunk ``c``
+written atomically to ``shards/chunk_NNNNNN.json`` and skipped on restart (a chunk file that
+is truncated or unreadable is named in a warning and recomputed). Chunk ``c``
 samples with a generator seeded from ``(seed, c)`` only, so an interrupted and resumed
 run writes byte-identical files to an uninterrupted one. The final files are assembled
 from the shards (in order) when every chunk is done.
@@ -61,6 +62,28 @@ def _settings(cfg: TrainConfig, train_path: str, n_examples: int) -> Dict[str, A
             "data": os.path.abspath(train_path), "data_sha256_16": data_sha, "n_examples": n_examples,
             # only when on, so runs started before the option existed still resume
             **({"resample_anchor_responses": True} if p.resample_anchor_responses else {})}
+
+
+_CHUNK_KEYS = ("chunk", "pef", "exp", "n_correct")
+
+
+def _read_chunk(path: str) -> Optional[Dict[str, Any]]:
+    """A finished chunk's contents, or None when it is absent. A chunk that is truncated or
+    unreadable (a kill or a full disk; chunks are written atomically, so only outside damage
+    does this) is named, deleted and recomputed."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            res = json.load(f)
+        if not isinstance(res, dict) or any(k not in res for k in _CHUNK_KEYS):
+            raise ValueError(f"missing keys (expected {', '.join(_CHUNK_KEYS)})")
+        return res
+    except (OSError, ValueError) as exc:
+        print(f"[openrlhf-div] warning: pre-sampling chunk {path} is truncated or unreadable "
+              f"({type(exc).__name__}: {exc}); recomputing it")
+        os.remove(path)
+        return None
 
 
 @torch.no_grad()
@@ -170,7 +193,12 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
                               max_prompt_tokens(cfg, model, s["max_new_tokens"]), texts_out=prompt_texts)
     C = s["chunk_size"]
     n_chunks = (len(examples) + C - 1) // C
-    done = {c for c in range(n_chunks) if os.path.exists(os.path.join(shard_dir, f"chunk_{c:06d}.json"))}
+    loaded: Dict[int, Dict[str, Any]] = {}
+    for c in range(n_chunks):
+        res = _read_chunk(os.path.join(shard_dir, f"chunk_{c:06d}.json"))
+        if res is not None:
+            loaded[c] = res
+    done = set(loaded)
     todo = [c for c in range(n_chunks) if c not in done]
     if max_new_chunks is not None:
         todo = todo[:max(0, int(max_new_chunks))]
@@ -181,6 +209,7 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
         part = examples[c * C:(c + 1) * C]
         res = _process_chunk(model, tokenizer, task, part, c, s, device, prompts, prompt_texts)
         atomic_write_json(os.path.join(shard_dir, f"chunk_{c:06d}.json"), res, ensure_ascii=False, indent=1)
+        loaded[c] = json.loads(json.dumps(res))  # what a later reader of the file would see
         done.add(c)
         bar.update(len(part))
     bar.close()
@@ -190,8 +219,7 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
     pef, exp, hist = [], [], [0] * (s["n_pre"] + 1)
     n_resample_failed = 0
     for c in range(n_chunks):
-        with open(os.path.join(shard_dir, f"chunk_{c:06d}.json"), encoding="utf-8") as f:
-            res = json.load(f)
+        res = loaded[c]
         n_resample_failed += int(res.get("n_resample_failed", 0))
         pef += res["pef"]
         exp += res["exp"]

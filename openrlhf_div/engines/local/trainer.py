@@ -60,7 +60,7 @@ import numpy as np
 import torch
 
 from openrlhf_div.algorithms import AnchorInputs, LossInputs
-from openrlhf_div.algorithms.heads import LogZHead
+from openrlhf_div.algorithms.heads import make_log_z_head
 from openrlhf_div.algorithms._utils import masked_mean
 
 from .config import TrainConfig, dump_config, load_config
@@ -73,6 +73,8 @@ from .generation import (
     response_forward,
     sequence_log_probs,
 )
+from .checkpoint import (CorruptCheckpointError, NonFiniteWeightsError, check_weights, read_jsonl_rows,  # noqa: F401
+                         resume_checkpoint, weight_norm, write_manifest)
 from .tiny import _atomic_dir_write, build_tiny_model, load_model, save_model
 from openrlhf_div.io import atomic_write_json, atomic_write_text
 
@@ -226,7 +228,8 @@ class Trainer:
         np.random.seed(cfg.seed % 2**32)
         torch.manual_seed(cfg.seed)
 
-        ckpt = self.latest_checkpoint() if resume_dir else None
+        # the latest checkpoint that verifies against its manifest (a corrupt one: warned, previous used)
+        ckpt = resume_checkpoint(self.checkpoint_dir()) if resume_dir else None
         if resume_dir and ckpt is None:
             raise FileNotFoundError(f"--resume {resume_dir}: no checkpoint found under {resume_dir}/checkpoints")
         if not resume_dir and os.path.isdir(os.path.join(self.run_dir, "checkpoints")):
@@ -243,7 +246,8 @@ class Trainer:
         self.log_z_head = None
         params = [{"params": [p for p in self.model.parameters() if p.requires_grad]}]
         if self.needs.prompt_hidden:
-            self.log_z_head = LogZHead(self.model.config.hidden_size).to(self.device)
+            self.log_z_head = make_log_z_head(self.method.hparams.get("log_z_head", "small_detached"),
+                                              self.model.config.hidden_size).to(self.device)
             params.append({"params": list(self.log_z_head.parameters()),
                            "lr": cfg.optim.log_z_lr or cfg.optim.learning_rate})
         o = cfg.optim
@@ -284,6 +288,8 @@ class Trainer:
         self.step = 0
         if ckpt:
             self._load_checkpoint(ckpt)
+        # reference for the exploding-weights check after every optimizer step
+        self._start_weight_norm = weight_norm(self._checked_params())
         self._interrupted = False
         self._tb = None
         self._degenerate = DegenerateMonitor(cfg.optim.stop_after_degenerate_steps)
@@ -421,12 +427,14 @@ class Trainer:
                 n_on_tok = float(exp.mask[rows].sum())
                 n_anc_tok = float(sum(len(a["response_ids"]) for a in anchors))
                 n_micro = max(1, math.ceil(len(rows) / o.micro_batch_size))
+                anchor_parts = self._anchor_parts(anchors, n_micro)
                 self.optimizer.zero_grad(set_to_none=True)
                 for k in range(n_micro):
                     m_rows = rows[k * o.micro_batch_size:(k + 1) * o.micro_batch_size]
-                    m_anchors = anchors[k::n_micro]
+                    m_anchors = anchor_parts[k]
                     loss, metrics = self.micro_step(exp, m_rows, m_anchors, n_on_tok, n_anc_tok, float(len(rows)),
-                                                    where=dict(epoch=epoch, mini_batch=mb_i, micro_batch=k))
+                                                    where=dict(epoch=epoch, mini_batch=mb_i, micro_batch=k),
+                                                    num_anchor_seqs=float(len(anchors)))
                     loss.backward()
                     for key, val in metrics.items():
                         # loss parts are already divided by the step's global counts: they add up
@@ -441,6 +449,7 @@ class Trainer:
                 if not math.isfinite(grad_norm):
                     raise NonFiniteLossError(self._nonfinite_msg("gradient norm", grad_norm, epoch, mb_i, None))
                 self.optimizer.step()
+                self._check_weights(f"at step {self.step + 1} (epoch {epoch}, mini-batch {mb_i})")
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm
                 counts["grad_norm"] = counts.get("grad_norm", 0) + 1
                 n_opt += 1
@@ -454,8 +463,19 @@ class Trainer:
         out["optimizer_steps"] = float(n_opt)
         return out
 
+    def _anchor_parts(self, anchors: List[Dict[str, Any]], n_micro: int) -> List[List[Dict[str, Any]]]:
+        """The step's anchors per micro-batch: round-robin, or, for ``micro-batch-token-mean``,
+        contiguous blocks of whole ``micro_batch_seqs`` groups (the authors' anchor micro-batches)."""
+        if self.method.aggregation != "micro-batch-token-mean":
+            return [anchors[k::n_micro] for k in range(n_micro)]
+        k = int(self.method.hparams["micro_batch_seqs"])
+        groups = [anchors[i:i + k] for i in range(0, len(anchors), k)]
+        per = math.ceil(len(groups) / n_micro) if groups else 0
+        return [[a for g in groups[j * per:(j + 1) * per] for a in g] for j in range(n_micro)]
+
     def micro_step(self, exp: Experience, rows: List[int], anchors: List[Dict[str, Any]], num_online_tokens: float,
-                   num_anchor_tokens: float, num_online_seqs: float, where: Dict[str, int]):
+                   num_anchor_tokens: float, num_online_seqs: float, where: Dict[str, int],
+                   num_anchor_seqs: Optional[float] = None):
         """One forward over ``rows`` of ``exp`` and ``anchors``; returns ``method.loss(...)``."""
         n_on = len(rows)
         prompt_ids = [exp.prompt_ids[i] for i in rows] + [a["prompt_ids"] for a in anchors]
@@ -482,7 +502,8 @@ class Trainer:
                                   mask=mask[n_on:])
         rng_state = self.train_rng.get_state() if self.hooks else None
         loss, metrics = self.method.loss(online=online, anchor=anchor, num_online_tokens=num_online_tokens,
-                                         num_anchor_tokens=num_anchor_tokens, num_online_seqs=num_online_seqs)
+                                         num_anchor_tokens=num_anchor_tokens, num_online_seqs=num_online_seqs,
+                                         num_anchor_seqs=num_anchor_seqs)
         metrics = dict(metrics)
         if fo.entropy is not None and n_on:
             metrics["entropy"] = float(masked_mean(fo.entropy[:n_on].detach(), mask[:n_on]))
@@ -490,7 +511,8 @@ class Trainer:
             metrics["anchor_samples"] = float(len(anchors))
         for h in self.hooks:
             h(dict(step=self.step + 1, online=online, anchor=anchor, num_online_tokens=num_online_tokens,
-                   num_anchor_tokens=num_anchor_tokens, num_online_seqs=num_online_seqs, loss=loss,
+                   num_anchor_tokens=num_anchor_tokens, num_online_seqs=num_online_seqs,
+                   num_anchor_seqs=num_anchor_seqs, loss=loss,
                    metrics=metrics, rows=list(rows), anchors=anchors, method=self.method, experience=exp,
                    trainer=self, train_rng_state=rng_state, **where))
         if not torch.isfinite(loss):
@@ -539,6 +561,15 @@ class Trainer:
         return res
 
     # ------------------------------------------------------------------ checkpoints
+    def _checked_params(self):
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _check_weights(self, where: str) -> float:
+        """Non-finite or exploding weights stop the run before anything is checkpointed
+        (:func:`.checkpoint.check_weights`)."""
+        return check_weights(self._checked_params(), self._start_weight_norm, self.cfg.checkpoint.max_weight_growth,
+                             where, self.latest_checkpoint(), self.run_dir)
+
     def checkpoint_dir(self) -> str:
         return os.path.join(self.run_dir, "checkpoints")
 
@@ -553,7 +584,9 @@ class Trainer:
 
     def save_checkpoint(self) -> str:
         """Model, optimizer, log Z head, every RNG state and the data positions, written into
-        a temporary directory and renamed into place; then ``latest`` is switched atomically."""
+        a temporary directory with a manifest (sizes, SHA-256) and renamed into place; then
+        ``latest`` is switched atomically. Refuses non-finite weights."""
+        self._check_weights(f"before saving the checkpoint of step {self.step}")
         name = f"step_{self.step:06d}"
         state = {
             "step": self.step,
@@ -571,6 +604,7 @@ class Trainer:
             self.model.save_pretrained(os.path.join(tmp, "model"))
             self.tokenizer.save_pretrained(os.path.join(tmp, "model"))
             torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+            write_manifest(tmp)
 
         os.makedirs(self.checkpoint_dir(), exist_ok=True)
         path = _atomic_dir_write(os.path.join(self.checkpoint_dir(), name), write)
@@ -582,7 +616,11 @@ class Trainer:
         return path
 
     def _load_checkpoint(self, path: str) -> None:
-        st = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
+        state_file = os.path.join(path, "trainer_state.pt")
+        try:
+            st = torch.load(state_file, map_location="cpu", weights_only=False)
+        except Exception as exc:  # noqa: BLE001 - an unverified (pre-manifest) checkpoint may be torn
+            raise CorruptCheckpointError(f"{state_file}: cannot be read ({type(exc).__name__}: {exc})") from None
         self.step = int(st["step"])
         self.optimizer.load_state_dict(st["optimizer"])
         if self.log_z_head is not None and st.get("log_z_head") is not None:
@@ -611,9 +649,9 @@ class Trainer:
         p = os.path.join(self.run_dir, fname)
         if not os.path.exists(p):
             return
-        with open(p) as f:
-            keep = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= step]
-        atomic_write_text(p, "".join(keep))
+        rows, _ = read_jsonl_rows(p)  # a torn last line (kill, full disk) is dropped with a warning
+        keep = [r for r in rows if r.get("step", 0) <= step]
+        atomic_write_text(p, "".join(json.dumps(r, default=float) + "\n" for r in keep))
 
     def _tb_log(self, scalars: Dict[str, Any]) -> None:
         if not self.cfg.logging.tensorboard:

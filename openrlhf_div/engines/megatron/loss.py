@@ -72,6 +72,7 @@ class StepCounts:
     online_tokens: float
     anchor_tokens: float
     online_seqs: float
+    anchor_seqs: float = 0.0  # for anchor_weighting: microbatch_share (docs/ALGORITHMS.md 9, row 1)
 
 
 def step_counts(batches, dp_group=None) -> StepCounts:
@@ -82,19 +83,20 @@ def step_counts(batches, dp_group=None) -> StepCounts:
     """
     import torch.distributed as dist
 
-    t = torch.zeros(3, dtype=torch.float64)
+    t = torch.zeros(4, dtype=torch.float64)
     for mb in batches:
         a = mb.anchor_rows().cpu()
         m = mb.action_mask.detach().to("cpu", torch.float64)
         t[0] += m[~a].sum()
         t[1] += m[a].sum()
         t[2] += float((m[~a].sum(dim=1) > 0).sum())
+        t[3] += float((m[a].sum(dim=1) > 0).sum())
     if dp_group is not None and dist.is_initialized() and dist.get_world_size(group=dp_group) > 1:
         dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         t = t.to(dev)
         dist.all_reduce(t, group=dp_group)
         t = t.cpu()
-    return StepCounts(float(t[0]), float(t[1]), float(t[2]))
+    return StepCounts(float(t[0]), float(t[1]), float(t[2]), float(t[3]))
 
 
 def token_log_probs_entropy(
@@ -135,7 +137,8 @@ def registry_loss(method: Method, log_probs: torch.Tensor, entropy: Optional[tor
         advantages=mb.advantages, ref_log_probs=mb.ref_log_probs, anchor_ref_log_probs=mb.anchor_ref_log_probs,
         correct=mb.correct, entropy=entropy, generator=generator)
     loss, metrics = method.loss(online=on_inputs, anchor=an_inputs, num_online_tokens=counts.online_tokens,
-                                num_anchor_tokens=counts.anchor_tokens, num_online_seqs=counts.online_seqs)
+                                num_anchor_tokens=counts.anchor_tokens, num_online_seqs=counts.online_seqs,
+                                num_anchor_seqs=counts.anchor_seqs or None)
     n_on = float(mask[online].sum()) if on_inputs is not None else 0.0
     n_an = float(mask[anchor].sum()) if an_inputs is not None else 0.0
     weights = {k: (None if k in ADDITIVE_METRICS else n_on) for k in metrics}

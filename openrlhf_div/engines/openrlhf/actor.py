@@ -23,7 +23,7 @@ from typing import Dict, Optional
 
 import torch
 
-from openrlhf_div.algorithms.heads import LogZHead
+from openrlhf_div.algorithms.heads import make_log_z_head
 from openrlhf_div.compat.flash_attn_standin import install as _install_flash_attn_standin
 
 _install_flash_attn_standin()
@@ -81,7 +81,8 @@ class DivActorPPOTrainer(ActorPPOTrainer):
         model = self.actor.model.module if hasattr(self.actor.model, "module") else self.actor.model
         device = next(model.parameters()).device
         torch.manual_seed(int(getattr(self.args.train, "seed", 0)))
-        self.log_z_head = LogZHead(model.config.hidden_size).to(device)
+        self.log_z_head = make_log_z_head(self.div_method.hparams.get("log_z_head", "small_detached"),
+                                          model.config.hidden_size).to(device)
         lr = getattr(getattr(self.args, "div", None), "log_z_lr", None)
         if lr is None:
             lr = self.args.actor.adam.lr

@@ -54,7 +54,10 @@ DEFAULT_ANCHOR_RATIO = 8.0  # DPH-RL: 128 prompts x 16 rollouts : 256 anchors
 ESTIMATOR_FLAG = {"grpo": "group_norm", "dr_grpo": "dr_grpo", "rloo": "rloo",
                   "passk": "group_norm", "pkpo": "rloo"}
 # registry aggregation -> OpenRLHF aggregate_loss(token_level_loss=...)
-TOKEN_LEVEL = {"token-mean": True, "seq-mean-token-mean": False}
+TOKEN_LEVEL = {"token-mean": True, "seq-mean-token-mean": False,
+               # the DPH-RL authors' per-micro-batch token-mean (docs/ALGORITHMS.md 9, row 2): the
+               # policy actor aggregates it itself (loss.div_actor_loss), not aggregate_loss
+               "micro-batch-token-mean": None}
 
 # Hyperparameters whose registry default is None need an explicit type.
 _NONE_DEFAULT_TYPES = {"overlong_max_len": int, "overlong_cache_len": int}
@@ -169,7 +172,8 @@ def method_from_args(args) -> Method:
     if method.aggregation not in TOKEN_LEVEL:
         raise ValueError(
             f"method {method.name!r} aggregates with {method.aggregation!r}, which OpenRLHF's "
-            f"aggregate_loss cannot express; use --div.aggregation token-mean or seq-mean-token-mean"
+            f"aggregate_loss cannot express; use --div.aggregation token-mean, seq-mean-token-mean or "
+            f"micro-batch-token-mean"
         )
     return method
 

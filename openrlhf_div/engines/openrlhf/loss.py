@@ -5,7 +5,7 @@ For one micro-batch whose rows are online rollouts (anchor flag 0) or ``D_pef`` 
 (:func:`openrlhf_div.engines.contract.loss_inputs`) and returns::
 
     L = method.loss(online, anchor, num_online_tokens=N_on, num_anchor_tokens=N_pef,
-                    num_online_seqs=S_on) * dp_size
+                    num_online_seqs=S_on, num_anchor_seqs=S_pef)
 
 where ``N_on = batch_num_tokens / dp_size`` (and ``S_on = global_batch_size / dp_size``) come from
 OpenRLHF's ``loss_batch_info`` for the online tokens and ``N_pef`` from the same over the anchor
@@ -91,14 +91,16 @@ def metric_keys(method: Method) -> List[str]:
     return [f"div/{k}" for k in m] + ["div/loss_exp", "div/loss_pef", "div/loss"]
 
 
-def _counts(info: Optional[Dict], mask: torch.Tensor) -> Tuple[Optional[float], Optional[float], float]:
-    """``(num_tokens, num_seqs, dp_size)`` for ``Method.loss`` from an OpenRLHF normaliser
-    (``None``: this micro-batch is the whole step on one rank)."""
+def _counts(info: Optional[Dict], mask: torch.Tensor) -> Tuple[Optional[float], Optional[float]]:
+    """``(num_tokens, num_seqs)`` for ``Method.loss`` from an OpenRLHF normaliser: its global
+    counts divided by ``dp_size`` (``aggregate_loss`` divides by the count and multiplies by
+    ``dp_size`` to undo the data-parallel gradient averaging; dividing the count by ``dp_size``
+    is the same). Without one, this micro-batch is the whole step on one rank."""
     if not info:
-        return float(mask.sum()), float((mask.sum(-1) > 0).sum()), 1.0
+        return float(mask.sum()), float((mask.sum(-1) > 0).sum())
     dp = float(info.get("dp_size", 1))
     tok, seqs = info.get("batch_num_tokens"), info.get("global_batch_size")
-    return (None if tok is None else float(tok) / dp), (None if seqs is None else float(seqs) / dp), dp
+    return (None if tok is None else float(tok) / dp), (None if seqs is None else float(seqs) / dp)
 
 
 def div_actor_loss(
@@ -136,16 +138,12 @@ def div_actor_loss(
         method, log_probs=log_probs, mask=action_mask.float(), is_anchor=is_anchor, old_log_probs=old_log_probs,
         advantages=advantages, ref_log_probs=ref_log_probs, anchor_ref_log_probs=ref_log_probs, correct=correct,
         entropy=entropy, log_z=log_z, generator=generator)
-    n_on = s_on = n_an = None
-    dp = 1.0
-    if online is not None:
-        n_on, s_on, dp = _counts(info, online.mask)
-    if anchor is not None:
-        n_an, _, dp_an = _counts(anchor_info, anchor.mask)
-        dp = dp if online is not None else dp_an
+    none = action_mask.new_zeros((0, action_mask.shape[-1]), dtype=torch.float32)  # a part with no rows here
+    n_on, s_on = _counts(info, online.mask if online is not None else none)  # (the step's counts all the same)
+    n_an, s_an = _counts(anchor_info, anchor.mask if anchor is not None else none)
     loss, m = method.loss(online=online, anchor=anchor, num_online_tokens=n_on, num_anchor_tokens=n_an,
-                          num_online_seqs=s_on)
-    total = loss * dp + log_probs.sum() * 0.0  # keeps every row in the graph (DeepSpeed's hooks)
-    metrics = {f"div/{k}": v * (dp if k in ("loss_exp", "loss_pef") else 1.0) for k, v in m.items()}
+                          num_online_seqs=s_on, num_anchor_seqs=s_an)
+    total = loss + log_probs.sum() * 0.0  # keeps every row in the graph (DeepSpeed's hooks)
+    metrics = {f"div/{k}": v for k, v in m.items()}
     metrics["div/loss"] = float(total.detach())
     return total, {k: metrics.get(k, 0.0) for k in metric_keys(method)}
