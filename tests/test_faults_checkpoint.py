@@ -135,6 +135,19 @@ def test_corrupt_latest_checkpoint_is_named_and_resume_falls_back(data_dir, tmp_
     assert [r["step"] for r in rows] == [1, 2, 3]  # step 2 redone, logged once
 
 
+def test_fallback_points_latest_at_the_intact_checkpoint(data_dir, tmp_path):
+    from openrlhf_div.engines.local.checkpoint import resume_checkpoint
+
+    run = tmp_path / "run"
+    train(overrides=_ov(data_dir, run))
+    ck = run / "checkpoints"
+    (ck / "step_000002" / "trainer_state.pt").write_bytes(b"")
+    said = []
+    assert resume_checkpoint(str(ck), say=said.append) == str(ck / "step_000001")
+    assert (ck / "latest").read_text().strip() == "step_000001"  # error messages name the last good one
+    assert any("step_000002 is corrupt" in m for m in said)
+
+
 def test_no_intact_checkpoint_is_an_error_naming_the_file(data_dir, tmp_path):
     run = tmp_path / "run"
     train(overrides=_ov(data_dir, run, "checkpoint.keep=1"))

@@ -368,6 +368,26 @@ def test_authors_mode_microbatch_share_and_micro_batch_token_mean(data_dir, pres
             "optim.micro_batch_size=3", "method.aggregation=micro-batch-token-mean"]))
 
 
+def test_flowrl_authors_log_z_head_trains_the_trunk(data_dir, tmp_path):
+    """log_z_head: authors (Xuekai-Zhu/FlowRL ProjZModule, not detached): the log Z part of the
+    loss reaches the policy's weights; the library's small head detaches them."""
+    from openrlhf_div.algorithms.authors import AuthorsLogZHead
+    from openrlhf_div.algorithms.heads import LogZHead
+
+    grads = {}
+    for kind in ("authors", "small_detached"):
+        cfg = load_config(None, _overrides(data_dir, tmp_path / kind, "flowrl", [
+            "optim.steps=1", f"method.log_z_head={kind}"]))
+        tr = Trainer(cfg)
+        assert isinstance(tr.log_z_head, AuthorsLogZHead if kind == "authors" else LogZHead)
+        hidden = torch.randn(2, tr.model.config.hidden_size, requires_grad=True)
+        tr.log_z_head(hidden).sum().backward()
+        grads[kind] = hidden.grad
+        tr.train()
+    assert grads["authors"] is not None and float(grads["authors"].abs().sum()) > 0
+    assert grads["small_detached"] is None
+
+
 # ---------------------------------------------------------------- resume, NaN, config errors
 def _first_losses(events):
     out = {}

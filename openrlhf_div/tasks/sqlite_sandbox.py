@@ -191,8 +191,11 @@ def limit_address_space(extra_mb: Optional[int]) -> None:
     """Worker initializer: ``RLIMIT_AS`` = the current address-space size + ``extra_mb`` MB."""
     if not extra_mb:
         return
-    with open("/proc/self/statm") as f:
-        vm_bytes = int(f.read().split()[0]) * resource.getpagesize()
+    try:
+        with open("/proc/self/statm") as f:
+            vm_bytes = int(f.read().split()[0]) * resource.getpagesize()
+    except OSError:  # no /proc (not Linux): the byte cap and the heap limit still apply
+        return
     limit = vm_bytes + int(extra_mb) * 1024 * 1024
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     if hard != resource.RLIM_INFINITY:

@@ -8,7 +8,8 @@ a weight check after every optimizer step, and a metrics log that survives a tor
   manifests existed loads unverified, with a warning.
 * **Resume.** :func:`resume_checkpoint` takes the checkpoint named by ``latest``; when it does not
   verify, it warns (naming the file and why) and falls back to the newest older checkpoint that
-  does -- the metrics logged after it are then dropped as for any resume. With no intact
+  does, and points ``latest`` at it -- the metrics logged after it are then dropped as for any
+  resume. With no intact
   checkpoint it raises, listing what was wrong with each.
 * **Weights.** :func:`check_weights` runs after every optimizer step: the global L2 norm of the
   parameters (one ``torch._foreach_norm``, cheap next to the step) must be finite and at most
@@ -30,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from openrlhf_div.io import atomic_write_json
+from openrlhf_div.io import atomic_write_json, atomic_write_text
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "openrlhf-div.checkpoint/1"
@@ -141,6 +142,8 @@ def resume_checkpoint(root: str, say: Callable[[str], None] = print) -> Optional
         if problems:
             say(f"[openrlhf-div] resuming from the previous intact checkpoint {c} instead; the steps after it "
                 "are redone")
+            # ``latest`` names the intact one from now on (error messages name the last *good* checkpoint)
+            atomic_write_text(os.path.join(root, "latest"), os.path.basename(c) + "\n")
         return c
     raise CorruptCheckpointError("no intact checkpoint under " + root + ":\n  " + "\n  ".join(problems)
                                  + "\nStart a new run (another output_dir) or restore the files.")
