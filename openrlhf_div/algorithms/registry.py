@@ -393,7 +393,8 @@ class Method:
     ) -> Rollout:
         """The whole rollout side for ``N = B * G`` responses, in the spec's order: correctness
         of the task rewards, reward shaping (overlong with ``lengths``; unlikeliness with the
-        sequence-mean old log-probs), kept groups, token-level advantages ``[N, T]``."""
+        sequence-mean old log-probs), kept groups (mixed correctness under dynamic sampling),
+        token-level advantages ``[N, T]``."""
         rewards = torch.as_tensor(rewards, dtype=torch.float32).reshape(-1).cpu()
         check_same_shape("old_log_probs", old_log_probs, mask=mask)
         if rewards.numel() != old_log_probs.shape[0]:
@@ -405,7 +406,9 @@ class Method:
         seq_mean_old = masked_mean(old_log_probs, mask, dim=1).cpu()
         shaped = self.shape_rewards(rewards, group_size, seq_mean_old_log_probs=seq_mean_old,
                                     lengths=None if lengths is None else torch.as_tensor(lengths).cpu())
-        keep = self.keep_groups(shaped, group_size)
+        # DAPO's refill criterion, the same in both engines: a group is kept when its correctness
+        # is mixed (0 < #correct < G), on the task rewards before shaping (OpenRLHF filters on scores)
+        keep = self.keep_groups(correct.float(), group_size)
         dev = old_log_probs.device
         adv = self.advantages(shaped.to(dev), group_size, old_log_probs=old_log_probs, mask=mask,
                               correct=correct.to(dev))

@@ -7,7 +7,7 @@ One RL step, top to bottom (:meth:`Trainer.train_step`)::
       old_t  = sequence_log_probs(policy)     no_grad, the behaviour policy at rollout time
       R_i    = task.reward_results(texts, labels)[i].reward  (batched; never raises)
       R', keep, correct, A_t = method.rollout(R, G, old_log_probs, mask, lengths)   per round
-                                              (shaping, dynamic sampling's kept groups, advantages)
+                                              (shaping; kept groups: mixed correctness; advantages)
       refill with new prompts until B groups are kept (dynamic sampling)
       ref_t  = sequence_log_probs(reference)  only if method.needs.ref_log_probs
     optimise(experience)

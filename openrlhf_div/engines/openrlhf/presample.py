@@ -324,8 +324,9 @@ def run(args) -> Dict[str, Any]:
 
     from openrlhf.utils import get_strategy, get_tokenizer
 
-    if not ray.is_initialized():
-        ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "true"}})
+    from .jobs import init_ray
+
+    init_ray()  # OpenRLHF's keys + the task's variables, never a key the job already sets
     strategy = get_strategy(args)
     model = args.actor.model_name_or_path
     tokenizer = get_tokenizer(model, None, "left", strategy, use_fast=not args.data.disable_fast_tokenizer)
