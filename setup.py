@@ -20,6 +20,17 @@ CORE = [
     "math-verify",
 ]
 
+# OpenRLHF 0.11.2's Requires-Dist minus flash-attn (installed separately, see "gpu" below), plus
+# its [vllm] extra (vllm 0.29.0, which brings its torch/CUDA build). tests/test_gpu_install.py
+# checks this list against the installed openrlhf's metadata.
+GPU = [
+    "vllm==0.29.0", "deepspeed==0.19.6", "ray[default]==2.55.0", "transformers==5.15.0",
+    "accelerate", "aiohttp", "bitsandbytes", "datasets", "einops", "grpcio>=1.74.0", "huggingface-hub>=1.0.0",
+    "isort", "jsonlines", "loralib", "optimum", "optree>=0.15.0", "packaging", "peft", "pylatexenc",
+    "pynvml>=12.0.0", "sympy", "tensorboard", "torch", "torchdata", "torchmetrics", "tqdm",
+    "transformers-stream-generator", "wandb", "wheel",
+]
+
 setup(
     name="openrlhf-div",
     version=VERSION,
@@ -31,8 +42,14 @@ setup(
     python_requires=">=3.10",
     install_requires=CORE,
     extras_require={
-        # GPU clusters: the real OpenRLHF stack with vLLM rollouts and flash-attention.
-        "gpu": ["openrlhf[vllm]==0.11.2", "deepspeed==0.19.6", "flash-attn==2.8.3"],
+        # GPU clusters: OpenRLHF 0.11.2's requirements without flash-attn and without openrlhf
+        # itself. openrlhf hard-requires flash-attn==2.8.3, a source-only package whose build
+        # imports torch, so no resolver can install `openrlhf` in one step. The order that
+        # resolves (docker/Dockerfile, docs/scaling.md):
+        #   1. pip install -e .[gpu]                                  (torch comes with vllm)
+        #   2. pip install --no-build-isolation flash-attn==2.8.3     (compiled against that torch)
+        #   3. pip install --no-deps openrlhf==0.11.2
+        "gpu": GPU,
         # 32B models: the Megatron-core actor (--div.actor_backend megatron); the GPU image also
         # installs transformer-engine (docker/Dockerfile).
         "megatron": ["megatron-core==0.16.1"],

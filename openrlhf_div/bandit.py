@@ -401,12 +401,8 @@ def run_bandit(method: str, config: Optional[BanditConfig] = None,
 
 
 # ------------------------------------------------------------------ output
-def _atomic_write(path: str, data: bytes) -> None:
-    atomic_write_bytes(path, data)
-
-
 def write_json(result: Dict, path: str) -> None:
-    _atomic_write(path, (json.dumps(result, indent=1) + "\n").encode())
+    atomic_write_bytes(path, (json.dumps(result, indent=1) + "\n").encode())
 
 
 def plot_result(result: Dict, path: str) -> None:
@@ -586,7 +582,7 @@ def run_all(out_dir: str = "runs/bandit", config: Optional[BanditConfig] = None,
           + f", Adam lr {cfg.lr:g}, {cfg.refreshes} pi_old refreshes (DS: every "
           f"{cfg.ds_refresh_every} step(s)). Modes kept: bumps holding >= {cfg.mode_share:.0%} "
           "of the policy mass.\n\n" + summary_markdown(ordered))
-    _atomic_write(os.path.join(out_dir, "summary.md"), md.encode())
+    atomic_write_bytes(os.path.join(out_dir, "summary.md"), md.encode())
     return ordered
 
 

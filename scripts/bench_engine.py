@@ -28,7 +28,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from openrlhf_div.engines.local.config import load_config  # noqa: E402
-from openrlhf_div.engines.local.data import write_jsonl_atomic  # noqa: E402
+from openrlhf_div.io import atomic_write_jsonl  # noqa: E402
 from openrlhf_div.engines.local.presample import presample  # noqa: E402
 from openrlhf_div.engines.local.toy import VOCAB, make_examples  # noqa: E402
 from openrlhf_div.engines.local.trainer import Trainer  # noqa: E402
@@ -133,7 +133,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(1)
     work = tempfile.mkdtemp(prefix="bench_engine_")
-    write_jsonl_atomic(f"{work}/train.jsonl", make_examples(256, seed=1))
+    atomic_write_jsonl(f"{work}/train.jsonl", make_examples(256, seed=1))
     out = {"machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": 1,
                        "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()},
            "setup": {"B": B, "G": G, "max_new_tokens": MAX_NEW, "model": "Qwen2 2 layers, hidden 64, 4 heads, "

@@ -256,14 +256,14 @@ def measure_training(tmp):
 
     from openrlhf_div.engines.local.checkpoint import CorruptCheckpointError, NonFiniteWeightsError
     from openrlhf_div.engines.local.config import load_config
-    from openrlhf_div.engines.local.data import write_jsonl_atomic
+    from openrlhf_div.io import atomic_write_jsonl
     from openrlhf_div.engines.local.presample import presample
     from openrlhf_div.engines.local.toy import VOCAB, make_examples
     from openrlhf_div.engines.local.trainer import train
 
     torch.set_num_threads(1)
     data = os.path.join(tmp, "train.jsonl")
-    write_jsonl_atomic(data, make_examples(24, seed=1))
+    atomic_write_jsonl(data, make_examples(24, seed=1))
 
     def ov(out, *extra):
         return ["task=toy_copy", f"output_dir={out}", f"model.tiny_vocab={VOCAB}", f"data.train={data}",

@@ -5,9 +5,8 @@ the local engine's for the same method". One rollout (7 prompts x G = 4 response
 lengths 1..8, fixed rewards with all-equal groups and a partial-credit reward, fixed old
 log-probs with junk at every padding position) goes through
 
-* the local engine: :func:`~openrlhf_div.engines.local.trainer.shape_and_keep` /
-  :func:`~openrlhf_div.engines.local.trainer.kept_advantages` (the pure part of
-  ``Trainer.make_experience``) and, further down, ``Trainer.make_experience`` itself with the
+* the local engine: :meth:`~openrlhf_div.algorithms.registry.Method.rollout` per generation
+  round, rows of the kept groups (the pure part of ``Trainer.make_experience``) and, further down, ``Trainer.make_experience`` itself with the
   sampler and the verifier replaced by the fixed rollout, then ``Trainer.micro_step``;
 * the OpenRLHF engine: OpenRLHF's own per-sample construction from vLLM responses
   (``SamplesGenerator._process_response_into_experience``) and micro-batch split
@@ -37,9 +36,9 @@ from openrlhf_div.algorithms import get_method
 from openrlhf_div.compat import install_flash_attn_standin, install_vllm_stub
 from openrlhf_div.engines.local import trainer as local_trainer
 from openrlhf_div.engines.local.config import load_config
-from openrlhf_div.engines.local.data import write_jsonl_atomic
+from openrlhf_div.io import atomic_write_jsonl
 from openrlhf_div.engines.local.generation import GenerationOutput, pack_sequences
-from openrlhf_div.engines.local.trainer import Trainer, kept_advantages, shape_and_keep
+from openrlhf_div.engines.local.trainer import Trainer
 from openrlhf_div.tasks import RewardResult, Task
 
 install_flash_attn_standin()
@@ -131,10 +130,9 @@ def _openrlhf_method(name, overrides):
 def _local_pure(method, r=ROLL):
     """The local engine's rollout side (one generation round, no refill): shaped rewards and
     kept groups on the whole round, then correctness and advantages of the kept rows."""
-    shaped, keep = shape_and_keep(method, r.rewards, r.old, r.mask, G, r.lengths)
-    rows = torch.nonzero(keep.repeat_interleave(G)).flatten()
-    correct, adv = kept_advantages(method, r.rewards[rows], shaped[rows], r.old[rows], r.mask[rows], G)
-    return NS(shaped=shaped, keep=keep, rows=rows, correct=correct, adv=adv)
+    ro = method.rollout(r.rewards, G, old_log_probs=r.old, mask=r.mask, lengths=r.lengths)
+    rows = torch.nonzero(ro.keep.repeat_interleave(G)).flatten()
+    return NS(shaped=ro.rewards, keep=ro.keep, rows=rows, correct=ro.correct[rows], adv=ro.advantages[rows])
 
 
 class _Tok:  # what DivExperienceMaker reads of a tokenizer
@@ -236,9 +234,11 @@ def test_the_cases_are_not_vacuous():
 
 def test_hand_values_from_the_spec():
     """A few numbers of the comparison above, written out from ALGORITHMS.md."""
-    # DAPO: overlong penalty ((L_max - L_c) - L) / L_c in (3, 6], -1 beyond 6; keep = not all equal
+    # DAPO: overlong penalty ((L_max - L_c) - L) / L_c in (3, 6], -1 beyond 6; keep = mixed
+    # correctness on the task rewards (one refill criterion in both engines, issue 9): g1 is all
+    # correct (only its shaped rewards differ) -> dropped; g6 is mixed -> kept
     loc = _local_pure(get_method("dapo", **DAPO))
-    assert loc.keep.tolist() == [True, True, False, True, False, False, False]
+    assert loc.keep.tolist() == [True, False, False, True, False, False, True]
     torch.testing.assert_close(loc.shaped[4:8], torch.tensor([1.0, 1.0, 1 - 2 / 3, 0.0]))
     torch.testing.assert_close(loc.shaped[24:28], torch.tensor([0.0, 0.0, 0.0, 0.0]))
     # GRPO on g0 = [1, 0, 1, 0]: (R - 0.5) / (std_unbiased + 1e-6), broadcast over the mask
@@ -301,7 +301,7 @@ def test_anchor_rows_survive_collation_with_fewer_anchors_than_micro_batches():
     different experiences taking the first row's field set: anchor-less rows used to carry
     ``base_action_log_probs = None``, which crashed the collation (anchor row first) or dropped
     the anchors' stored base log-probs (anchor-less row first)."""
-    from openrlhf_div.engines.openrlhf.loss import row_values
+    from openrlhf_div.engines.contract import row_values
 
     recs = [AnchorRecord.from_json(a) for a in ANCHORS[:2]]
     maker = _maker(get_method("dph_f"), pool=AnchorPool(recs, seed=0), micro=1, anchor_batch_size=2)
@@ -361,8 +361,8 @@ ANCHORS = [  # D_pef records as presample writes them (prompt_ids, response_ids,
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("xengine")
-    write_jsonl_atomic(str(d / "train.jsonl"), [{"prompt": "ab=", "label": "b", "id": f"t{i}"} for i in range(B)])
-    write_jsonl_atomic(str(d / "d_pef.jsonl"), ANCHORS)
+    atomic_write_jsonl(str(d / "train.jsonl"), [{"prompt": "ab=", "label": "b", "id": f"t{i}"} for i in range(B)])
+    atomic_write_jsonl(str(d / "d_pef.jsonl"), ANCHORS)
     return d
 
 

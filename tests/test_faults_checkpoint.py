@@ -9,7 +9,7 @@ import torch
 
 from openrlhf_div.engines.local.checkpoint import CorruptCheckpointError, NonFiniteWeightsError
 from openrlhf_div.engines.local.config import load_config
-from openrlhf_div.engines.local.data import write_jsonl_atomic
+from openrlhf_div.io import atomic_write_jsonl
 from openrlhf_div.engines.local.presample import presample
 from openrlhf_div.engines.local.tiny import load_model
 from openrlhf_div.engines.local.trainer import Trainer, train
@@ -41,7 +41,7 @@ def data_dir(tmp_path_factory):
     for i in range(24):
         s = "".join("abcdef"[int(j)] for j in torch.randint(0, 6, (3,), generator=g))
         rows.append({"prompt": s + "=", "label": s[-1], "source": "t", "id": f"e{i}"})
-    write_jsonl_atomic(str(d / "train.jsonl"), rows)
+    atomic_write_jsonl(str(d / "train.jsonl"), rows)
     return d
 
 

@@ -11,7 +11,7 @@ import torch
 
 from openrlhf_div.algorithms import get_method
 from openrlhf_div.engines.local.config import ConfigError, load_config
-from openrlhf_div.engines.local.data import write_jsonl_atomic
+from openrlhf_div.io import atomic_write_jsonl
 from openrlhf_div.engines.local.generation import generate, pack_sequences, sequence_log_probs
 from openrlhf_div.engines.local.presample import presample
 from openrlhf_div.engines.local.tiny import build_tiny_model, load_model, save_model
@@ -52,8 +52,8 @@ def _examples(n, seed):
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("data")
-    write_jsonl_atomic(str(d / "train.jsonl"), _examples(40, 1))
-    write_jsonl_atomic(str(d / "eval.jsonl"), _examples(6, 2))
+    atomic_write_jsonl(str(d / "train.jsonl"), _examples(40, 1))
+    atomic_write_jsonl(str(d / "eval.jsonl"), _examples(6, 2))
     return d
 
 

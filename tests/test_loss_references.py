@@ -344,7 +344,7 @@ def _metrics_reference(m, lp, old, A, mask, ref):
 
 
 @pytest.mark.parametrize("name", ["grpo", "rkl", "dph_js_def", "clip_cov"])
-def test_registry_fused_loss_metrics_and_gradients(name):
+def test_registry_loss_metrics_and_gradients(name):
     m = get_method(name)
     i = inputs(10)
     lp = i["lp"].clone().requires_grad_(True)
@@ -383,7 +383,7 @@ def _policy_reference(m, lp, old, A, mask):
 
 @pytest.mark.parametrize("name", ["cispo", "kl_cov", "lad_js", "lad_hellinger", "entropy_bonus", "entropy_penalty",
                                   "diff_entropy", "entadv"])
-def test_registry_other_fused_methods(name):
+def test_registry_other_methods(name):
     m = get_method(name, **({"kl_cov_ratio": 0.05} if name == "kl_cov" else {}))
     h = m.hparams
     i = inputs(18)
@@ -419,7 +419,7 @@ def test_registry_other_fused_methods(name):
     assert metrics["policy_loss"] == pytest.approx(float(pol.detach().sum() / mask.sum()), rel=1e-12)
 
 
-def test_registry_anchor_losses_fused():
+def test_registry_anchor_losses():
     i = inputs(19, spread=1.0)
     for name, div in (("dph_f", "forward_kl"), ("dph_js", "js"), ("dph_alpha", "alpha")):
         m = get_method(name)
@@ -477,3 +477,30 @@ def test_every_method_any_memory_layout_and_bfloat16(name):
     assert res["cols"][0] == pytest.approx(res["rows"][0], rel=1e-5)
     assert torch.allclose(res["cols"][1], res["rows"][1], rtol=1e-5, atol=1e-7)
     assert res["bf16"][0] == pytest.approx(res["rows"][0], rel=0.05, abs=1e-2)
+
+
+@pytest.mark.slow
+def test_compiled_losses_equal_the_plain_ones():
+    """``compile_losses(True)`` (torch.compile, dynamic shapes): the same values and gradients,
+    also when a method with other float hyperparameters follows (eps_high 0.2 -> 0.28 -> 0.2)."""
+    from openrlhf_div.algorithms import compile_losses
+
+    i = {k: v.float() for k, v in inputs(21, extremes=False).items()}
+    out = {}
+    try:
+        for on in (False, True):
+            compile_losses(on)
+            for name in ("grpo", "rkl", "grpo"):
+                lp = i["lp"].clone().requires_grad_(True)
+                total, _ = get_method(name).loss(online=LossInputs(lp, i["old"], i["A"], i["mask"],
+                                                                   ref_log_probs=i["ref"]))
+                total.backward()
+                out.setdefault(name, []).append((float(total.detach()), lp.grad))
+    finally:
+        compile_losses(False)
+    for name, runs in out.items():
+        plain = runs[: len(runs) // 2]
+        compiled = runs[len(runs) // 2:]
+        for (v0, g0), (v1, g1) in zip(plain, compiled):
+            assert v1 == pytest.approx(v0, rel=1e-6, abs=1e-7), name
+            assert torch.allclose(g1, g0, rtol=1e-5, atol=1e-7), name

@@ -13,7 +13,8 @@ pytest.importorskip("megatron.core")
 from openrlhf_div.algorithms import get_method  # noqa: E402
 from openrlhf_div.algorithms.registry import AnchorInputs, LossInputs  # noqa: E402
 from openrlhf_div.engines.megatron import actor_class_for, reference_class_for, uses_megatron  # noqa: E402
-from openrlhf_div.engines.megatron.actor import collate_rows, resolve_method, rows_from_experience  # noqa: E402
+from openrlhf_div.engines.contract import rows_from_experience  # noqa: E402
+from openrlhf_div.engines.megatron.actor import collate_rows, resolve_method  # noqa: E402
 from mcore_cpu import run_multiprocess  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -435,7 +435,7 @@ def test_ppo_train_gas2_normalises_each_part_over_its_own_tokens(world):
 
 
 def _flag(exp):
-    from openrlhf_div.engines.openrlhf.loss import row_values
+    from openrlhf_div.engines.contract import row_values
 
     return row_values(exp.info, "div_anchor", exp.action_mask.shape[0]) > 0.5
 

@@ -25,7 +25,7 @@ from openrlhf.trainer.ppo_utils.experience import (  # noqa: E402
 
 from openrlhf_div.engines.openrlhf.advantages import rollout_advantages  # noqa: E402
 from openrlhf_div.engines.openrlhf.anchors import anchor_experience, append_rows, distribute  # noqa: E402
-from openrlhf_div.engines.openrlhf.loss import row_values  # noqa: E402
+from openrlhf_div.engines.contract import row_values  # noqa: E402
 from openrlhf_div.engines.openrlhf.pef import AnchorPool, AnchorRecord, anchor_count  # noqa: E402
 
 NS = types.SimpleNamespace
@@ -48,7 +48,7 @@ def _registry(method, r, old, mask, lens):
     seq_mean = (old * mask).sum(-1) / mask.sum(-1).clamp(min=1)
     correct = method.is_correct(r)
     shaped = method.shape_rewards(r, G, seq_mean_old_log_probs=seq_mean, lengths=lens)
-    keep = method.keep_groups(shaped, G).repeat_interleave(G)
+    keep = method.keep_groups(correct.float(), G).repeat_interleave(G)  # mixed correctness (DAPO refill)
     adv = method.advantages(shaped, G, old_log_probs=old, mask=mask, correct=correct)
     return adv * keep[:, None], mask * keep[:, None], shaped, keep
 

@@ -84,11 +84,47 @@ def test_sql_reward_file_reads_db_root_from_the_environment(db_root, monkeypatch
     assert out["rewards"].tolist() == [1.0, 0.0, 0.0]
 
 
-def test_sql_reward_file_without_db_root_scores_zero(monkeypatch):
+def test_sql_reward_file_without_db_root_raises_naming_the_variable(monkeypatch):
+    """Before: every reward was a silent 0 ("verifier error"), and GRPO learned nothing."""
     monkeypatch.delenv("OPENRLHF_DIV_SQL_DB_ROOT", raising=False)
     rf = load_reward_file("sql")
-    out = rf([PROMPT + "```sql\nSELECT 1\n```"], [PROMPT], [json.dumps({"db_id": "concert", "sql": "SELECT 1"})])
-    assert out["rewards"].tolist() == [0.0] and out["extra_logs"]["verifier_error"].tolist() == [1.0]
+    with pytest.raises(RuntimeError, match="OPENRLHF_DIV_SQL_DB_ROOT is not set"):
+        rf([PROMPT + "```sql\nSELECT 1\n```"], [PROMPT], [json.dumps({"db_id": "concert", "sql": "SELECT 1"})])
+
+
+def test_sql_reward_file_missing_root_or_database_raises_naming_the_path(db_root, monkeypatch, tmp_path):
+    rf = load_reward_file("sql")
+    label = json.dumps({"db_id": "concert", "sql": "SELECT 1"})
+    monkeypatch.setenv("OPENRLHF_DIV_SQL_DB_ROOT", str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        rf([PROMPT + "```sql\nSELECT 1\n```"], [PROMPT], [label])
+    monkeypatch.setenv("OPENRLHF_DIV_SQL_DB_ROOT", str(tmp_path))  # a folder, but without concert/
+    with pytest.raises(FileNotFoundError, match="'concert' is in none of OPENRLHF_DIV_SQL_DB_ROOT"):
+        rf([PROMPT + "```sql\nSELECT 1\n```"], [PROMPT], [label])
+
+
+def test_sql_reward_file_takes_separate_train_and_eval_roots(db_root, monkeypatch, tmp_path):
+    """One variable, two roots (BIRD train + dev databases): each db_id is found in its own."""
+    import shutil
+
+    train, dev = tmp_path / "train_databases", tmp_path / "dev_databases"
+    train.mkdir()
+    shutil.copytree(os.path.join(db_root, "concert"), dev / "concert")
+    for name in os.listdir(db_root):
+        if name != "concert" and os.path.isdir(os.path.join(db_root, name)):
+            shutil.copytree(os.path.join(db_root, name), train / name)
+    monkeypatch.setenv("OPENRLHF_DIV_SQL_DB_ROOT", f"{train}{os.pathsep}{dev}")
+    monkeypatch.setenv("OPENRLHF_DIV_SQL_TIMEOUT", "1.0")
+    rf = load_reward_file("sql")
+    other = sorted(n for n in os.listdir(train))[0]
+    labels = [json.dumps({"db_id": "concert", "sql": "SELECT count(*) FROM singer"}),
+              json.dumps({"db_id": other, "sql": "SELECT 1"})]
+    out = rf([PROMPT + "```sql\nSELECT count(singer_id) FROM singer\n```", PROMPT + "```sql\nSELECT 1\n```"],
+             [PROMPT] * 2, labels)
+    assert out["rewards"].tolist() == [1.0, 1.0]
+    shutil.copytree(dev / "concert", train / "concert")  # the same id in both roots: ambiguous
+    with pytest.raises(ValueError, match="more than one root"):
+        rf([PROMPT + "x"], [PROMPT], labels[:1])
 
 
 def test_called_concurrently_from_threads_like_openrlhf():

@@ -52,6 +52,14 @@ ensure_ray_head() {
 
 has_presample() { grep -q '^presample:' "$1"; }
 
+# True when the driver flags ask for a dry run: then nothing runs for real (no Ray head, no
+# pre-sampling, no job), every stage only prints what it would do.
+wants_dry_run() {
+  local a
+  for a in "$@"; do [[ "$a" == "--dry-run" ]] && return 0; done
+  return 1
+}
+
 # The DPH pre-sampling stage, then training, on the current machine's Ray cluster.
 # Usage: run_local CONFIG [driver flags...]
 run_local() {
@@ -59,25 +67,26 @@ run_local() {
   cfg="$(config_path "$1")"
   shift
   cd "$REPO_ROOT" || return 1
-  ensure_ray_head
+  local pre=()
+  if wants_dry_run "$@"; then
+    pre=(--dry-run)
+  else
+    ensure_ray_head
+  fi
   if has_presample "$cfg"; then
     say "pre-sampling D_pef / D_exp (resumable; instant when already done)"
-    run "$PYTHON" -m openrlhf_div.cli.presample_ray --config "$cfg"
+    run "$PYTHON" -m openrlhf_div.cli.presample_ray --config "$cfg" "${pre[@]}"
   fi
   run "$PYTHON" -m openrlhf_div.cli.train_ppo_ray --config "$cfg" "$@"
 }
 
-# JSON for --runtime-env-json: ship the repository as the job's working directory and pass the
-# config variables through.
+# JSON for --runtime-env-json: ship the repository (without data/, runs/, checkpoints, .venv) as
+# the job's working directory, pass the config and task variables (OPENRLHF_DIV_*) to every
+# worker; refuse relative output/input paths and an upload over Ray's limit before submitting.
 runtime_env_json() {
-  "$PYTHON" - "$REPO_ROOT" <<'PYEOF'
-import json, os, sys
-env = {k: os.environ[k] for k in ("DATA_DIR", "RUN_DIR", "PRESAMPLE_DIR", "SEED", "HF_HOME",
-                                  "HF_TOKEN", "NCCL_DEBUG") if k in os.environ}
-env.setdefault("TOKENIZERS_PARALLELISM", "true")
-print(json.dumps({"working_dir": sys.argv[1], "excludes": ["runs/", ".venv/", ".git/", "*.pt"],
-                  "env_vars": env}))
-PYEOF
+  local check=()
+  if [[ "${DRY_RUN:-0}" == "1" ]]; then check=(--warn-only); fi
+  "$PYTHON" -m openrlhf_div.engines.openrlhf.jobs "${check[@]}" "$REPO_ROOT" "$1"
 }
 
 # Submit pre-sampling + training as one Ray job to a running cluster.
@@ -87,13 +96,25 @@ submit_job() {
   cfg="$(config_path "$1")"
   shift
   rel="${cfg#"${REPO_ROOT}"/}"
-  local steps="true"
+  local steps="true" dry=""
+  if wants_dry_run "$@"; then
+    # dry all the way: print the job (nothing is submitted) whose stages are dry runs too
+    dry=" --dry-run"
+    local DRY_RUN=1
+  fi
   if has_presample "$cfg"; then
-    steps="python -m openrlhf_div.cli.presample_ray --config ${rel}"
+    steps="python -m openrlhf_div.cli.presample_ray --config ${rel}${dry}"
   fi
   local extra=""
   if [[ $# -gt 0 ]]; then extra="$(printf ' %q' "$@")"; fi
+  local renv
+  renv="$(runtime_env_json "$cfg")" || return 1
+  # OpenRLHF's train() puts TOKENIZERS_PARALLELISM, NCCL_DEBUG and RAY_ENABLE_ZERO_COPY_TORCH_TENSORS
+  # into its own ray.init runtime env; Ray refuses the same keys in the job's, so they reach
+  # the driver as plain environment variables instead.
+  local upstream_env=("TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-true}" "NCCL_DEBUG=${NCCL_DEBUG:-WARN}"
+                      "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=${RAY_ENABLE_ZERO_COPY_TORCH_TENSORS:-1}")
   run ray job submit --address "${RAY_ADDRESS:-http://127.0.0.1:8265}" \
-    --runtime-env-json "$(runtime_env_json)" \
-    -- bash -c "${steps} && python -m openrlhf_div.cli.train_ppo_ray --config ${rel}${extra}"
+    --runtime-env-json "$renv" \
+    -- env "${upstream_env[@]}" bash -c "${steps} && python -m openrlhf_div.cli.train_ppo_ray --config ${rel}${extra}"
 }

@@ -123,6 +123,3 @@ def f_divergence(name: str, log_u: torch.Tensor, alpha: Optional[float] = None) 
         return fn(lu, alpha)
     return fn(lu)
 
-
-def divergence_names():
-    return tuple(_GENERATORS)

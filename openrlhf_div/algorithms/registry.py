@@ -195,12 +195,20 @@ def compile_losses(enabled: bool = True) -> None:
     _COMPILE["on"] = bool(enabled)
 
 
-def _run(fn: Callable) -> Callable:
+def _call(c: Component, inputs, hparams: Mapping[str, Any]):
+    """``c.fn(inputs, **its hyperparameters)``, compiled when :func:`compile_losses` is on.
+
+    Compiled, float hyperparameters are specialised (each value its own guarded graph):
+    measured with torch 2.13, ``dynamic=True`` alone reused a graph traced for
+    ``eps_high=0.2`` when called with ``0.28`` once a gradient was taken
+    (tests/test_loss_references.py checks compiled against plain)."""
+    kw = c.kwargs(hparams)
     if not _COMPILE["on"]:
-        return fn
-    if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, dynamic=True)
-    return _COMPILED[fn]
+        return c.fn(inputs, **kw)
+    if c.fn not in _COMPILED:
+        _COMPILED[c.fn] = torch.compile(c.fn, dynamic=True)
+    with torch._dynamo.config.patch(specialize_float=True):
+        return _COMPILED[c.fn](inputs, **kw)
 
 
 class Rollout(NamedTuple):
@@ -385,15 +393,25 @@ class Method:
     ) -> Rollout:
         """The whole rollout side for ``N = B * G`` responses, in the spec's order: correctness
         of the task rewards, reward shaping (overlong with ``lengths``; unlikeliness with the
-        sequence-mean old log-probs), kept groups, token-level advantages ``[N, T]``."""
-        rewards = torch.as_tensor(rewards, dtype=torch.float32)
+        sequence-mean old log-probs), kept groups (mixed correctness under dynamic sampling),
+        token-level advantages ``[N, T]``."""
+        rewards = torch.as_tensor(rewards, dtype=torch.float32).reshape(-1).cpu()
         check_same_shape("old_log_probs", old_log_probs, mask=mask)
+        if rewards.numel() != old_log_probs.shape[0]:
+            raise ValueError(f"{rewards.numel()} rewards for {old_log_probs.shape[0]} responses")
+        if int(group_size) < 1 or rewards.numel() % int(group_size):
+            raise ValueError(f"{rewards.numel()} responses are not a whole number of groups of {group_size} "
+                             "(the group size: rollout.group_size, --rollout.n_samples_per_prompt on OpenRLHF)")
         correct = self.is_correct(rewards)
-        seq_mean_old = masked_mean(old_log_probs.float(), mask, dim=1).cpu()
-        shaped = self.shape_rewards(rewards, group_size, seq_mean_old_log_probs=seq_mean_old, lengths=lengths)
-        keep = self.keep_groups(shaped, group_size)
-        adv = self.advantages(shaped, group_size, old_log_probs=old_log_probs, mask=mask,
-                              correct=correct.to(old_log_probs.device))
+        seq_mean_old = masked_mean(old_log_probs, mask, dim=1).cpu()
+        shaped = self.shape_rewards(rewards, group_size, seq_mean_old_log_probs=seq_mean_old,
+                                    lengths=None if lengths is None else torch.as_tensor(lengths).cpu())
+        # DAPO's refill criterion, the same in both engines: a group is kept when its correctness
+        # is mixed (0 < #correct < G), on the task rewards before shaping (OpenRLHF filters on scores)
+        keep = self.keep_groups(correct.float(), group_size)
+        dev = old_log_probs.device
+        adv = self.advantages(shaped.to(dev), group_size, old_log_probs=old_log_probs, mask=mask,
+                              correct=correct.to(dev))
         return Rollout(shaped, correct, keep, adv)
 
     # -------------------------------------------------------------- training side
@@ -413,7 +431,7 @@ class Method:
         b = dataclasses.replace(b, advantages=adv)
         pol = POLICY_LOSSES[self.policy_loss]
         pol.require(b, self.name)
-        loss, extra = _run(pol.fn)(b, **pol.kwargs(h))
+        loss, extra = _call(pol, b, h)
         with torch.no_grad():
             r = torch.exp((b.log_probs - b.old_log_probs).clamp(-20, 20))
             clipped = ppo_clip_mask(r, adv, float(h.get("eps_low", 0.2)), float(h.get("eps_high", 0.2)))
@@ -421,7 +439,7 @@ class Method:
         for name in self.regularizers:
             reg = REGULARIZERS[name]
             reg.require(b, self.name)
-            l_reg, m_reg = _run(reg.fn)(b, **reg.kwargs(h))
+            l_reg, m_reg = _call(reg, b, h)
             loss = loss + l_reg
             metrics.update(m_reg)
         return loss, _means(metrics, b.mask)
@@ -431,7 +449,7 @@ class Method:
         if self.anchor is None:
             raise ValueError(f"method {self.name!r} has no anchor loss (needs.anchor_batch is False)")
         c = ANCHORS[self.anchor]
-        return _run(c.fn)(a, **c.kwargs(self.hparams))
+        return _call(c, a, self.hparams)
 
     def loss(
         self,

@@ -6,8 +6,12 @@ machine. :func:`install` registers a module that satisfies those imports so our 
 experience maker and trainer classes can be imported and unit-tested on CPU. Anything that
 would actually need vLLM (creating an engine) raises a clear error.
 
-It is installed **only on request** (tests call it explicitly) and **only when the real
-package is absent**; nothing in the training path installs it.
+It is installed **only on request** and **only when the real package is absent**; nothing in
+the training path installs it. The CPU set-up (scripts/setup_env.sh) installs vLLM's CPU build,
+so there :func:`install` does nothing and the unit tests that call it import the real vLLM
+without starting an engine (they test classes, not rollouts: an engine is what tests/e2e starts).
+It remains for machines without vLLM: the GPU smoke machine (scripts/gpu_smoke.py) and minimal
+installs.
 """
 from __future__ import annotations
 

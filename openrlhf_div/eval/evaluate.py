@@ -241,10 +241,6 @@ def load_results(path: str) -> Dict[str, Any]:
     return data
 
 
-def _atomic_write(path: str, text: str) -> None:
-    atomic_write_text(path, text)
-
-
 def write_results(result: Mapping[str, Any], out_dir: str, extra: Optional[Mapping[str, Any]] = None) -> Dict[str, str]:
     """Write ``results.json`` (metrics + per-problem correctness), ``results.md`` (the table)
     and ``samples.jsonl`` (one problem per line: prompt, responses, extracted answers, rewards,
@@ -255,8 +251,8 @@ def write_results(result: Mapping[str, Any], out_dir: str, extra: Optional[Mappi
             "problems": problems}
     paths = {"json": os.path.join(out_dir, "results.json"), "markdown": os.path.join(out_dir, "results.md"),
              "samples": os.path.join(out_dir, "samples.jsonl")}
-    _atomic_write(paths["json"], json.dumps(data, indent=1, allow_nan=False) + "\n")
-    _atomic_write(paths["markdown"], results_markdown(result))
+    atomic_write_text(paths["json"], json.dumps(data, indent=1, allow_nan=False) + "\n")
+    atomic_write_text(paths["markdown"], results_markdown(result))
     lines = []
     for p in result["problems"]:
         if "responses" in p:
@@ -264,5 +260,5 @@ def write_results(result: Mapping[str, Any], out_dir: str, extra: Optional[Mappi
                                      "responses": p["responses"], "answers": p.get("answers"),
                                      "rewards": p["rewards"], "reasons": p["reasons"], "correct": p["correct"],
                                      "truncated": p.get("truncated"), "greedy_response": p.get("greedy_response")}))
-    _atomic_write(paths["samples"], "\n".join(lines) + ("\n" if lines else ""))
+    atomic_write_text(paths["samples"], "\n".join(lines) + ("\n" if lines else ""))
     return paths

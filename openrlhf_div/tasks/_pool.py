@@ -350,9 +350,6 @@ class WorkerPool:
                 self._idle.put(w)
         return results  # type: ignore[return-value]
 
-    def run_one(self, func: str, args: tuple, timeout: float, grace: float = 1.0) -> JobResult:
-        return self.run(func, [args], timeout, grace)[0]
-
     def close(self) -> None:
         """Stop every worker. Safe to call twice."""
         if self._closed:

@@ -240,13 +240,9 @@ def make_splits(spec: SplitSpec = SplitSpec()) -> Dict[str, List[Dict[str, Any]]
     }
 
 
-def _atomic_write_text(path: str, text: str) -> None:
-    atomic_write_text(path, text)
-
-
 def write_jsonl(path: str, rows: Iterable[Dict[str, Any]]) -> None:
     """Write rows as JSON lines atomically (temp file + ``os.replace``)."""
-    _atomic_write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+    atomic_write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
 
 
 def read_jsonl(path: str) -> List[Dict[str, Any]]:
@@ -262,6 +258,6 @@ def write_splits(out_dir: str, spec: SplitSpec = SplitSpec()) -> Dict[str, str]:
         paths[name] = os.path.join(out_dir, f"{name}.jsonl")
         write_jsonl(paths[name], rows)
     paths["spec"] = os.path.join(out_dir, "splits.json")
-    _atomic_write_text(paths["spec"], json.dumps(
+    atomic_write_text(paths["spec"], json.dumps(
         {**spec.to_dict(), "counts": {k: len(v) for k, v in splits.items()}}, indent=2) + "\n")
     return paths

@@ -232,14 +232,25 @@ class SQLTask(Task):
         self._schema_cache: Dict[str, str] = {}
         self._lock = threading.Lock()
 
-    def db_path(self, db_id: str) -> str:
-        """``{db_root}/{db_id}/{db_id}.sqlite``; rejects ids that could escape ``db_root``."""
-        if not self.db_root:
+    @property
+    def db_roots(self) -> List[str]:
+        """``db_root`` split on ``os.pathsep``: one root may hold BIRD's train databases and
+        another its dev databases (``/data/bird/train_databases:/data/bird/dev_databases``)."""
+        return [r for r in str(self.db_root or "").split(os.pathsep) if r]
+
+    def db_candidates(self, db_id: str) -> List[str]:
+        """``{root}/{db_id}/{db_id}.sqlite`` under every root; rejects ids that could escape a root."""
+        if not self.db_roots:
             raise ValueError("the sql task needs db_root (the folder holding {db_id}/{db_id}.sqlite); "
                              "pass get_task('sql', db_root=...) or --task-opt db_root=PATH")
         if not _DB_ID_RE.match(db_id) or ".." in db_id:
             raise ValueError(f"invalid db_id {db_id!r}: letters, digits, '_', '-', '.' and spaces only")
-        return os.path.join(self.db_root, db_id, f"{db_id}.sqlite")
+        return [os.path.join(r, db_id, f"{db_id}.sqlite") for r in self.db_roots]
+
+    def db_path(self, db_id: str) -> str:
+        """The database of ``db_id`` in the first root that has it (else the first root's path)."""
+        paths = self.db_candidates(db_id)
+        return next((p for p in paths if os.path.isfile(p)), paths[0])
 
     def schema(self, db_id: str) -> str:
         with self._lock:

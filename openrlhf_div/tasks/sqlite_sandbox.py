@@ -261,10 +261,6 @@ def execute_and_compare(db_path: str, pred_sql: str, gold_sql: str, timeout: flo
             "gold_rows": len(gold["rows"])}
 
 
-def execute_and_compare_many(jobs: Sequence[tuple]) -> List[Dict[str, Any]]:
-    return [execute_and_compare(*j) for j in jobs]
-
-
 # ----------------------------------------------------------------------- parent side
 _PRELOAD = ["openrlhf_div.tasks._preload"]  # the same list as the math pool: one fork server serves both
 
@@ -325,10 +321,3 @@ class SQLExecutor:
                 why = "timeout" if r.error == "timeout" else ("worker crashed" if r.error == "crash" else r.error)
                 out.append({"correct": False, "reason": f"sandbox: {why}", "pred_rows": None, "gold_rows": None})
         return out
-
-    def run_many(self, jobs: Sequence[Tuple[str, str]]) -> List[Dict[str, Any]]:
-        """``jobs``: ``(db_path, sql)``; returns :func:`run_query` dicts (for tools and tests)."""
-        args = [(db, sql, self.timeout, self.max_rows, self.heap_limit_mb, self.max_result_mb) for db, sql in jobs]
-        res = self.pool.run("openrlhf_div.tasks.sqlite_sandbox:run_query", args, timeout=self.timeout + _SOFT_S,
-                            grace=_HARD_S - _SOFT_S)
-        return [r.value if r.ok else {"ok": False, "error": f"sandbox: {r.error}"} for r in res]

@@ -14,10 +14,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
-from openrlhf_div.io import atomic_write_jsonl
 from openrlhf_div.tasks.datasets import DatasetError, LoadSummary, load_examples as _load_examples, render_example
 
 # a token is rarely longer than this many characters: prompts longer than
@@ -134,11 +133,6 @@ def data_fingerprint(path: str) -> str:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
     return h.hexdigest()[:16]
-
-
-def write_jsonl_atomic(path: str, rows: Iterable[Dict[str, Any]]) -> None:
-    """Write rows (one JSON object a line) to ``path`` atomically (:mod:`openrlhf_div.io`)."""
-    atomic_write_jsonl(path, rows)
 
 
 class Cursor:

@@ -36,8 +36,9 @@ import numpy as np
 import torch
 
 from .config import TrainConfig
-from .data import (data_fingerprint, example_key, load_task_examples, max_prompt_tokens, prepare_prompts,
-                   write_jsonl_atomic)
+from openrlhf_div.io import atomic_write_json, atomic_write_jsonl
+
+from .data import data_fingerprint, example_key, load_task_examples, max_prompt_tokens, prepare_prompts
 from .generation import generate, pack_sequences, sequence_log_probs
 
 
@@ -83,15 +84,6 @@ def _read_chunk(path: str) -> Optional[Dict[str, Any]]:
               f"({type(exc).__name__}: {exc}); recomputing it")
         os.remove(path)
         return None
-
-
-def _write_json(path: str, obj: Any) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, ensure_ascii=False, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 @torch.no_grad()
@@ -191,7 +183,7 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
             raise ValueError(f"{out_dir} holds a pre-sampling run with different settings ({', '.join(diff)}); "
                              "use another output directory or --overwrite")
     else:
-        _write_json(settings_path, s)
+        atomic_write_json(settings_path, s, ensure_ascii=False, indent=1)
 
     device = resolve_device(cfg.device)
     task = get_task(cfg.task, **(cfg.task_options or {}))
@@ -217,7 +209,7 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
     for c in todo:
         part = examples[c * C:(c + 1) * C]
         res = _process_chunk(model, tokenizer, task, part, c, s, device, prompts, prompt_texts)
-        _write_json(os.path.join(shard_dir, f"chunk_{c:06d}.json"), res)
+        atomic_write_json(os.path.join(shard_dir, f"chunk_{c:06d}.json"), res, ensure_ascii=False, indent=1)
         loaded[c] = json.loads(json.dumps(res))  # what a later reader of the file would see
         done.add(c)
         bar.update(len(part))
@@ -234,15 +226,15 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
         exp += res["exp"]
         for k in res["n_correct"]:
             hist[k] += 1
-    write_jsonl_atomic(os.path.join(out_dir, "d_pef.jsonl"), pef)
-    write_jsonl_atomic(os.path.join(out_dir, "d_exp.jsonl"), exp)
+    atomic_write_jsonl(os.path.join(out_dir, "d_pef.jsonl"), pef)
+    atomic_write_jsonl(os.path.join(out_dir, "d_exp.jsonl"), exp)
     summary = {"complete": True, "n_prompts": len(examples), "n_pef": len(pef), "n_exp": len(exp),
                "n_dropped_unsolved": hist[0] if s["drop_unsolved"] else 0,
                **({"n_resample_failed": n_resample_failed} if s.get("resample_anchor_responses") else {}),
                "correct_histogram": hist, "mean_correct_rate": float(
                    sum(k * v for k, v in enumerate(hist)) / max(1, s["n_pre"] * len(examples))),
                **{k: v for k, v in s.items() if k not in ("n_examples",)}, "output_dir": out_dir}
-    _write_json(os.path.join(out_dir, "summary.json"), summary)
+    atomic_write_json(os.path.join(out_dir, "summary.json"), summary, ensure_ascii=False, indent=1)
     summary["seconds"] = time.time() - t0
     return summary
 

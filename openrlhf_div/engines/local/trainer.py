@@ -6,11 +6,10 @@ One RL step, top to bottom (:meth:`Trainer.train_step`)::
       B prompts x G samples (generation.generate, KV cache, temperature T)
       old_t  = sequence_log_probs(policy)     no_grad, the behaviour policy at rollout time
       R_i    = task.reward_results(texts, labels)[i].reward  (batched; never raises)
-      R'_i   = method.shape_rewards(R, G, seq_mean_old_log_probs, lengths)
-      keep   = method.keep_groups(R', G)      dynamic sampling: refill with new prompts
+      R', keep, correct, A_t = method.rollout(R, G, old_log_probs, mask, lengths)   per round
+                                              (shaping; kept groups: mixed correctness; advantages)
+      refill with new prompts until B groups are kept (dynamic sampling)
       ref_t  = sequence_log_probs(reference)  only if method.needs.ref_log_probs
-      A_t    = method.advantages(R', G, old_log_probs, mask, correct)
-      (the pure part: shape_and_keep per generation round, kept_advantages on the kept groups)
     optimise(experience)
       for epoch in ppo_epochs, for mini-batch (one AdamW step each):
         anchors = ceil(rows / anchor_ratio) D_pef samples   only if needs.anchor_batch
@@ -110,14 +109,6 @@ def git_commit() -> Optional[str]:
         return None
 
 
-def write_json_atomic(path: str, obj: Any) -> None:
-    atomic_write_json(path, obj, default=str)
-
-
-def write_text_atomic(path: str, text: str) -> None:
-    atomic_write_text(path, text)
-
-
 def fit_width(t: torch.Tensor, width: int) -> torch.Tensor:
     """``[N, R0]`` -> ``[N, width]``: cut padding columns or pad with zeros on the right."""
     if t.shape[1] >= width:
@@ -195,41 +186,6 @@ def evaluate_pass_at_k(model, tokenizer, task, examples: Sequence[Dict[str, Any]
 
 
 # =============================================================================== experience
-def shape_and_keep(method, rewards: torch.Tensor, old_log_probs: torch.Tensor, mask: torch.Tensor,
-                   group_size: int, lengths: Optional[torch.Tensor]):
-    """The rollout side of one generation round, before any group is dropped (pure).
-
-    For ``N = B * G`` responses grouped contiguously by prompt, with task rewards ``R [N]``,
-    behaviour-policy log-probs ``old [N, T]``, response mask ``m [N, T]`` and response
-    lengths ``L [N]`` (tokens, ``<eos>`` included)::
-
-        R'   = method.shape_rewards(R, G, seq_mean_old_log_probs=masked_mean_t(old, m), lengths=L)
-        keep = method.keep_groups(R', G)          # [B] bool; all True without dynamic sampling
-
-    Returns ``(R' [N], keep [B])`` on the CPU.
-    """
-    seq_mean_old = masked_mean(old_log_probs, mask, dim=1).cpu()
-    shaped = method.shape_rewards(rewards, group_size, seq_mean_old_log_probs=seq_mean_old,
-                                  lengths=lengths.cpu() if lengths is not None else None)
-    return shaped, method.keep_groups(shaped, group_size)
-
-
-def kept_advantages(method, rewards: torch.Tensor, shaped: torch.Tensor, old_log_probs: torch.Tensor,
-                    mask: torch.Tensor, group_size: int):
-    """Correctness flags and token-level advantages of the kept groups (pure).
-
-    ``correct_i = method.is_correct(R_i)`` on the *task* rewards (before shaping), and
-    ``A [N, T] = method.advantages(R', G, old_log_probs=old, mask=m, correct=correct)``
-    (estimator, then DS reshaping; EntAdv is applied in the loss, where ``H_t`` lives).
-    Returns ``(correct [N] bool on the CPU, A on old_log_probs' device)``.
-    """
-    correct = method.is_correct(rewards)
-    dev = old_log_probs.device
-    adv = method.advantages(shaped.to(dev), group_size, old_log_probs=old_log_probs, mask=mask,
-                            correct=correct.to(dev))
-    return correct, adv
-
-
 @dataclass
 class Experience:
     """One step's training rows (kept groups only), ``G`` contiguous rows per prompt."""
@@ -416,17 +372,18 @@ class Trainer:
             results = self.task.reward_results(list(gen.texts), [examples[i // G].get("label")
                                                                  for i in range(len(gen.texts))])
             rewards = torch.tensor([float(x.reward) for x in results], dtype=torch.float32)
-            shaped, keep = shape_and_keep(method, rewards, old, mask, G, gen.response_lengths)
+            ro = method.rollout(rewards, G, old_log_probs=old, mask=mask, lengths=gen.response_lengths)
             all_rewards.append(rewards)
             all_task_correct += [bool(x.correct) for x in results]
             all_lengths.append(gen.response_lengths.float().cpu())
             all_finished.append(gen.finished.float().cpu())
             tries += 1
-            for g in torch.nonzero(keep).flatten().tolist():
+            for g in torch.nonzero(ro.keep).flatten().tolist():  # advantages are per group
                 rows = list(range(g * G, (g + 1) * G))
                 kept.append({"prompt_ids": [gen.prompt_ids[i] for i in rows],
                              "response_ids": [gen.response_ids[i] for i in rows],
-                             "old": old[rows].cpu(), "rewards": rewards[rows], "shaped": shaped[rows]})
+                             "old": old[rows].cpu(), "rewards": rewards[rows], "shaped": ro.rewards[rows],
+                             "correct": ro.correct[rows], "adv": ro.advantages[rows].cpu()})
             n_groups = len(kept)
             if n_groups >= B or tries >= r.dynamic_sampling_max_tries:
                 break
@@ -449,10 +406,11 @@ class Trainer:
         old = torch.cat([fit_width(k["old"], R) for k in kept]).to(self.device)
         rewards = torch.cat([k["rewards"] for k in kept])
         shaped = torch.cat([k["shaped"] for k in kept])
+        correct = torch.cat([k["correct"] for k in kept])
+        adv = torch.cat([fit_width(k["adv"], R) for k in kept]).to(self.device)
         ref = None
         if self.needs.ref_log_probs:
             ref = self._no_grad_log_probs(self.ref_model, ids, attn, rmask)
-        correct, adv = kept_advantages(method, rewards, shaped, old, mask, G)
         stats["shaped_reward_mean"] = float(shaped.mean())
         stats["advantage_abs_mean"] = float(masked_mean(adv.abs(), mask))
         return Experience(prompt_ids, response_ids, ids, attn, mask, old, adv, rewards, shaped,
@@ -664,7 +622,7 @@ class Trainer:
 
         os.makedirs(self.checkpoint_dir(), exist_ok=True)
         path = _atomic_dir_write(os.path.join(self.checkpoint_dir(), name), write)
-        write_text_atomic(os.path.join(self.checkpoint_dir(), "latest"), name + "\n")
+        atomic_write_text(os.path.join(self.checkpoint_dir(), "latest"), name + "\n")
         keep = max(1, self.cfg.checkpoint.keep)
         old = sorted(d for d in os.listdir(self.checkpoint_dir()) if d.startswith("step_") and not d.startswith("."))
         for d in old[:-keep]:
@@ -707,7 +665,7 @@ class Trainer:
             return
         rows, _ = read_jsonl_rows(p)  # a torn last line (kill, full disk) is dropped with a warning
         keep = [r for r in rows if r.get("step", 0) <= step]
-        write_text_atomic(p, "".join(json.dumps(r, default=float) + "\n" for r in keep))
+        atomic_write_text(p, "".join(json.dumps(r, default=float) + "\n" for r in keep))
 
     def _tb_log(self, scalars: Dict[str, Any]) -> None:
         if not self.cfg.logging.tensorboard:
@@ -732,15 +690,15 @@ class Trainer:
 
         from openrlhf_div import __version__
         os.makedirs(self.run_dir, exist_ok=True)
-        write_text_atomic(os.path.join(self.run_dir, "config.yaml"), dump_config(absolute_paths(self.cfg)))
+        atomic_write_text(os.path.join(self.run_dir, "config.yaml"), dump_config(absolute_paths(self.cfg)))
         info = {"seed": self.cfg.seed, "openrlhf_div": __version__, "git_commit": git_commit(),
                 "torch": torch.__version__, "transformers": transformers.__version__, "device": str(self.device),
                 "num_threads": torch.get_num_threads(), "method": self.method.describe(),
                 "n_train_examples": len(self.train_examples), "n_eval_examples": len(self.eval_examples),
                 "n_anchor_samples": len(self.anchor_samples), "reference_model_loaded": self.ref_model is not None,
                 "time": time.strftime("%Y-%m-%d %H:%M:%S"), "resumed_from_step": self.step if resumed else None}
-        write_json_atomic(os.path.join(self.run_dir, "run_info.json" if not resumed else
-                                       f"run_info.resume_{self.step:06d}.json"), info)
+        atomic_write_json(os.path.join(self.run_dir, "run_info.json" if not resumed else
+                                       f"run_info.resume_{self.step:06d}.json"), info, default=str)
 
     # ------------------------------------------------------------------ the loop
     def _on_sigint(self, signum, frame):

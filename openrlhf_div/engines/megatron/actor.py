@@ -24,7 +24,7 @@ pretrain)``, ``forward``, ``empty_cache``, ``execute_batch``).
 Rows and the method registry. ``fit`` flattens the appended experiences into rows, shuffles them
 with a seed shared by the replica's ranks, and cuts optimiser steps of ``--train.batch_size /
 dp`` rows made of micro-batches of ``--train.micro_batch_size`` rows. A row is a ``D_pef``
-anchor row when the experience marks it (see :func:`rows_from_experience`); every loss comes from
+anchor row when the experience marks it (:mod:`openrlhf_div.engines.contract`); every loss comes from
 the registry method through :func:`.loss.registry_loss`, with the step's global token counts.
 """
 from __future__ import annotations
@@ -39,19 +39,13 @@ import torch.distributed as dist
 
 from openrlhf_div.algorithms.registry import Method, get_method
 
+from ..contract import rows_from_experience
 from .config import MegatronConfig, megatron_config_from_args
 from .loss import MicroBatch, step_counts
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MegatronPolicyActor", "MegatronReferenceActor", "resolve_method", "rows_from_experience",
-           "collate_rows", "row_values", "ANCHOR_FLAG", "CORRECT_FLAG"]
-
-# The experience contract shared with the DeepSpeed path (openrlhf_div.engines.openrlhf.flags):
-# per-row values in Experience.info, D_pef base log-probs in Experience.base_action_log_probs.
-ANCHOR_FLAG = "div_anchor"    # info key: 1.0 for D_pef anchor rows, 0.0 for rollouts
-CORRECT_FLAG = "div_correct"  # info key: 1.0 when the task reward counts as correct
-
+__all__ = ["MegatronPolicyActor", "MegatronReferenceActor", "resolve_method", "collate_rows"]
 
 # ---------------------------------------------------------------------- method from args
 def resolve_method(args) -> Method:
@@ -89,78 +83,6 @@ def resolve_method(args) -> Method:
 
 
 # ---------------------------------------------------------------------- experience -> rows
-def row_values(info: Optional[dict], key: str, n: int) -> Optional[torch.Tensor]:
-    """``info[key]`` as a float ``[n]`` tensor (OpenRLHF keeps per-row info as a tensor or a list
-    of 0-d tensors / numbers); ``None`` when absent."""
-    v = (info or {}).get(key)
-    if v is None:
-        return None
-    if isinstance(v, torch.Tensor):
-        t = v.reshape(-1).float()
-    elif len(v) and isinstance(v[0], torch.Tensor):
-        t = torch.stack([x.reshape(()) for x in v]).float()
-    else:
-        t = torch.as_tensor(v, dtype=torch.float32).reshape(-1)
-    if t.numel() != n:
-        raise ValueError(f"info[{key!r}] has {t.numel()} values for {n} rows")
-    return t
-
-
-def rows_from_experience(exp, method: Method) -> List[Dict[str, torch.Tensor]]:
-    """Split an OpenRLHF ``Experience`` into rows with every per-token field aligned to all
-    ``L - 1`` next-token targets (OpenRLHF aligns ``action_mask`` with the last ``A`` of them).
-
-    Row kinds and their data (the DeepSpeed path's contract): ``info["div_anchor"] > 0.5`` marks
-    a ``D_pef`` anchor row whose ``base_action_log_probs`` are the *stored* base log-probs; on
-    online rows ``base_action_log_probs`` are the reference model's (methods with
-    ``needs.ref_log_probs``). Correctness: ``info["div_correct"]``, else ``reward >= threshold``.
-    """
-    seq, am, act = exp.sequences, exp.attention_mask, exp.action_mask
-    B, L = seq.shape
-    A = act.shape[1]
-
-    def full(t):
-        if t is None:
-            return None
-        t = torch.as_tensor(t)
-        if t.dim() == 1:                       # per-sample advantage: broadcast over actions
-            t = t[:, None].expand(B, A)
-        out = torch.zeros(B, L - 1, dtype=torch.float32)
-        out[:, L - 1 - A:] = t.float()
-        return out
-
-    info = getattr(exp, "info", None) or {}
-    correct = row_values(info, CORRECT_FLAG, B)
-    if correct is not None:
-        correct = correct > 0.5
-    else:
-        reward = row_values(info, "reward", B)
-        correct = None if reward is None else method.is_correct(reward)
-    is_anchor = row_values(info, ANCHOR_FLAG, B)
-    is_anchor = None if is_anchor is None else is_anchor > 0.5
-    base = getattr(exp, "base_action_log_probs", None)
-    if is_anchor is not None and bool(is_anchor.any()) and base is None:
-        raise ValueError(f"experience marks anchor rows (info[{ANCHOR_FLAG!r}]) but has no base_action_log_probs "
-                         "(the stored D_pef base log-probs)")
-    base = full(base)
-    fields = dict(action_mask=full(act), old_log_probs=full(exp.action_log_probs), advantages=full(exp.advantages))
-    rows = []
-    for i in range(B):
-        r = dict(sequences=seq[i], attention_mask=am[i])
-        for k, v in fields.items():
-            if v is not None:
-                r[k] = v[i]
-        anchor_row = is_anchor is not None and bool(is_anchor[i])
-        if base is not None:
-            r["anchor_ref_log_probs" if anchor_row else "ref_log_probs"] = base[i]
-        if correct is not None:
-            r["correct"] = correct[i].bool()
-        if is_anchor is not None:
-            r["is_anchor"] = torch.tensor(anchor_row)
-        rows.append(r)
-    return rows
-
-
 def collate_rows(rows: List[Dict[str, torch.Tensor]], pad_token_id: int = 0) -> MicroBatch:
     """Right-pad rows to the longest and stack them into a :class:`MicroBatch` (``A = L - 1``)."""
     L = max(int(r["sequences"].shape[0]) for r in rows)

@@ -569,7 +569,7 @@ class MegatronEngine:
                          "client_state": client_state or {}, "mcfg": self.mcfg.to_dict(),
                          "rng": torch.get_rng_state()}
                 _atomic_torch_save(extra, os.path.join(path, "extra.pt"))
-                _atomic_write(os.path.join(ckpt_dir, "latest"), tag)
+                atomic_write_text(os.path.join(ckpt_dir, "latest"), tag)
                 if max_num:
                     _rotate(ckpt_dir, keep=max_num, current=tag)
             dist.barrier()
@@ -703,10 +703,6 @@ def _load_optimizer_state(optimizer, state: dict) -> None:
     finally:
         for st, step in saved:
             st["step"] = step.clone() if torch.is_tensor(step) else step
-
-
-def _atomic_write(path: str, text: str) -> None:
-    atomic_write_text(path, text)
 
 
 def _atomic_torch_save(obj, path: str) -> None:

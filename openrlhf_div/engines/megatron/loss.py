@@ -30,8 +30,9 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from openrlhf_div.algorithms.registry import AnchorInputs, LossInputs, Method
+from openrlhf_div.algorithms.registry import Method
 
+from ..contract import loss_inputs
 from .vocab_parallel import vocab_parallel_log_probs_from_hidden
 
 ADDITIVE_METRICS = ("loss", "loss_exp", "loss_pef")
@@ -131,27 +132,10 @@ def registry_loss(method: Method, log_probs: torch.Tensor, entropy: Optional[tor
     anchor = mb.anchor_rows()
     online = ~anchor
     mask = mb.action_mask
-    on_inputs = an_inputs = None
-    if bool(online.any()):
-        def rows(t):
-            return None if t is None else t[online]
-        if mb.old_log_probs is None or mb.advantages is None:
-            raise ValueError("online rows need old_log_probs and advantages in the micro-batch")
-        on_inputs = LossInputs(
-            log_probs=log_probs[online], old_log_probs=rows(mb.old_log_probs).to(log_probs.dtype),
-            advantages=rows(mb.advantages).to(log_probs.dtype), mask=rows(mask).to(log_probs.dtype),
-            correct=rows(mb.correct), entropy=rows(entropy),
-            ref_log_probs=None if mb.ref_log_probs is None else rows(mb.ref_log_probs).to(log_probs.dtype),
-            generator=generator,
-        )
-    if bool(anchor.any()):
-        if not method.needs.anchor_batch:
-            raise ValueError(f"micro-batch holds D_pef anchor rows but method {method.name!r} has no anchor loss")
-        if mb.anchor_ref_log_probs is None:
-            raise ValueError("anchor rows need anchor_ref_log_probs (the stored base log-probs of D_pef)")
-        an_inputs = AnchorInputs(log_probs=log_probs[anchor],
-                                 ref_log_probs=mb.anchor_ref_log_probs[anchor].to(log_probs.dtype),
-                                 mask=mask[anchor].to(log_probs.dtype))
+    on_inputs, an_inputs = loss_inputs(
+        method, log_probs=log_probs, mask=mask, is_anchor=anchor, old_log_probs=mb.old_log_probs,
+        advantages=mb.advantages, ref_log_probs=mb.ref_log_probs, anchor_ref_log_probs=mb.anchor_ref_log_probs,
+        correct=mb.correct, entropy=entropy, generator=generator)
     loss, metrics = method.loss(online=on_inputs, anchor=an_inputs, num_online_tokens=counts.online_tokens,
                                 num_anchor_tokens=counts.anchor_tokens, num_online_seqs=counts.online_seqs,
                                 num_anchor_seqs=counts.anchor_seqs or None)

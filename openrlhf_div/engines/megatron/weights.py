@@ -57,7 +57,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -410,14 +410,3 @@ def megatron_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], layout: GPTLayo
         for hf_name, t in megatron_param_to_hf(name, full, layout, layers, te_names):
             out[hf_name] = t.clone()
     return out
-
-
-def iter_hf_from_megatron(named: Iterable[Tuple[str, Sequence[torch.Tensor]]], layout: GPTLayout, *,
-                          layers: Optional[Mapping[int, int]] = None,
-                          te_names: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Streaming :func:`megatron_to_hf`: ``(megatron name, TP shards)`` in, HF pairs out."""
-    for name, shards in named:
-        if _strip(name).endswith("_extra_state"):
-            continue
-        full = merge_tp_shards(name, shards, layers, te_names)
-        yield from megatron_param_to_hf(name, full, layout, layers, te_names)

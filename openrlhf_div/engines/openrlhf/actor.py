@@ -35,8 +35,9 @@ from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer, PolicyModelActor  # 
 from openrlhf.utils.loss_utils import get_loss_batch_info  # noqa: E402
 from openrlhf.utils.vlm_utils import merge_mm_train_inputs  # noqa: E402
 
-from .flags import ANCHOR_FLAG, CORRECT_FLAG, check_supported, method_from_args  # noqa: E402
-from .loss import div_actor_loss, row_values, split_masks, split_window_norms  # noqa: E402
+from ..contract import anchor_rows, correct_rows, row_values  # noqa: E402
+from .flags import check_supported, method_from_args  # noqa: E402
+from .loss import div_actor_loss, split_masks, split_window_norms  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -93,7 +94,7 @@ class DivActorPPOTrainer(ActorPPOTrainer):
         def per_step_norms(data_iter, strategy, accumulated_gradient, mask_fn):
             return split_window_norms(
                 data_iter, strategy, accumulated_gradient, mask_fn,
-                lambda e: row_values(e.info, ANCHOR_FLAG, e.action_mask.shape[0], e.action_mask.device) > 0.5)
+                lambda e: anchor_rows(e.info, e.action_mask.shape[0], e.action_mask.device))
 
         with _swapped(_ppo_actor, "iter_grad_accum_global_norm", per_step_norms):
             return super().ppo_train(kl_ctl)
@@ -105,8 +106,8 @@ class DivActorPPOTrainer(ActorPPOTrainer):
         needs = method.needs
         B = experience.action_mask.shape[0]
         device = experience.action_mask.device
-        is_anchor = row_values(experience.info, ANCHOR_FLAG, B, device) > 0.5
-        correct = row_values(experience.info, CORRECT_FLAG, B, device) > 0.5
+        is_anchor = anchor_rows(experience.info, B, device)
+        correct = correct_rows(experience.info, B, method, device)
         if loss_batch_info is None:  # OpenRLHF's dynamic-batch path (no anchors: see check_supported)
             online_mask, _ = split_masks(experience.action_mask, is_anchor)
             loss_batch_info = get_loss_batch_info(

@@ -1,21 +1,11 @@
-"""The experience maker's advantage path as one pure function of (rewards, masks, log-probs, method).
+"""The experience maker's advantage path: :meth:`Method.rollout` on the whole rollout batch.
 
-No Ray, vLLM or OpenRLHF import: the OpenRLHF experience maker calls :func:`rollout_advantages`
-on the whole rollout batch, and any other engine (or a test) can call it on the same tensors
-and must get the same advantages.
-
-For ``N = B * G`` responses grouped contiguously by prompt, with task rewards ``R``,
-behaviour-policy log-probs ``old`` and response masks ``m`` (all ``[N, T]``):
-
-1. ``correct_i = R_i >= correct_threshold`` (on the *task* rewards, before shaping);
-2. ``R'`` = ``method.shape_rewards(R, G, seq_mean_old_log_probs=mean_t old, lengths=L)``
-   (DAPO overlong shaping, unlikeliness reward);
-3. ``keep`` = ``method.keep_groups(R', G)`` broadcast to responses (DAPO dynamic sampling;
-   all True otherwise);
-4. ``A`` = ``method.advantages(R', G, old_log_probs=old, mask=m, correct=correct)``
-   (estimator, then DS reshaping; EntAdv is applied later, in the loss, where ``H_t`` lives);
-5. responses of dropped groups get ``A = 0`` and ``m = 0``: they then add neither tokens nor
-   sequences to the loss normalisers, which is exactly dropping them.
+No Ray, vLLM or OpenRLHF import. For ``N = B * G`` responses grouped contiguously by prompt,
+:meth:`~openrlhf_div.algorithms.registry.Method.rollout` gives the correctness of the task rewards,
+the shaped rewards, the kept groups and the ``[N, T]`` advantages -- the one rollout pipeline the
+local engine runs too. What is OpenRLHF's here: responses of dropped groups get ``A = 0`` and
+``m = 0`` (OpenRLHF trains on every row of the buffer), so they add neither tokens nor sequences
+to the loss normalisers, which is exactly dropping them.
 """
 from __future__ import annotations
 
@@ -44,27 +34,10 @@ def rollout_advantages(
     group_size: int,
     lengths: Optional[torch.Tensor] = None,
 ) -> RolloutAdvantages:
-    """Advantages of one rollout batch (see the module docstring for the exact steps)."""
-    rewards = torch.as_tensor(rewards, dtype=torch.float32).reshape(-1)
-    if old_log_probs.dim() != 2 or old_log_probs.shape != mask.shape:
-        raise ValueError(
-            f"old_log_probs {tuple(old_log_probs.shape)} and mask {tuple(mask.shape)} must both be [N, T]"
-        )
-    if rewards.numel() != old_log_probs.shape[0]:
-        raise ValueError(f"{rewards.numel()} rewards for {old_log_probs.shape[0]} responses")
-    if group_size < 1 or rewards.numel() % group_size:
-        raise ValueError(
-            f"{rewards.numel()} responses are not a whole number of groups of {group_size} "
-            "(--rollout.n_samples_per_prompt)"
-        )
-    old = old_log_probs.float()
+    """Advantages of one rollout batch (see the module docstring)."""
     m = mask.to(torch.float32)
-    correct = method.is_correct(rewards)
-    seq_mean_old = (old * m).sum(-1) / m.sum(-1).clamp(min=1.0)
-    shaped = method.shape_rewards(rewards, group_size, seq_mean_old_log_probs=seq_mean_old,
-                                  lengths=lengths)
-    keep = method.keep_groups(shaped, group_size).repeat_interleave(group_size)
-    adv = method.advantages(shaped, group_size, old_log_probs=old, mask=m, correct=correct)
+    ro = method.rollout(rewards, group_size, old_log_probs=old_log_probs.float(), mask=m, lengths=lengths)
+    keep = ro.keep.repeat_interleave(group_size)
     keep_f = keep.to(torch.float32).unsqueeze(-1)
-    return RolloutAdvantages(advantages=adv * keep_f, mask=m * keep_f, shaped_rewards=shaped,
-                             correct=correct, keep=keep)
+    return RolloutAdvantages(advantages=ro.advantages * keep_f, mask=m * keep_f, shaped_rewards=ro.rewards,
+                             correct=ro.correct, keep=keep)

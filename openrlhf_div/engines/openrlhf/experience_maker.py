@@ -7,10 +7,10 @@ reference actor exists, i.e. when the method declares ``needs.ref_log_probs``).
 What is ours:
 
 * :meth:`compute_advantages_and_returns` gathers the whole rollout batch in prompt order and
-  calls :func:`~openrlhf_div.engines.openrlhf.advantages.rollout_advantages` (reward shaping,
-  dynamic-sampling drop, estimator, DS reshaping: all from the registry), then scatters the
-  ``[N, T]`` advantages back. It also stores per row ``info["div_correct"]`` (for
-  differential entropy control) and ``info["div_anchor"] = 0``;
+  calls :func:`~openrlhf_div.engines.openrlhf.advantages.rollout_advantages` (``Method.rollout``:
+  reward shaping, dynamic sampling, estimator, DS reshaping -- the local engine's pipeline), then
+  scatters the ``[N, T]`` advantages back with the per-row flags of the engine contract
+  (:func:`openrlhf_div.engines.contract.mark_rollout_rows`);
 * :meth:`make_experience_batch` then appends ``B_pef`` anchor rows from ``D_pef``
   (``--div.anchor_batch_size``, default ``online / --div.anchor_ratio``), spread round-robin
   over the micro-batches so every data-parallel rank gets its share.
@@ -32,7 +32,8 @@ from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker  #
 
 from . import anchors as _anchors  # noqa: E402
 from .advantages import rollout_advantages  # noqa: E402
-from .flags import ANCHOR_FLAG, CORRECT_FLAG, div_namespace, method_from_args  # noqa: E402
+from ..contract import mark_rollout_rows  # noqa: E402
+from .flags import div_namespace, method_from_args  # noqa: E402
 from .pef import AnchorPool, anchor_count, read_pef  # noqa: E402
 
 
@@ -130,8 +131,6 @@ class DivExperienceMaker(RemoteExperienceMaker):
             e.action_mask = res.mask[idx, :w].to(e.action_mask.dtype)
             e.kl = None
             e.info["return"] = res.shaped_rewards[idx]
-            e.info[CORRECT_FLAG] = res.correct[idx].float()
-            e.info[ANCHOR_FLAG] = torch.zeros(n)
-            e.info["div_kept"] = res.keep[idx].float()
+            mark_rollout_rows(e.info, res.correct[idx], res.keep[idx])
             start += n
         return experiences

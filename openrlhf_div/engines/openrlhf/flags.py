@@ -47,8 +47,7 @@ from openrlhf_div.algorithms.registry import (
 )
 
 TASKS = ("math", "sql", "countdown")
-ANCHOR_FLAG = "div_anchor"    # Experience.info key: 1.0 for D_pef anchor rows, 0.0 for rollouts
-CORRECT_FLAG = "div_correct"  # Experience.info key: 1.0 when the task reward counts as correct
+from openrlhf_div.engines.contract import ANCHOR_FLAG, CORRECT_FLAG  # noqa: E402,F401 (Experience.info keys)
 DEFAULT_ANCHOR_RATIO = 8.0  # DPH-RL: 128 prompts x 16 rollouts : 256 anchors
 
 # registry estimator -> OpenRLHF estimator flag (topology only: all are critic-free)
@@ -204,11 +203,6 @@ IGNORED_UPSTREAM = {
 # flags the driver derives from the method (a conflicting explicit value is an error)
 DERIVED_UPSTREAM = ("--algo.advantage.estimator", "--algo.kl.init_coef", "--algo.kl.use_loss",
                     "--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range")
-
-
-def given_flags(argv: Sequence[str]) -> List[str]:
-    """Option names present in ``argv`` (``--a.b=1`` and ``--a.b 1`` both give ``--a.b``)."""
-    return [tok.split("=", 1)[0] for tok in argv if tok.startswith("--")]
 
 
 def reward_func_path(task: str) -> str:

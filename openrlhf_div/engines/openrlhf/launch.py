@@ -342,6 +342,9 @@ def div_classes(args=None):
 
 
 def run(p: Plan) -> None:
+    from .jobs import init_ray
+
+    init_ray()  # the task's variables (OPENRLHF_DIV_*) reach every worker; see jobs.py
     with div_classes(p.args) as upstream_cli:
         upstream_cli.train(p.args)
 

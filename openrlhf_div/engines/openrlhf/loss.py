@@ -1,20 +1,20 @@
-"""The policy actor's loss: the registry's per-token losses, reduced by OpenRLHF's ``aggregate_loss``.
+"""The policy actor's loss: ``Method.loss`` with the normalisers of OpenRLHF's accumulation window.
 
 For one micro-batch whose rows are online rollouts (anchor flag 0) or ``D_pef`` anchors
-(flag 1)::
+(flag 1), :func:`div_actor_loss` builds the method's inputs through the engine contract
+(:func:`openrlhf_div.engines.contract.loss_inputs`) and returns::
 
-    L = aggregate_loss(l_exp, m_exp, token_level_loss, **online_norm)
-      + eta * aggregate_loss(l_pef, m_pef, True, **anchor_norm)
+    L = method.loss(online, anchor, num_online_tokens=N_on, num_anchor_tokens=N_pef,
+                    num_online_seqs=S_on, num_anchor_seqs=S_pef)
 
-where ``l_exp = method.online_loss(...)`` and ``l_pef = method.anchor_loss(...)`` are ``[B, T]``
-per-token losses from the method registry and each ``*_norm`` is OpenRLHF's
-``loss_batch_info`` (``dp_size``, ``batch_num_tokens``, ``global_batch_size``) computed over
-that kind's tokens of the whole optimizer step on all data-parallel ranks. OpenRLHF's own
-normaliser (``iter_grad_accum_global_norm``) produces both: :func:`split_window_norms` runs
-it once over the online masks and once over the anchor masks of the same window, so after
-DeepSpeed's ``1 / gas`` scaling the micro-batch losses of one step add up to
-``L_exp + eta * L_pef`` with each part a token mean over its own tokens, exactly as
-``Method.loss(num_online_tokens=..., num_anchor_tokens=...)`` defines it.
+where ``N_on = batch_num_tokens / dp_size`` (and ``S_on = global_batch_size / dp_size``) come from
+OpenRLHF's ``loss_batch_info`` for the online tokens and ``N_pef`` from the same over the anchor
+tokens, each computed over the whole optimizer step on all data-parallel ranks: ``L`` is then
+exactly OpenRLHF's ``aggregate_loss(..., dp_size, batch_num_tokens, global_batch_size)`` of each
+part. OpenRLHF's own normaliser (``iter_grad_accum_global_norm``) produces both:
+:func:`split_window_norms` runs it once over the online masks and once over the anchor masks of the
+same window, so after DeepSpeed's ``1 / gas`` scaling and data-parallel averaging the micro-batch
+losses of one step add up to ``L_exp + eta * L_pef`` with each part a token mean over its own tokens.
 """
 from __future__ import annotations
 
@@ -22,35 +22,16 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from openrlhf_div.algorithms.authors import micro_batch_token_mean
-from openrlhf_div.algorithms.registry import AnchorInputs, LossInputs, Method
+from openrlhf_div.algorithms.registry import LossInputs, Method
 from openrlhf_div.compat.flash_attn_standin import install as _install_flash_attn_standin
 
 _install_flash_attn_standin()  # no-op when the real flash-attn is installed
 
-from openrlhf.models.loss import aggregate_loss  # noqa: E402
 from openrlhf.utils import loss_utils as _loss_utils  # noqa: E402
 
-from .flags import ANCHOR_FLAG, CORRECT_FLAG, TOKEN_LEVEL  # noqa: E402,F401
+from ..contract import loss_inputs  # noqa: E402
 
 ANCHOR_NORM_KEY = "anchor"    # loss_batch_info[ANCHOR_NORM_KEY]: the anchor tokens' normaliser
-
-
-def row_values(info: Dict, key: str, n: int, device=None) -> torch.Tensor:
-    """``info[key]`` as a float ``[n]`` tensor (OpenRLHF batches per-row info values as a
-    tensor or as a list of 0-d tensors / numbers); zeros when the key is absent."""
-    v = info.get(key) if info else None
-    if v is None:
-        return torch.zeros(n, device=device)
-    if isinstance(v, torch.Tensor):
-        t = v.reshape(-1).float()
-    elif len(v) and isinstance(v[0], torch.Tensor):
-        t = torch.stack([x.reshape(()) for x in v]).float()
-    else:
-        t = torch.as_tensor(v, dtype=torch.float32)
-    if t.numel() != n:
-        raise ValueError(f"info[{key!r}] has {t.numel()} values for {n} rows")
-    return t.to(device) if device is not None else t
 
 
 def split_masks(action_mask: torch.Tensor, is_anchor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -110,28 +91,16 @@ def metric_keys(method: Method) -> List[str]:
     return [f"div/{k}" for k in m] + ["div/loss_exp", "div/loss_pef", "div/loss"]
 
 
-def _aggregate(per_tok: torch.Tensor, mask: torch.Tensor, method: Method, token_level: Optional[bool],
-               info: Dict) -> torch.Tensor:
-    """OpenRLHF's ``aggregate_loss`` with its window normaliser, or, for the authors'
-    ``micro-batch-token-mean``, groups of ``micro_batch_seqs`` rows of this micro-batch each weighted
-    ``k / global_batch_size`` (times ``dp_size``, as ``aggregate_loss`` compensates DP averaging)."""
-    if token_level is None:
-        n = info.get("global_batch_size")  # the window's sequences on all ranks / gas
-        loss = micro_batch_token_mean(per_tok, mask, int(method.hparams["micro_batch_seqs"]),
-                                      None if n is None else float(n), masked_zero=True)
-        return loss * float(info.get("dp_size", 1))
-    return aggregate_loss(per_tok, mask, token_level_loss=token_level, **info)
-
-
-def _count(info: Optional[Dict], rows: int) -> float:
-    """Sequences of one kind in the optimiser step (the window normaliser's), or this micro-batch's."""
-    if info and info.get("global_batch_size") is not None:
-        return float(info["global_batch_size"])
-    return float(rows)
-
-
-def _sub(t: Optional[torch.Tensor], rows: torch.Tensor) -> Optional[torch.Tensor]:
-    return None if t is None else t[rows]
+def _counts(info: Optional[Dict], mask: torch.Tensor) -> Tuple[Optional[float], Optional[float]]:
+    """``(num_tokens, num_seqs)`` for ``Method.loss`` from an OpenRLHF normaliser: its global
+    counts divided by ``dp_size`` (``aggregate_loss`` divides by the count and multiplies by
+    ``dp_size`` to undo the data-parallel gradient averaging; dividing the count by ``dp_size``
+    is the same). Without one, this micro-batch is the whole step on one rank."""
+    if not info:
+        return float(mask.sum()), float((mask.sum(-1) > 0).sum())
+    dp = float(info.get("dp_size", 1))
+    tok, seqs = info.get("batch_num_tokens"), info.get("global_batch_size")
+    return (None if tok is None else float(tok) / dp), (None if seqs is None else float(seqs) / dp)
 
 
 def div_actor_loss(
@@ -152,52 +121,29 @@ def div_actor_loss(
     """The micro-batch loss applied by the policy actor (formula in the module docstring).
 
     ``ref_log_probs`` carries the reference-model log-probs on online rows (methods that need
-    them) and the *stored* base log-probs on anchor rows; ``log_z`` ``[B]`` is FlowRL's head output. ``loss_batch_info`` is OpenRLHF's
-    normaliser for the online tokens, with the anchor tokens' under ``"anchor"``; ``None``
-    means "this micro-batch is the whole step on one rank" (plain token means).
+    them) and the *stored* base log-probs on anchor rows; ``log_z`` ``[B]`` is FlowRL's head
+    output. ``loss_batch_info`` is OpenRLHF's normaliser for the online tokens, with the anchor
+    tokens' under ``"anchor"``; ``None`` means "this micro-batch is the whole step on one rank"
+    (plain token means).
     """
-    needs = method.needs
     is_anchor = is_anchor.to(log_probs.device).bool()
-    on, an = ~is_anchor, is_anchor
-    mask_on, mask_an = split_masks(action_mask, is_anchor)
     info = dict(loss_batch_info or {})
     anchor_info = info.pop(ANCHOR_NORM_KEY, None)
-    token_level = TOKEN_LEVEL[method.aggregation]
-    total = log_probs.sum() * 0.0  # keeps the graph (and DeepSpeed's hooks) when a part is empty
-    metrics: Dict[str, float] = {}
-
-    if bool(on.any()):
-        if old_log_probs is None or advantages is None:
-            raise ValueError("online rows need old log-probs and advantages from the experience maker")
-        online = LossInputs(
-            log_probs=log_probs[on], old_log_probs=old_log_probs[on].to(log_probs.dtype),
-            advantages=advantages[on].to(log_probs.dtype), mask=mask_on[on],
-            correct=None if correct is None else correct[on].bool(),
-            ref_log_probs=_sub(ref_log_probs, on) if needs.ref_log_probs else None,
-            entropy=_sub(entropy, on) if needs.entropy else None, generator=generator,
-            log_z=_sub(log_z, on) if needs.prompt_hidden else None)
-        per_tok, m = method.online_loss(online)
-        l_exp = _aggregate(per_tok, online.mask, method, token_level, info)
-        total = total + l_exp
-        metrics.update({f"div/{k}": v for k, v in m.items()})
-        metrics["div/loss_exp"] = float(l_exp.detach())
-    if bool(an.any()):
-        if not needs.anchor_batch:
-            raise ValueError(f"micro-batch holds D_pef anchor rows but method {method.name!r} has no anchor loss")
-        if ref_log_probs is None:
-            raise ValueError("anchor rows need their stored base log-probs (Experience.base_action_log_probs)")
-        if loss_batch_info is not None and anchor_info is None:
-            raise ValueError(
-                "anchor rows need the anchor-token normaliser (loss_batch_info['anchor']); "
-                "DivActorPPOTrainer.ppo_train provides it (dynamic batching does not)"
-            )
-        anchor = AnchorInputs(log_probs=log_probs[an], ref_log_probs=ref_log_probs[an].to(log_probs.dtype),
-                              mask=mask_an[an])
-        per_tok = method.anchor_loss(anchor)
-        l_pef = _aggregate(per_tok, anchor.mask, method, None if token_level is None else True, anchor_info or {})
-        # anchor_weighting: eta, or eta x anchor / online sequences of the window (microbatch_share)
-        weight = method.effective_anchor_weight(_count(info, int(on.sum())), _count(anchor_info, int(an.sum())))
-        total = total + weight * l_pef
-        metrics["div/loss_pef"] = float(l_pef.detach())
+    if loss_batch_info is not None and anchor_info is None and bool(is_anchor.any()):
+        raise ValueError(
+            "anchor rows need the anchor-token normaliser (loss_batch_info['anchor']); "
+            "DivActorPPOTrainer.ppo_train provides it (dynamic batching does not)"
+        )
+    online, anchor = loss_inputs(
+        method, log_probs=log_probs, mask=action_mask.float(), is_anchor=is_anchor, old_log_probs=old_log_probs,
+        advantages=advantages, ref_log_probs=ref_log_probs, anchor_ref_log_probs=ref_log_probs, correct=correct,
+        entropy=entropy, log_z=log_z, generator=generator)
+    none = action_mask.new_zeros((0, action_mask.shape[-1]), dtype=torch.float32)  # a part with no rows here
+    n_on, s_on = _counts(info, online.mask if online is not None else none)  # (the step's counts all the same)
+    n_an, s_an = _counts(anchor_info, anchor.mask if anchor is not None else none)
+    loss, m = method.loss(online=online, anchor=anchor, num_online_tokens=n_on, num_anchor_tokens=n_an,
+                          num_online_seqs=s_on, num_anchor_seqs=s_an)
+    total = loss + log_probs.sum() * 0.0  # keeps every row in the graph (DeepSpeed's hooks)
+    metrics = {f"div/{k}": v for k, v in m.items()}
     metrics["div/loss"] = float(total.detach())
     return total, {k: metrics.get(k, 0.0) for k in metric_keys(method)}

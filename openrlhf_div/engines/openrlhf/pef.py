@@ -26,10 +26,8 @@ import json
 import math
 import os
 import random
-import tempfile
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Sequence
-from openrlhf_div.io import atomic_write_json
+from typing import Any, Dict, List, Optional, Sequence
 
 
 @dataclass
@@ -67,34 +65,6 @@ class AnchorRecord:
         bad = [x for x in self.ref_log_probs if not math.isfinite(x) or x > 1e-4]
         if bad:
             raise ValueError(f"{where}: ref_log_probs must be finite log-probabilities <= 0, got {bad[:3]}")
-
-    def to_json(self) -> Dict[str, Any]:
-        return {"id": self.id, "prompt_text": self.prompt, "label": self.label, "response": self.response,
-                "prompt_ids": self.prompt_ids, "response_ids": self.response_ids,
-                "ref_log_probs": self.ref_log_probs}
-
-
-def write_jsonl_atomic(path: str, records: Iterable[Dict[str, Any]]) -> int:
-    """Write records to ``path`` through a temporary file and ``os.replace`` (never half a file)."""
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    n = 0
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".jsonl")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            for r in records:
-                fh.write(json.dumps(r, ensure_ascii=False) + "\n")
-                n += 1
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return n
-
-
-def write_json_atomic(path: str, obj: Any) -> None:
-    atomic_write_json(path, obj, sort_keys=True, default=str)
 
 
 def _file(path: str, kind: str) -> str:

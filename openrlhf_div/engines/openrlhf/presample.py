@@ -32,7 +32,7 @@ import shutil
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .pef import write_json_atomic, write_jsonl_atomic
+from openrlhf_div.io import atomic_write_json, atomic_write_jsonl
 
 
 @dataclass
@@ -118,7 +118,7 @@ class ShardStore:
                 raise ValueError(f"{self.out_dir} holds a pre-sampling run with different settings "
                                  f"({', '.join(diff)}); use another --presample.out or --presample.overwrite")
         else:
-            write_json_atomic(path, self.settings)
+            atomic_write_json(path, self.settings, sort_keys=True, default=str)
 
     @property
     def n_chunks(self) -> int:
@@ -134,7 +134,8 @@ class ShardStore:
         return c * self.chunk_size, min((c + 1) * self.chunk_size, self.n_prompts)
 
     def write_chunk(self, c: int, pef: List[Dict], exp: List[Dict], n_correct: List[int]) -> None:
-        write_json_atomic(self.chunk_path(c), {"chunk": c, "pef": pef, "exp": exp, "n_correct": n_correct})
+        atomic_write_json(self.chunk_path(c), {"chunk": c, "pef": pef, "exp": exp, "n_correct": n_correct},
+                          sort_keys=True, default=str)
 
     def assemble(self) -> Dict[str, Any]:
         """Write ``d_pef.jsonl``, ``d_exp.jsonl`` and ``summary.json`` from all chunks (in order)."""
@@ -150,8 +151,8 @@ class ShardStore:
             exp += res["exp"]
             for k in res["n_correct"]:
                 hist[int(k)] += 1
-        write_jsonl_atomic(os.path.join(self.out_dir, "d_pef.jsonl"), pef)
-        write_jsonl_atomic(os.path.join(self.out_dir, "d_exp.jsonl"), exp)
+        atomic_write_jsonl(os.path.join(self.out_dir, "d_pef.jsonl"), pef)
+        atomic_write_jsonl(os.path.join(self.out_dir, "d_exp.jsonl"), exp)
         extra = {}
         if self.settings.get("resample_anchor_responses"):
             tau = int(self.settings["tau"])
@@ -161,7 +162,7 @@ class ShardStore:
                    "correct_histogram": hist,
                    "mean_correct_rate": sum(k * v for k, v in enumerate(hist)) / max(1, n_pre * self.n_prompts),
                    **self.settings, "output_dir": self.out_dir, "engine": "openrlhf"}
-        write_json_atomic(os.path.join(self.out_dir, "summary.json"), summary)
+        atomic_write_json(os.path.join(self.out_dir, "summary.json"), summary, sort_keys=True, default=str)
         return summary
 
 
@@ -323,8 +324,9 @@ def run(args) -> Dict[str, Any]:
 
     from openrlhf.utils import get_strategy, get_tokenizer
 
-    if not ray.is_initialized():
-        ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "true"}})
+    from .jobs import init_ray
+
+    init_ray()  # OpenRLHF's keys + the task's variables, never a key the job already sets
     strategy = get_strategy(args)
     model = args.actor.model_name_or_path
     tokenizer = get_tokenizer(model, None, "left", strategy, use_fast=not args.data.disable_fast_tokenizer)

@@ -17,8 +17,10 @@ import ray  # noqa: E402
 from openrlhf.trainer.ppo_trainer import PPOTrainer  # noqa: E402
 
 from .experience_maker import DivExperienceMaker  # noqa: E402
-from .flags import ANCHOR_FLAG, check_supported, method_from_args  # noqa: E402
-from .loss import row_values  # noqa: E402
+from ..contract import ANCHOR_FLAG, row_values  # noqa: E402
+from .flags import check_supported, method_from_args  # noqa: E402
+
+ANCHOR_POOL_STATE = "div_anchor_pool"  # key of the anchor sampler's position in the client states
 
 
 def online_view(experiences: List) -> List[SimpleNamespace]:
@@ -47,6 +49,21 @@ class _DivPPOTrainer(PPOTrainer.__ray_actor_class__):
             upstream.actor_model_group, upstream.critic_model_group, upstream.reward_model_group,
             upstream.initial_model_group, upstream.kl_ctl, upstream.strategy, upstream.tokenizer,
             method=method)
+
+    # D_pef anchor draws resume where they stopped: the pool's position travels in the checkpoint's
+    # client states (OpenRLHF saves them with the actor's checkpoint and hands them back on resume).
+    def save_logs_and_checkpoints(self, global_step: int, logs_dict=None, client_states=None) -> None:
+        pool = getattr(self.experience_maker, "anchor_pool", None)
+        if pool is not None and client_states is not None:
+            client_states[ANCHOR_POOL_STATE] = pool.state_dict()
+        return super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
+
+    def init_checkpoint_states(self) -> Dict:
+        states = super().init_checkpoint_states()
+        pool = getattr(self.experience_maker, "anchor_pool", None)
+        if pool is not None and states.get(ANCHOR_POOL_STATE):
+            pool.load_state_dict(states[ANCHOR_POOL_STATE])
+        return states
 
     def _compute_rollout_stats(self, experiences) -> Dict:
         stats = super()._compute_rollout_stats(online_view(experiences))

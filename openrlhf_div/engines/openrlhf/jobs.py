@@ -1,0 +1,192 @@
+"""Ray runtime environments for the driver and for ``ray job submit`` (one place for both).
+
+Facts this module is built on (Ray 2.55, OpenRLHF 0.11.2):
+
+* OpenRLHF's ``train()`` calls ``ray.init(runtime_env={"env_vars": {...}})`` with the keys of
+  :data:`UPSTREAM_ENV`. A job submitted with any of those keys in its runtime env dies in
+  ``ray.init`` ("Failed to merge the Job's runtime env": Ray refuses duplicate keys). So the
+  job's runtime env never carries them; the launcher exports them to the driver process, where
+  ``train()`` reads them from ``os.environ``.
+* Ray workers inherit the raylet's environment (the one ``ray start`` had), not the driver's.
+  The variables a reward function needs (``OPENRLHF_DIV_*``, e.g. the SQL database roots) must
+  travel in a runtime env: in the job's (``ray job submit``) and in the driver's ``ray.init``
+  (local launchers): :func:`task_env`, :func:`driver_runtime_env`, :func:`init_ray`.
+* A job's relative paths resolve inside Ray's per-node temporary copy of the working
+  directory: checkpoints, exports and pre-sampling output written there are lost with it.
+  :func:`check_job_paths` requires absolute paths for outputs and for local inputs.
+* The working directory is uploaded through the GCS, at most ``GCS_STORAGE_MAX_SIZE`` (512 MiB)
+  zipped; :data:`UPLOAD_EXCLUDES` keeps data, runs, checkpoints and the venv out, and
+  :func:`upload_size` measures what Ray would upload (with Ray's own exclusion rules) before
+  submitting.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
+
+#: the keys OpenRLHF 0.11.2's ``train()`` puts into its ``ray.init`` runtime env, with its defaults
+UPSTREAM_ENV: Dict[str, str] = {
+    "TOKENIZERS_PARALLELISM": "true",
+    "NCCL_DEBUG": "WARN",
+    "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
+}
+
+#: variables the configs expand (``${DATA_DIR:-...}``) and hub credentials: passed to every worker
+CONFIG_VARS = ("DATA_DIR", "RUN_DIR", "PRESAMPLE_DIR", "SEED", "TINY_MODEL", "HF_HOME", "HF_TOKEN",
+               "HF_ENDPOINT", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+#: every variable with this prefix configures a task's reward function (tasks/reward_funcs/*)
+TASK_PREFIX = "OPENRLHF_DIV_"
+
+#: never uploaded with a job (Ray also honours .gitignore)
+UPLOAD_EXCLUDES = ["data/", "runs/", ".venv/", ".git/", "ckpt/", "checkpoints/", "*.pt", "*.safetensors",
+                   "*.sqlite", "**/__pycache__/", ".pytest_cache/"]
+
+#: Ray's limit on an uploaded working directory (GCS_STORAGE_MAX_SIZE in Ray 2.55)
+RAY_UPLOAD_LIMIT = 512 * 1024 * 1024
+
+JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray in a submitted job's driver
+
+
+def task_env(environ: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """The variables every Ray worker of a run needs: ``OPENRLHF_DIV_*`` and :data:`CONFIG_VARS`."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items() if k.startswith(TASK_PREFIX) or k in CONFIG_VARS}
+
+
+def job_runtime_env_vars(environ: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """``env_vars`` of a submitted job's runtime env: never a key of :data:`UPSTREAM_ENV`."""
+    return {k: v for k, v in task_env(environ).items() if k not in UPSTREAM_ENV}
+
+
+def _job_env_keys(environ: Mapping[str, str]) -> set:
+    raw = environ.get(JOB_CONFIG_ENV)
+    if not raw:
+        return set()
+    try:
+        cfg = json.loads(raw)
+    except ValueError:
+        return set()
+    runtime_env = cfg.get("runtime_env") or {}
+    return set((runtime_env.get("env_vars") or {}).keys())
+
+
+def driver_runtime_env(environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+    """The runtime env our drivers pass to ``ray.init``: OpenRLHF's own keys (as ``train()``
+    would set them) plus :func:`task_env`, minus every key the submitted job's runtime env
+    already has (Ray refuses to merge duplicates)."""
+    environ = os.environ if environ is None else environ
+    env = {k: environ.get(k, v) for k, v in UPSTREAM_ENV.items()}
+    env.update(task_env(environ))
+    taken = _job_env_keys(environ)
+    return {"env_vars": {k: v for k, v in env.items() if k not in taken}}
+
+
+def init_ray(environ: Optional[Mapping[str, str]] = None) -> None:
+    """``ray.init`` with :func:`driver_runtime_env` unless Ray is already initialised (then
+    OpenRLHF's ``train()`` skips its own ``ray.init``)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(runtime_env=driver_runtime_env(environ))
+
+
+# ------------------------------------------------------------------ ray job submit
+#: config keys that name an output directory (must be absolute under ray job submit)
+OUTPUT_KEYS = ("ckpt.path", "ckpt.output_dir", "logger.tensorboard_dir", "out", "anchor_data")
+#: config keys that may name a local input (absolute when they are a local path)
+INPUT_KEYS = ("data.prompt_dataset", "eval.dataset", "actor.model_name_or_path", "data.prompt_data",
+              "prompt_dataset", "model_name_or_path")
+
+
+def _config_items(cfg: Mapping[str, Any]) -> Iterable:
+    from .launch import expand_env
+
+    for section in ("div", "openrlhf", "presample"):
+        for k, v in (cfg.get(section) or {}).items():
+            if isinstance(v, str):
+                yield f"{section}.{k}", k, expand_env(v)
+
+
+def check_job_paths(cfg: Mapping[str, Any], repo_root: str) -> None:
+    """Under ``ray job submit`` relative paths resolve inside Ray's temporary copy of the
+    working directory: refuse relative output paths and relative local input paths."""
+    bad: List[str] = []
+    for where, key, value in _config_items(cfg):
+        if not value or os.path.isabs(value):
+            continue
+        if key in OUTPUT_KEYS or key.endswith(OUTPUT_KEYS):
+            bad.append(f"{where} = {value!r} (output)")
+        elif (key in INPUT_KEYS or key.endswith(INPUT_KEYS)) and (
+                os.path.exists(os.path.join(repo_root, value)) or value.startswith(("data/", "runs/", "./"))):
+            bad.append(f"{where} = {value!r} (local input; data/ and runs/ are not uploaded)")
+    if bad:
+        raise ValueError(
+            "under `ray job submit` relative paths resolve inside Ray's per-node temporary copy of the "
+            "working directory (outputs are lost with it, data/ and runs/ are not uploaded). Set "
+            "DATA_DIR, RUN_DIR, PRESAMPLE_DIR (and TINY_MODEL where used) to absolute paths on a "
+            "filesystem every node sees:\n  " + "\n  ".join(bad))
+
+
+def upload_size(root: str, excludes: Sequence[str] = tuple(UPLOAD_EXCLUDES)) -> int:
+    """Bytes of the files Ray would upload from ``root`` (its own exclusion rules: ``excludes``,
+    .gitignore, .rayignore). An upper bound of the zipped size."""
+    from pathlib import Path
+
+    from ray._private.runtime_env import packaging
+
+    root_path = Path(root).absolute()
+    total = [0]
+
+    def handler(p: Path) -> None:
+        if p.is_file() and not p.is_symlink():
+            total[0] += p.stat().st_size
+
+    include_gitignore = os.environ.get("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0") != "1"
+    packaging._dir_travel(root_path, [packaging._get_excludes(root_path, list(excludes))], handler,
+                          include_gitignore=include_gitignore)
+    return total[0]
+
+
+def job_runtime_env(repo_root: str, environ: Optional[Mapping[str, str]] = None,
+                    limit: int = RAY_UPLOAD_LIMIT) -> Dict[str, Any]:
+    """The ``--runtime-env-json`` of a submitted job (upload size checked first)."""
+    size = upload_size(repo_root)
+    if size >= limit:
+        raise ValueError(
+            f"the job's working directory {repo_root} would upload {size / 2**20:.0f} MiB, over Ray's "
+            f"{limit / 2**20:.0f} MiB limit; move large files out of the repository (data/, runs/ and "
+            "checkpoints are excluded already) or add them to .rayignore")
+    return {"working_dir": repo_root, "excludes": list(UPLOAD_EXCLUDES), "env_vars": job_runtime_env_vars(environ)}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m openrlhf_div.engines.openrlhf.jobs REPO_ROOT CONFIG``: print the job's runtime
+    env JSON after checking its paths and upload size (used by examples/scripts/_common.sh)."""
+    import sys
+
+    from .launch import load_config
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    warn_only = "--warn-only" in argv  # dry runs: report path problems, still print the env
+    argv = [a for a in argv if a != "--warn-only"]
+    if len(argv) != 2:
+        print("usage: python -m openrlhf_div.engines.openrlhf.jobs [--warn-only] REPO_ROOT CONFIG", file=sys.stderr)
+        return 2
+    root, cfg_path = argv
+    try:
+        try:
+            check_job_paths(load_config(cfg_path), root)
+        except ValueError as exc:
+            if not warn_only:
+                raise
+            print(f"warning: {exc}", file=sys.stderr)
+        print(json.dumps(job_runtime_env(root)))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,227 @@
+"""CPU-only patches that let OpenRLHF 0.11.2's Ray topology run on a machine without CUDA.
+
+**Production code never imports this module** (it lives under ``tests/``, outside the
+package). It is loaded only in a CPU test cluster: the end-to-end harness (``tests/e2e/``)
+starts its Ray head with ``tests/e2e/site`` on ``PYTHONPATH`` and ``OPENRLHF_DIV_CPU_SEAMS=1``;
+that folder's ``sitecustomize.py`` calls :func:`install_import_hooks` in every Python process
+of the cluster (the job driver, every Ray worker, vLLM's engine-core process). Each patch is applied when its upstream module is first
+imported, so processes that never import OpenRLHF pay nothing.
+
+Every patched seam is one place where OpenRLHF calls a CUDA-only API on the path
+``train() -> vLLM rollout -> DeepSpeed actor step -> weight sync -> checkpoint``. The list
+(with upstream file:line) is in docs/scaling.md, "CUDA-only seams"; it is what a GPU run must
+still prove. Keep the two in step: :data:`SEAMS` names each patch.
+
+What is *not* patched: vLLM itself (its CPU build is real), DeepSpeed's engine (its CPU
+accelerator is real; only the JIT-compiled shared-memory collective and FusedAdam are swapped
+for their pure-torch equivalents, as DeepSpeed does itself when asked), Ray, OpenRLHF's trainer
+and experience maker, and our own actor/trainer classes.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from typing import Callable, Dict, List
+
+ENV_FLAG = "OPENRLHF_DIV_CPU_SEAMS"
+
+#: seam name -> (upstream location in openrlhf 0.11.2 / deepspeed 0.19.6, what replaces it)
+SEAMS: Dict[str, tuple] = {
+    "torch.cuda.set_device/synchronize/empty_cache/current_stream": (
+        "openrlhf/utils/deepspeed/deepspeed.py:97, trainer/ray/launcher.py:64-65, "
+        "trainer/ray/ppo_actor.py:417,436,489, utils/distributed_util.py:10, "
+        "trainer/ray/vllm_worker_wrap.py:46",
+        "no-ops (there is no device to select, synchronise or free); current_stream() -> None"),
+    "torch.cuda.current_device": (
+        "trainer/ray/ppo_actor.py:148,171, trainer/ray/launcher.py:136,190, "
+        "trainer/ppo_utils/replay_buffer.py:104,129,159,165, utils/deepspeed/deepspeed.py:614,633",
+        "returns 'cpu' (used as a tensor device)"),
+    "NaiveReplayBuffer.target_device": (
+        "trainer/ppo_utils/replay_buffer.py:40 (torch.device(f'cuda:{current_device()}'))",
+        "torch.device('cpu') after __init__"),
+    "DeepspeedStrategy.setup_distributed device mesh": (
+        "utils/deepspeed/deepspeed.py:105-107 (init_device_mesh('cuda', ...))",
+        "init_device_mesh('cpu', ...) (gloo)"),
+    "DeepSpeed FusedAdam / shared-memory collective (JIT C++ builds)": (
+        "utils/deepspeed/deepspeed.py:431 get_ds_train_config; deepspeed/comm/torch.py shm op",
+        "optimizer params torch_adam=True; deepspeed_shm_comm marked incompatible"),
+    "weight-sync process group (PyNccl)": (
+        "utils/distributed_util.py:13-26 stateless_init_process_group, imported by name in "
+        "trainer/ray/ppo_actor.py:24",
+        "a gloo group on the same StatelessProcessGroup rendezvous; broadcast(tensor, src, stream)"),
+    "WorkerWrap.update_weight receive buffer": (
+        "trainer/ray/vllm_worker_wrap.py:40 (torch.empty(..., device='cuda'))",
+        "the buffer on the vLLM worker's own device (cpu)"),
+}
+
+_PATCHED: set = set()
+
+
+# ------------------------------------------------------------------ the patches
+def _patch_torch() -> None:
+    import torch
+
+    cuda = torch.cuda
+    if getattr(cuda, "_openrlhf_div_cpu_seams", False):
+        return
+    cuda.set_device = lambda *a, **k: None
+    cuda.synchronize = lambda *a, **k: None
+    cuda.empty_cache = lambda *a, **k: None
+    cuda.current_stream = lambda *a, **k: None
+    cuda.current_device = lambda: "cpu"
+    cuda._openrlhf_div_cpu_seams = True
+
+
+def _patch_replay_buffer(mod) -> None:
+    import torch
+
+    cls = mod.NaiveReplayBuffer
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.target_device = torch.device("cpu")
+
+    cls.__init__ = __init__
+
+
+def _patch_deepspeed_strategy(mod) -> None:
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    upstream_mesh = mod.init_device_mesh
+    mod.init_device_mesh = lambda device_type, *a, **k: upstream_mesh("cpu", *a, **k)
+
+    cls = mod.DeepspeedStrategy
+    get_cfg = cls.get_ds_train_config
+
+    def get_ds_train_config(self, *args, **kwargs):
+        cfg = get_cfg(self, *args, **kwargs)
+        opt = cfg.get("optimizer")
+        if isinstance(opt, dict) and str(opt.get("type", "")).lower() in ("adam", "adamw"):
+            opt.setdefault("params", {})["torch_adam"] = True
+        return cfg
+
+    cls.get_ds_train_config = get_ds_train_config
+
+
+class _GlooBroadcaster:
+    """The part of vLLM's ``PyNcclCommunicator`` that OpenRLHF's weight sync uses, over gloo."""
+
+    def __init__(self, group, rank: int, world_size: int):
+        self.group, self.rank, self.world_size = group, rank, world_size
+
+    def broadcast(self, tensor, src: int = 0, stream=None):
+        import torch
+
+        buf = tensor.view(torch.int16) if tensor.dtype in (torch.bfloat16, torch.float16) else tensor
+        if not buf.is_contiguous():
+            raise ValueError("weight sync: non-contiguous tensor")
+        self.group.broadcast([buf], src).wait()
+        return tensor
+
+
+def stateless_init_process_group(master_address, master_port, rank, world_size, device=None):
+    """CPU replacement of OpenRLHF's ``stateless_init_process_group``: same rendezvous
+    arguments, a gloo process group instead of a PyNccl communicator."""
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+    group = stateless_init_torch_distributed_process_group(
+        master_address, int(master_port), int(rank), int(world_size), backend="gloo")
+    return _GlooBroadcaster(group, int(rank), int(world_size))
+
+
+def _patch_distributed_util(mod) -> None:
+    mod.stateless_init_process_group = stateless_init_process_group
+
+
+def _patch_ppo_actor(mod) -> None:
+    mod.stateless_init_process_group = stateless_init_process_group
+
+
+def _patch_worker_wrap(mod) -> None:
+    import torch
+
+    cls = mod.WorkerWrap
+
+    def update_weight(self, name, dtype, shape, empty_cache=False):
+        assert dtype == self.model_config.dtype, f"mismatch dtype: src {dtype}, dst {self.model_config.dtype}"
+        weight = torch.empty(shape, dtype=dtype, device=self.device)
+        self._model_update_group.broadcast(weight, src=0, stream=None)
+        self.model_runner.model.load_weights(weights=[(name, weight)])
+        del weight
+
+    cls.update_weight = update_weight
+
+
+#: upstream module -> patch (applied right after the module is first imported)
+HOOKS: Dict[str, Callable] = {
+    "openrlhf": lambda mod: _patch_torch(),
+    "openrlhf.trainer.ppo_utils.replay_buffer": _patch_replay_buffer,
+    "openrlhf.utils.deepspeed.deepspeed": _patch_deepspeed_strategy,
+    "openrlhf.utils.distributed_util": _patch_distributed_util,
+    "openrlhf.trainer.ray.ppo_actor": _patch_ppo_actor,
+    "openrlhf.trainer.ray.vllm_worker_wrap": _patch_worker_wrap,
+}
+
+#: extra post-import hooks (the e2e probe registers its own through :func:`add_hook`)
+_EXTRA: Dict[str, List[Callable]] = {}
+
+
+def add_hook(module: str, fn: Callable) -> None:
+    """Run ``fn(module_object)`` right after ``module`` is imported (now, if it already is)."""
+    _EXTRA.setdefault(module, []).append(fn)
+    if module in sys.modules:
+        fn(sys.modules[module])
+
+
+def _apply(name: str, mod) -> None:
+    if name in HOOKS and name not in _PATCHED:
+        _PATCHED.add(name)
+        HOOKS[name](mod)
+    for fn in _EXTRA.get(name, []):
+        fn(mod)
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner, name):
+        self.inner, self.name = inner, name
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        self.inner.exec_module(module)
+        _apply(self.name, module)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Wraps the loader of the hooked modules so the patch runs right after they execute."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in HOOKS and fullname not in _EXTRA:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _Loader(spec.loader, fullname)
+                return spec
+        return None
+
+
+def install_import_hooks() -> None:
+    """Patch every hooked module: those already imported now, the others when imported."""
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+    for name in list(HOOKS):
+        if name in sys.modules:
+            _apply(name, sys.modules[name])
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_FLAG, "") == "1"

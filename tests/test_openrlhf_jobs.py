@@ -1,0 +1,144 @@
+"""The first-contact blockers of `ray job submit` / the launchers (issue 9), without a cluster.
+
+Each test failed before its fix:
+* the job's runtime env carried TOKENIZERS_PARALLELISM, which OpenRLHF's train() also puts into
+  its ray.init: Ray's own merge (the function ray.init calls) refused the pair;
+* task variables (OPENRLHF_DIV_*) did not travel with the job, nor into the driver's ray.init;
+* relative output paths were accepted under `ray job submit`; data/ was uploaded, no size check;
+* `--dry-run` given to a launcher ran pre-sampling for real / started a Ray head.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from openrlhf_div.engines.openrlhf import jobs
+from openrlhf_div.engines.openrlhf.launch import upstream_cli_path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _train_init_env_keys():
+    """The env_vars keys of the ray.init call inside OpenRLHF's train() (read from its source)."""
+    tree = ast.parse(open(upstream_cli_path()).read())
+    train = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
+    for node in ast.walk(train):
+        if isinstance(node, ast.Dict):
+            for k, v in zip(node.keys, node.values):
+                if isinstance(k, ast.Constant) and k.value == "env_vars" and isinstance(v, ast.Dict):
+                    return {kk.value for kk in v.keys}
+    raise AssertionError("no ray.init(runtime_env={'env_vars': ...}) in OpenRLHF's train()")
+
+
+def test_upstream_env_keys_are_those_of_openrlhf_train():
+    assert set(jobs.UPSTREAM_ENV) == _train_init_env_keys()
+
+
+def _submit_dry(script, *args, **env):
+    e = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, RAY_ADDRESS="http://head:8265", **env)
+    e.pop("RAY_JOB_CONFIG_JSON_ENV_VAR", None)
+    r = subprocess.run(["bash", os.path.join(ROOT, "examples/scripts", script), *args],
+                       capture_output=True, text=True, env=e)
+    assert r.returncode == 0, r.stderr
+    words = shlex.split(r.stdout)
+    return words, json.loads(words[words.index("--runtime-env-json") + 1]), r
+
+
+def test_job_runtime_env_merges_with_train_init_in_ray():
+    """Ray's own merge (what ray.init does in a submitted job's driver) accepts the launcher's
+    job env together with OpenRLHF's train() env; the entrypoint hands the keys to the driver."""
+    from ray.runtime_env.runtime_env import _merge_runtime_env
+
+    words, renv, _ = _submit_dry("submit_qwen25math7b_dapo17k_grpo.sh", TOKENIZERS_PARALLELISM="false",
+                                 OPENRLHF_DIV_MATH_TIMEOUT="3")
+    train_env = {"env_vars": {k: v for k, v in jobs.UPSTREAM_ENV.items()}}
+    assert _merge_runtime_env(renv, train_env) is not None
+    job_env = {"env_vars": renv["env_vars"]}
+    assert _merge_runtime_env({"env_vars": {"TOKENIZERS_PARALLELISM": "true"}}, train_env) is None  # the old bug
+    assert not set(job_env["env_vars"]) & set(jobs.UPSTREAM_ENV)
+    entry = words[words.index("--") + 1:]
+    assert entry[0] == "env" and "TOKENIZERS_PARALLELISM=false" in entry  # the driver still gets the value
+    assert renv["env_vars"]["OPENRLHF_DIV_MATH_TIMEOUT"] == "3"
+
+
+def test_task_variables_reach_the_job_and_the_driver_init():
+    env = {"OPENRLHF_DIV_SQL_DB_ROOT": "/data/a:/data/b", "RUN_DIR": "/r", "UNRELATED": "x",
+           "TOKENIZERS_PARALLELISM": "false"}
+    assert jobs.job_runtime_env_vars(env) == {"OPENRLHF_DIV_SQL_DB_ROOT": "/data/a:/data/b", "RUN_DIR": "/r"}
+    drv = jobs.driver_runtime_env(env)["env_vars"]
+    assert drv["OPENRLHF_DIV_SQL_DB_ROOT"] == "/data/a:/data/b" and drv["TOKENIZERS_PARALLELISM"] == "false"
+    assert "UNRELATED" not in drv
+    # inside a submitted job, keys the job already carries are left out (Ray refuses duplicates)
+    env[jobs.JOB_CONFIG_ENV] = json.dumps({"runtime_env": {"env_vars": {"OPENRLHF_DIV_SQL_DB_ROOT": "/x"}}})
+    drv = jobs.driver_runtime_env(env)["env_vars"]
+    assert "OPENRLHF_DIV_SQL_DB_ROOT" not in drv and "RUN_DIR" in drv
+    from ray.runtime_env.runtime_env import _merge_runtime_env
+
+    assert _merge_runtime_env({"env_vars": {"OPENRLHF_DIV_SQL_DB_ROOT": "/x"}}, jobs.driver_runtime_env(env)) is not None
+
+
+def test_submit_requires_absolute_paths(tmp_path):
+    e = dict(os.environ, PYTHON=sys.executable, RAY_ADDRESS="http://127.0.0.1:1")
+    for k in ("RUN_DIR", "DATA_DIR", "PRESAMPLE_DIR", "DRY_RUN"):
+        e.pop(k, None)
+    r = subprocess.run(["bash", os.path.join(ROOT, "examples/scripts/submit_qwen25math7b_dapo17k_dph_js.sh")],
+                       capture_output=True, text=True, env=e, timeout=120)
+    assert r.returncode != 0
+    assert "absolute paths" in r.stderr and "ckpt.path" in r.stderr and "runs/qwen25math7b_dapo17k_dph_js/ckpt" in r.stderr
+    assert "ray job submit" not in r.stdout
+    cfg = {"openrlhf": {"ckpt.path": "${RUN_DIR}/ckpt", "data.prompt_dataset": "${DATA_DIR}/x.jsonl",
+                        "actor.model_name_or_path": "Qwen/Qwen2.5-7B"}}
+    os.environ["RUN_DIR"], os.environ["DATA_DIR"] = str(tmp_path), str(tmp_path)
+    try:
+        jobs.check_job_paths(cfg, ROOT)  # absolute paths and a hub model name pass
+    finally:
+        del os.environ["RUN_DIR"], os.environ["DATA_DIR"]
+
+
+def test_upload_excludes_data_runs_venv_and_checks_size(tmp_path):
+    root = tmp_path / "repo"
+    (root / "pkg").mkdir(parents=True)
+    (root / "pkg" / "a.py").write_text("x = 1\n")
+    for d in ("data", "runs", ".venv", "ckpt"):
+        (root / d).mkdir()
+        (root / d / "big.bin").write_bytes(b"\0" * 200_000)
+    (root / "model.safetensors").write_bytes(b"\0" * 100_000)
+    assert jobs.upload_size(str(root)) == len("x = 1\n")
+    renv = jobs.job_runtime_env(str(root), {})
+    assert {"data/", "runs/", ".venv/", "ckpt/"} <= set(renv["excludes"])
+    (root / "pkg" / "weights.bin").write_bytes(b"\0" * 5000)
+    with pytest.raises(ValueError, match=r"over Ray's 0 MiB limit"):
+        jobs.job_runtime_env(str(root), {}, limit=4096)
+    # the repository itself fits
+    assert jobs.upload_size(ROOT) < jobs.RAY_UPLOAD_LIMIT
+
+
+def test_launcher_dry_run_is_dry_all_the_way(tmp_path):
+    """`--dry-run` to a launcher: no Ray head, no real pre-sampling, no job submitted."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    marker = tmp_path / "ray_called"
+    (fake_bin / "ray").write_text(f"#!/bin/sh\necho \"$@\" >> {marker}\nexit 0\n")
+    (fake_bin / "ray").chmod(0o755)
+    e = dict(os.environ, PYTHON=sys.executable, PATH=f"{fake_bin}:{os.environ['PATH']}",
+             RUN_DIR=str(tmp_path / "run"), PRESAMPLE_DIR=str(tmp_path / "pre"), DATA_DIR=str(tmp_path / "data"))
+    e.pop("DRY_RUN", None)
+    r = subprocess.run(["bash", os.path.join(ROOT, "examples/scripts/train_qwen25math7b_dapo17k_dph_js.sh"),
+                        "--dry-run"], capture_output=True, text=True, env=e, timeout=900)
+    assert r.returncode == 0, r.stderr
+    assert not marker.exists(), marker.read_text()  # neither `ray status` nor `ray start`
+    assert '"n_pre": 8' in r.stdout  # pre-sampling printed its settings instead of sampling
+    assert not (tmp_path / "pre").exists()
+    r = subprocess.run(["bash", os.path.join(ROOT, "examples/scripts/submit_qwen25math7b_dapo17k_dph_js.sh"),
+                        "--dry-run"], capture_output=True, text=True, env=e, timeout=900)
+    assert r.returncode == 0, r.stderr
+    assert not marker.exists()  # nothing submitted
+    words = shlex.split(r.stdout)
+    assert words[:3] == ["ray", "job", "submit"]
+    assert "presample_ray --config configs/openrlhf/qwen25math7b_dapo17k_dph_js.yaml --dry-run" in words[-1]
