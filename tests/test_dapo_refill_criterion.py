@@ -10,7 +10,13 @@ all-wrong groups.
 import torch
 
 from openrlhf_div.algorithms import get_method
-from openrlhf_div.engines.local.trainer import shape_and_keep
+
+
+def shape_and_keep(method, rewards, old_log_probs, mask, group_size, lengths):
+    """What the local engine does per generation round (engines/local/trainer.py calls
+    ``method.rollout``, the one rollout pipeline): shaped rewards and kept groups."""
+    ro = method.rollout(rewards, group_size, old_log_probs=old_log_probs, mask=mask, lengths=lengths)
+    return ro.rewards, ro.keep
 
 G = 4
 
