@@ -105,14 +105,20 @@ def world(tmp_path_factory):
 
     # JIT-compiling DeepSpeed's shared-memory collective takes minutes and world size 1 needs none.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    # The world-size-1 gloo group is kept for the rest of the pytest process, never destroyed:
-    # DeepSpeed caches its comm backend and groups process-wide, so a second module that
-    # builds this fixture (tests/test_custom_method.py loads this file) would otherwise get a
-    # fresh torch group next to DeepSpeed's stale one ("Group ... is not registered").
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="gloo")
+    created = not dist.is_initialized()
+    deepspeed.init_distributed(dist_backend="gloo")
     model_dir = _tiny_model_dir(tmp_path_factory.mktemp("tiny_qwen2"))
     yield NS(model_dir=model_dir)
+    if created and dist.is_initialized():
+        dist.destroy_process_group()
+        # DeepSpeed caches its process groups in module globals (deepspeed/utils/groups.py:
+        # _WORLD_GROUP, ...); a stale one makes the next module that builds this fixture
+        # (tests/test_custom_method.py loads this file) fail with "Group ... is not registered".
+        from deepspeed.utils import groups as ds_groups
+
+        for name in [n for n in vars(ds_groups) if n.startswith("_") and "GROUP" in n and n.isupper()]:
+            value = getattr(ds_groups, name)
+            setattr(ds_groups, name, {} if isinstance(value, dict) else None)
     env.__exit__()
 
 
