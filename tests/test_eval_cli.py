@@ -166,7 +166,7 @@ def test_vllm_path_same_schema(model_dir, monkeypatch):
     fake.LLM, fake.SamplingParams = LLM, SamplingParams
     monkeypatch.setitem(sys.modules, "vllm", fake)
     monkeypatch.setattr("openrlhf_div.eval.generate.vllm_available", lambda: True)
-    fn, tok, engine = make_generate_fn(model_dir, engine="auto", seed=3)
+    fn, tok, engine = make_generate_fn(model_dir, engine="vllm", seed=3)
     assert engine == "vllm" and seen["model"] == model_dir and tok.eos_token == "<eos>"
     assert fn(["What is", "SELECT"], n=3, temperature=0.6, top_p=0.95, max_new_tokens=7) == [
         ["0#0", "0#1", "0#2"], ["1#0", "1#1", "1#2"]]

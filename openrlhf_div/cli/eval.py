@@ -5,7 +5,7 @@ exploration rates of a model on one or more dataset files.
         --n 16 --k 1,8,16 --temperature 0.6 --top-p 0.95 --greedy --out runs/eval/qwen
 
 Writes ``results.json``, ``results.md`` and ``samples.jsonl`` into ``--out``. Generation uses
-vLLM when it is installed (``--engine auto``), else the training engine's KV-cache sampler on
+vLLM when it is installed and a GPU is present (``--engine auto``), else the training engine's KV-cache sampler on
 the Hugging Face model in-process (``--engine local``; ``--engine hf``: ``model.generate``).
 """
 from __future__ import annotations
@@ -75,7 +75,7 @@ def add_parser(sub) -> None:
     p.add_argument("--limit", type=int, default=None, help="first N problems per dataset")
     p.add_argument("--engine", choices=["auto", "local", "hf", "vllm"], default="auto",
                    help="local: the training engine's KV-cache sampler; hf: Hugging Face generate; vllm; "
-                        "auto (default): vllm when installed, else local")
+                        "auto (default): vllm when installed and a GPU is present, else local")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (Hugging Face engine)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--seed", type=int, default=0)

