@@ -119,7 +119,8 @@ class RayHead:
         self.num_cpus, self.num_gpus = num_cpus, num_gpus
         self.extra_env = dict(env or {})
         self.probe = probe
-        self.keep_logs = keep_logs  # copy the session's logs here on stop        self.proc: Optional[subprocess.Popen] = None
+        self.keep_logs = keep_logs  # copy the session's logs here on stop
+        self.proc: Optional[subprocess.Popen] = None
         self.temp_dir = tempfile.mkdtemp(prefix="rayE2E", dir="/tmp")
         self.gcs_port = free_port()
         self.dashboard_port = free_port()
