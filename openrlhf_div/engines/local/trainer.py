@@ -87,6 +87,7 @@ class NonFiniteLossError(RuntimeError):
 
 from .realmodel import (absolute_paths, apply_lora, is_lora_dir, load_lora_checkpoint,  # noqa: E402
                         lr_factor, merged_for_saving, resolve_num_threads)
+from .precision import MasterWeights  # noqa: E402
 from .guards import (DegenerateMonitor, DegenerateRunError, EmptyAnchorError,  # noqa: E402,F401 (CLI uses them)
                      degenerate_stats, empty_anchor_message)
 
@@ -123,13 +124,14 @@ def pad_lists(rows: Sequence[Sequence[float]], width: int, device) -> torch.Tens
     return out.to(device)
 
 
-def build_policy(cfg: TrainConfig, device: torch.device, path: Optional[str] = None):
+def build_policy(cfg: TrainConfig, device: torch.device, path: Optional[str] = None,
+                 dtype: Optional[torch.dtype] = None):
     """``(model, tokenizer)`` of the initial policy (``model.path`` or a tiny model built from
-    the config), or of ``path`` when given (a checkpoint)."""
-    dtype = DTYPES[cfg.model.dtype]
+    the config), or of ``path`` when given (a checkpoint), in ``dtype`` (default ``model.dtype``)."""
+    dtype = dtype or DTYPES[cfg.model.dtype]
     src = path or cfg.model.path
     if path is not None and is_lora_dir(path):  # a LoRA checkpoint: its adapter on the initial policy
-        base, tok = build_policy(cfg, device)
+        base, tok = build_policy(cfg, device, dtype=dtype)
         return load_lora_checkpoint(base, path), tok
     if src is not None:
         model, tok = load_model(src, dtype=dtype, device=device)
@@ -241,10 +243,16 @@ class Trainer:
                                   f"--resume {self.run_dir} or choose another output_dir")
 
         # ---- models: the policy, and the reference only if the method asks for it
-        self.model, self.tokenizer = build_policy(cfg, self.device, os.path.join(ckpt, "model") if ckpt else None)
         m = cfg.model
+        # with float32 master weights the policy is loaded in float32, copied, then cast (.precision)
+        self.model, self.tokenizer = build_policy(cfg, self.device, os.path.join(ckpt, "model") if ckpt else None,
+                                                  dtype=torch.float32 if m.master_weights else None)
         if m.lora_rank > 0 and not hasattr(self.model, "peft_config"):
             self.model = apply_lora(self.model, m.lora_rank, m.lora_alpha, m.lora_dropout, m.lora_target_modules)
+        self.master = None
+        if m.master_weights:
+            self.master = MasterWeights(p for p in self.model.parameters() if p.requires_grad)
+            self.model.to(DTYPES[m.dtype])
         if m.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
@@ -253,7 +261,8 @@ class Trainer:
             self.ref_model, _ = build_policy(cfg, self.device)
             self.ref_model.eval().requires_grad_(False)
         self.log_z_head = None
-        params = [{"params": [p for p in self.model.parameters() if p.requires_grad]}]
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        params = [{"params": [self.master.master_of(p) for p in trainable] if self.master else trainable}]
         if self.needs.prompt_hidden:
             self.log_z_head = make_log_z_head(self.method.hparams.get("log_z_head", "small_detached"),
                                               self.model.config.hidden_size).to(self.device)
@@ -456,12 +465,16 @@ class Trainer:
                         else:
                             sums[key] = sums.get(key, 0.0) + val
                             counts[key] = counts.get(key, 0) + 1
+                if self.master is not None:  # bfloat16 gradients -> the float32 master copies
+                    self.master.grads_to_master()
                 params = [p for g in self.optimizer.param_groups for p in g["params"]]
                 max_norm = o.max_grad_norm if o.max_grad_norm > 0 else float("inf")
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
                 if not math.isfinite(grad_norm):
                     raise NonFiniteLossError(self._nonfinite_msg("gradient norm", grad_norm, epoch, mb_i, None))
                 self.optimizer.step()
+                if self.master is not None:
+                    self.master.master_to_model()
                 self._check_weights(f"at step {self.step + 1} (epoch {epoch}, mini-batch {mb_i})")
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm
                 counts["grad_norm"] = counts.get("grad_norm", 0) + 1
@@ -605,6 +618,7 @@ class Trainer:
         state = {
             "step": self.step,
             "optimizer": self.optimizer.state_dict(),
+            "master_weights": self.master.state_dict() if self.master is not None else None,
             "log_z_head": self.log_z_head.state_dict() if self.log_z_head is not None else None,
             "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
@@ -637,6 +651,8 @@ class Trainer:
             raise CorruptCheckpointError(f"{state_file}: cannot be read ({type(exc).__name__}: {exc})") from None
         self.step = int(st["step"])
         self.optimizer.load_state_dict(st["optimizer"])
+        if self.master is not None and st.get("master_weights") is not None:
+            self.master.load_state_dict(st["master_weights"])  # the exact float32 values, not the bf16 model's
         if self.log_z_head is not None and st.get("log_z_head") is not None:
             self.log_z_head.load_state_dict(st["log_z_head"])
         rng = st["rng"]
