@@ -38,6 +38,8 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--methods", nargs="+", default=["grpo", "dph_js"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-threads", type=int, default=1,
+                   help="torch threads (1: on a shared machine OpenMP's spin-waiting makes 2+ threads much slower)")
     a = p.parse_args(argv)
 
     from openrlhf_div.engines.local.config import load_config
@@ -56,7 +58,7 @@ def main(argv=None) -> int:
         f"optim.steps={a.steps}", f"optim.learning_rate={a.lr}", "optim.lr_schedule=cosine", "optim.warmup_steps=2",
         "eval.at_start=true", "eval.every=0", f"eval.n_samples={a.n_samples}", f"eval.k={ks}",
         "eval.max_prompts=null", "checkpoint.every=0", "checkpoint.keep=1", "logging.tensorboard=false",
-        "presample.n_pre=4", "presample.tau=2",
+        "presample.n_pre=4", "presample.tau=2", f"num_threads={a.num_threads}",
     ]
     results = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, de-quantized to float32)", "settings": vars(a),
                "methods": {}}
