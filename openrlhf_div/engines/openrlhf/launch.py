@@ -308,6 +308,9 @@ def div_classes(args=None):
     With ``--div.actor_backend megatron`` the policy (and reference) actor classes are the
     Megatron-core ones; everything else (vLLM, rewards, the registry, anchors) is unchanged.
     """
+    from openrlhf_div.compat.flash_attn_standin import install as install_flash_attn_standin
+
+    install_flash_attn_standin()  # before openrlhf.models: a no-op where flash-attn is installed
     from openrlhf.cli import train_ppo_ray as upstream_cli
     from openrlhf.trainer import ppo_trainer
 
