@@ -50,7 +50,16 @@ ensure_ray_head() {
   fi
 }
 
-has_presample() { grep -q '^presample:' "$1"; }
+# True when the config (its extends chain resolved by openrlhf_div.config) has a presample stage.
+has_presample() {
+  local rc=0
+  "$PYTHON" -m openrlhf_div.config --section presample "$1" || rc=$?
+  if [[ $rc -gt 1 ]]; then
+    say "cannot read config $1"
+    exit "$rc"
+  fi
+  return "$rc"
+}
 
 # True when the driver flags ask for a dry run: then nothing runs for real (no Ray head, no
 # pre-sampling, no job), every stage only prints what it would do.
