@@ -21,7 +21,8 @@ its own schema and validation; the loading is this module's.
   (:func:`interpolate_self`): ``${RUN_DIR:-runs/${experiment}}/ckpt``.
 
 ``python -m openrlhf_div.config FILE [key=value ...]`` prints a file's resolved mapping;
-``--section NAME`` exits 0 when the resolved config has that section (the launchers use it).
+``--section NAME`` exits 0 when the resolved config has that section and 10 when it has not
+(the launchers use it; any other status is an error).
 """
 from __future__ import annotations
 
@@ -224,6 +225,10 @@ def unknown_key(key: str, valid: Sequence[str], where: str = "", what: str = "co
                        f"{', '.join(sorted(valid))}")
 
 
+#: exit status of ``--section NAME`` when the section is absent (1 is Python's own for a crash)
+NO_SECTION = 10
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     import argparse
 
@@ -231,7 +236,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  description="Print a config file's resolved mapping (extends + overrides).")
     ap.add_argument("file")
     ap.add_argument("overrides", nargs="*", metavar="key=value")
-    ap.add_argument("--section", help="print nothing; exit 0 when the resolved config has this section, else 1")
+    ap.add_argument("--section", help=f"print nothing; exit 0 when the resolved config has this section, "
+                                      f"{NO_SECTION} when it has not (2: the config cannot be read)")
     a = ap.parse_args(argv)
     try:
         cfg = load(a.file, a.overrides)
@@ -239,7 +245,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if a.section:
-        return 0 if a.section in cfg else 1
+        return 0 if a.section in cfg else NO_SECTION
     sys.stdout.write(yaml.safe_dump(cfg, sort_keys=False))
     return 0
 
