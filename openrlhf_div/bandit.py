@@ -75,7 +75,7 @@ from openrlhf_div.algorithms import (
     ds_reshape_advantages,
     get_method,
 )
-from openrlhf_div.io import atomic_write_bytes
+from openrlhf_div.io import apply_umask_mode, atomic_write_bytes
 
 LAD_BANDIT_METHODS: Tuple[str, ...] = (
     "lad_js", "lad_kl", "lad_reverse_kl", "lad_jeffreys", "lad_tv", "lad_hellinger",
@@ -459,6 +459,7 @@ def plot_result(result: Dict, path: str) -> None:
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=110, format="png")
+        apply_umask_mode(tmp)  # mkstemp made it 0600
         os.replace(tmp, path)
     finally:
         plt.close(fig)

@@ -20,6 +20,9 @@ from typing import Iterable, Optional, Sequence, Tuple, Union
 
 import torch
 
+from openrlhf_div.io import apply_umask_modes_tree
+from openrlhf_div.progress import quiet_library_bars
+
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
 
@@ -105,18 +108,7 @@ def build_tiny_model(vocab: Union[str, Sequence[str]], *, seed: int = 0, hidden_
     return model, tokenizer
 
 
-@contextlib.contextmanager
-def quiet_hf_progress():
-    """Silence transformers' per-shard progress bars (noise inside a training loop)."""
-    from transformers.utils import logging as hf_logging
-
-    was = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was:
-            hf_logging.enable_progress_bar()
+quiet_hf_progress = quiet_library_bars  # noqa: E305 (the one helper: openrlhf_div.progress)
 
 
 def _atomic_dir_write(path: str, write) -> str:
@@ -128,6 +120,8 @@ def _atomic_dir_write(path: str, write) -> str:
     try:
         with quiet_hf_progress():
             write(tmp)
+        # mkdtemp made the folder 0700 and save_pretrained writes its safetensors 0600: follow the umask
+        apply_umask_modes_tree(tmp)
         old = None
         if os.path.exists(path):
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=parent)

@@ -73,6 +73,7 @@ from .generation import (
     response_forward,
     sequence_log_probs,
 )
+from .evaluation import eval_row, evaluate_policy
 from .checkpoint import (CorruptCheckpointError, NonFiniteWeightsError, check_weights, read_jsonl_rows,  # noqa: F401
                          resume_checkpoint, weight_norm, write_manifest)
 from .tiny import _atomic_dir_write, build_tiny_model, load_model, save_model
@@ -143,46 +144,6 @@ def build_policy(cfg: TrainConfig, device: torch.device, path: Optional[str] = N
                                       num_heads=m.tiny_heads, num_kv_heads=m.tiny_kv_heads, dtype=dtype)
         model.to(device)
     return model, tok
-
-
-# =============================================================================== evaluation
-@torch.no_grad()
-def evaluate_pass_at_k(model, tokenizer, task, examples: Sequence[Dict[str, Any]], *, n_samples: int = 8,
-                       ks: Sequence[int] = (1, 4, 8), temperature: float = 1.0, top_p: float = 1.0,
-                       max_new_tokens: int = 16, seed: int = 0, batch_size: Optional[int] = 512,
-                       return_samples: bool = False, data_cfg=None) -> Dict[str, Any]:
-    """Unbiased pass@k over ``examples`` (``n_samples`` each): ``mean_x 1 - C(n-c,k)/C(n,k)``
-    with ``c`` the task-correct samples of prompt ``x`` (:func:`openrlhf_div.eval.pass_at_k`).
-
-    Returns ``{"pass@k": ..., "reward_mean", "n_prompts", "n_samples", "per_prompt":
-    [{"id", "n", "c"}]}`` (+ ``"samples"``: per prompt the texts and correctness, when
-    ``return_samples``). Sampling uses its own generator seeded by ``seed``.
-    """
-    from openrlhf_div.eval import pass_at_k
-
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(int(seed))
-    prompts = [render_prompt(task, tokenizer, ex, data_cfg) for ex in examples]
-    out = generate(model, tokenizer, prompts, n_samples=n_samples, max_new_tokens=max_new_tokens,
-                   temperature=temperature, top_p=top_p, generator=gen, batch_size=batch_size)
-    per_prompt, samples, rewards = [], [], []
-    for i, ex in enumerate(examples):
-        texts = out.texts[i * n_samples:(i + 1) * n_samples]
-        res = task.reward_results(texts, [ex.get("label")] * len(texts))
-        rewards += [r.reward for r in res]
-        per_prompt.append({"id": ex.get("id"), "n": n_samples, "c": int(sum(r.correct for r in res))})
-        if return_samples:
-            samples.append({"id": ex.get("id"), "prompt": prompts[i], "texts": texts,
-                            "correct": [bool(r.correct) for r in res], "rewards": [float(r.reward) for r in res],
-                            "info": [r.info for r in res]})
-    result: Dict[str, Any] = {"n_prompts": len(examples), "n_samples": n_samples,
-                              "reward_mean": float(np.mean(rewards)) if rewards else 0.0}
-    for k in ks:
-        if 1 <= k <= n_samples:
-            result[f"pass@{k}"] = float(np.mean([pass_at_k(p["n"], p["c"], k) for p in per_prompt]))
-    result["per_prompt"] = per_prompt
-    if return_samples:
-        result["samples"] = samples
-    return result
 
 
 # =============================================================================== experience
@@ -560,19 +521,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> Optional[Dict[str, Any]]:
+        """Evaluate the current policy on the held-out prompts (:mod:`.evaluation`): writes
+        ``eval.json`` (the latest evaluation), appends a row to ``eval.jsonl`` and returns it."""
         if not self.eval_examples:
             return None
-        e, r = self.cfg.eval, self.cfg.rollout
-        self.model.eval()
-        res = evaluate_pass_at_k(self.model, self.tokenizer, self.task, self.eval_examples, n_samples=e.n_samples,
-                                 ks=e.k, temperature=r.temperature if e.temperature is None else e.temperature,
-                                 top_p=r.top_p, max_new_tokens=e.max_new_tokens or r.max_new_tokens,
-                                 seed=self.cfg.seed + 12345, data_cfg=self.cfg.data)
-        self.model.train()
-        res = {"step": self.step, **{k: v for k, v in res.items() if k != "per_prompt"}}
-        self._append_jsonl("eval.jsonl", res)
-        self._tb_log({f"eval/{k}": v for k, v in res.items() if k != "step"})
-        return res
+        res = evaluate_policy(self.model, self.tokenizer, self.task, self.eval_examples, self.cfg,
+                              run_dir=self.run_dir, name=self.method.name, step=self.step)
+        row = eval_row(self.step, res)
+        self._append_jsonl("eval.jsonl", row)
+        self._tb_log({f"eval/{k}": v for k, v in row.items() if k != "step"})
+        return row
 
     # ------------------------------------------------------------------ checkpoints
     def _checked_params(self):
