@@ -532,7 +532,7 @@ def run_all(out_dir: str = "runs/bandit", config: Optional[BanditConfig] = None,
     (each single-threaded); results do not depend on ``workers``."""
     import time
 
-    from tqdm.auto import tqdm
+    from openrlhf_div.progress import progress_bar
 
     cfg = config or BanditConfig()
     cfg.validate()
@@ -540,8 +540,8 @@ def run_all(out_dir: str = "runs/bandit", config: Optional[BanditConfig] = None,
     os.makedirs(out_dir, exist_ok=True)
     total = cfg.steps * len(methods)
     t0 = time.time()
-    bar = tqdm(total=total, desc=f"bandit x{len(methods)}", unit="step", unit_scale=True, mininterval=0.5,
-               disable=not show_progress, dynamic_ncols=True)
+    bar = progress_bar(total=total, desc=f"bandit x{len(methods)}", unit="step", unit_scale=True, mininterval=0.5,
+                       disable=not show_progress, dynamic_ncols=True)
     results: Dict[str, Dict] = {}
     try:
         if workers <= 1:

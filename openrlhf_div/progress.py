@@ -42,6 +42,9 @@ class _NoProgress:
     def set_postfix(self, *a: Any, **kw: Any) -> None:
         pass
 
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        pass
+
     def set_description(self, *a: Any, **kw: Any) -> None:
         pass
 
@@ -101,6 +104,9 @@ class LineProgress(_NoProgress):
     def set_postfix(self, ordered_dict=None, refresh: bool = True, **kw: Any) -> None:
         items = dict(ordered_dict or {}, **kw)
         self._postfix = ", ".join(f"{k}={v}" for k, v in items.items())
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        self._postfix = str(s)
 
     def set_description(self, desc: Optional[str] = None, refresh: bool = True) -> None:
         self.desc = desc or ""

@@ -668,7 +668,7 @@ class Trainer:
     def train(self, steps: Optional[int] = None) -> Dict[str, Any]:
         """Run until ``optim.steps`` (or ``steps``) RL steps are done; returns the last
         metrics and evaluation. Ctrl-C finishes the current step and checkpoints."""
-        from tqdm.auto import tqdm
+        from openrlhf_div.progress import progress_bar
 
         total = self.cfg.optim.steps if steps is None else steps
         resumed = self.step > 0
@@ -683,8 +683,8 @@ class Trainer:
         try:
             if self.step == 0 and self.cfg.eval.at_start:
                 last_eval = self.evaluate()
-            bar = tqdm(total=total, initial=min(self.step, total), desc=f"train {self.method.name}",
-                       disable=not self.cfg.logging.progress, dynamic_ncols=True)
+            bar = progress_bar(total=total, initial=min(self.step, total), desc=f"train {self.method.name}",
+                               unit="step", disable=not self.cfg.logging.progress, dynamic_ncols=True)
             while self.step < total:
                 last = self.train_step()
                 try:
@@ -692,10 +692,10 @@ class Trainer:
                 finally:
                     self._append_jsonl("metrics.jsonl", last)
                 self._tb_log({f"train/{k}": v for k, v in last.items() if k != "step"})
-                bar.update(1)
                 bar.set_postfix(reward=f"{last['reward_mean']:.3f}", loss=f"{last.get('loss', float('nan')):.4f}",
                                 degenerate=f"{int(last.get('degenerate_steps_total', 0))}/{self.step}",
                                 s_per_step=f"{last['time_step']:.2f}")
+                bar.update(1)
                 e = self.cfg.eval.every
                 if e and self.step % e == 0 and self.step < total:
                     last_eval = self.evaluate()
