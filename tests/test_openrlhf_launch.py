@@ -296,3 +296,20 @@ def test_actor_backend_megatron_swaps_the_actor_classes(parser):
         assert "Div" in cli.ReferenceModelActor.__ray_actor_class__.__name__  # HiddenLogProbActor inside
     # the swap is undone on exit
     assert "Megatron" not in cli.PolicyModelActor.__ray_actor_class__.__name__
+
+
+def test_div_classes_imports_upstream_train_in_a_fresh_process_without_flash_attn():
+    """The job's driver imports nothing of ours before ``openrlhf.cli.train_ppo_ray``, which
+    imports ``openrlhf.models`` -> ``flash_attn`` (first contact with ``ray job submit``:
+    ModuleNotFoundError). In a fresh interpreter, entering div_classes must work."""
+    import subprocess
+    import sys
+
+    code = ("import importlib.util, sys\n"
+            "from openrlhf_div.engines.openrlhf.launch import div_classes\n"
+
+            "with div_classes() as cli:\n"
+            "    print('ok', cli.train.__module__)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "ok openrlhf.cli.train_ppo_ray" in r.stdout

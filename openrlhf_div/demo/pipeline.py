@@ -25,8 +25,7 @@ import shutil
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-import yaml
-
+from ..config import ConfigError, deep_merge, load, parse_overrides
 from ..eval.report import build_metrics, write_report
 from ..eval.results import atomic_write_json, read_eval_json, write_eval
 from ..tasks.demo import STYLES, STYLE_NAMES, SplitSpec, read_jsonl, render, write_splits
@@ -39,56 +38,24 @@ STAGES = 5
 
 
 # ------------------------------------------------------------------ config
-def _deep_merge(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
-    out = copy.deepcopy(a)
-    for k, v in (b or {}).items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _deep_merge(out[k], v)
-        else:
-            out[k] = copy.deepcopy(v)
-    return out
-
-
-def _read_yaml(path: str, _seen: tuple = ()) -> Dict[str, Any]:
-    """A demo YAML; ``extends: other.yaml`` (relative to this file) is read first and this
-    file deep-merged over it (lists such as ``methods`` are replaced, not appended)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"demo config {path!r} not found; pass --config PATH (the repository ships "
-                                f"configs/demo.yaml)")
-    if os.path.abspath(path) in _seen:
-        raise ValueError(f"demo config {path!r} extends itself (cycle: {' -> '.join(_seen)})")
-    with open(path) as f:
-        cfg = yaml.safe_load(f) or {}
-    if not isinstance(cfg, dict):
-        raise ValueError(f"demo config {path!r} must hold a YAML mapping")
-    parent = cfg.pop("extends", None)
-    if parent:
-        ppath = parent if os.path.isabs(parent) else os.path.join(os.path.dirname(os.path.abspath(path)), parent)
-        cfg = _deep_merge(_read_yaml(ppath, _seen + (os.path.abspath(path),)), cfg)
-    return cfg
-
-
 def load_demo_config(path: Optional[str] = None, *, quick: bool = False,
                      overrides: Sequence[str] = ()) -> Dict[str, Any]:
-    """The demo settings: ``configs/demo.yaml`` (or ``path``), its ``quick`` section merged in
-    when ``quick``, then ``key=value`` overrides with dotted keys (values parsed as YAML)."""
+    """The demo settings: ``configs/demo.yaml`` (or ``path``; ``extends:`` followed by the one
+    config loader, :mod:`openrlhf_div.config`: mappings merge, lists such as ``methods`` are
+    replaced), its ``quick`` section merged in when ``quick``, then ``key=value`` overrides with
+    dotted keys (values parsed as YAML)."""
     path = path or REPO_CONFIG
-    cfg = _read_yaml(path)
+    if not os.path.isfile(path):
+        raise ConfigError(f"demo config {path!r} not found; pass --config PATH (the repository ships "
+                          f"configs/demo.yaml)")
+    cfg = load(path, what="demo config")
     quick_part = cfg.pop("quick", {}) or {}
     if quick:
-        cfg = _deep_merge(cfg, quick_part)
-    for item in overrides:
-        if "=" not in item:
-            raise ValueError(f"override {item!r} must look like key=value (e.g. train.optim.steps=50)")
-        key, raw = item.split("=", 1)
-        node = cfg
-        parts = key.strip().split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = yaml.safe_load(raw)
+        cfg = deep_merge(cfg, quick_part)
+    cfg = deep_merge(cfg, parse_overrides(overrides, example="train.optim.steps=50"))
     for key in ("seeds", "methods", "train", "evaluation", "warmup", "splits"):
         if key not in cfg:
-            raise ValueError(f"demo config {path!r} lacks the {key!r} section")
+            raise ConfigError(f"demo config {path!r} lacks the {key!r} section")
     unknown = [m for m in cfg["methods"] if m not in (cfg.get("method_settings") or {})]
     if unknown:
         cfg.setdefault("method_settings", {}).update({m: {} for m in unknown})
@@ -124,7 +91,7 @@ def train_config_dict(cfg: Dict[str, Any], method: str, seed: int, *, base_dir: 
                       presample_dir: Optional[str], run_dir: str) -> Dict[str, Any]:
     """The local engine's TrainConfig (as a dict) of one demo run (``method``: a demo entry)."""
     reg, hp, train_over = method_spec(cfg, method)
-    t = _deep_merge(copy.deepcopy(cfg["train"]), train_over)
+    t = deep_merge(copy.deepcopy(cfg["train"]), train_over)
     d = {
         "task": cfg.get("task", "demo"), "seed": int(seed), "output_dir": run_dir,
         "num_threads": cfg.get("threads", 1),
@@ -136,7 +103,7 @@ def train_config_dict(cfg: Dict[str, Any], method: str, seed: int, *, base_dir: 
         "checkpoint": {"every": 0, "keep": 1},
         "logging": {"tensorboard": False, "progress": True, "entropy": False},
     }
-    return _deep_merge(d, t)
+    return deep_merge(d, t)
 
 
 # ------------------------------------------------------------------ helpers
