@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..config import ConfigError, deep_merge, load, parse_overrides
 from ..eval.report import build_metrics, write_report
-from ..eval.results import atomic_write_json, read_eval_json, write_eval
+from ..eval.results import read_eval_json, write_eval
 from ..tasks.demo import STYLES, STYLE_NAMES, SplitSpec, read_jsonl, render, write_splits
 from .evaluate import evaluate_model
 from .warmup import WarmupConfig, build_base_model

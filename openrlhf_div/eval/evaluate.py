@@ -25,9 +25,7 @@ result with :func:`openrlhf_div.eval.results.write_eval` (``eval.json``, ``sampl
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections import Counter, defaultdict
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
