@@ -13,7 +13,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 import torch
 
 from ..eval.evaluate import evaluate
-from ..eval.generate import generate_local
+from ..eval.generate import local_generate_fn
 from ..tasks import get_task
 
 
@@ -25,11 +25,7 @@ def evaluate_model(model, tokenizer, examples: Sequence[Mapping[str, Any]], *, b
     batch), score and summarise; keep / explore against ``base_problems`` (``is_base`` for
     the base itself). Returns the :func:`~openrlhf_div.eval.evaluate.evaluate` result."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(int(seed))
-
-    def generate_fn(prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=10, greedy=False):
-        return generate_local(model, tokenizer, prompts, n=n, temperature=temperature, top_p=top_p,
-                              max_new_tokens=max_new_tokens, greedy=greedy, batch_size=max(1, len(prompts)),
-                              generator=gen)
+    generate_fn = local_generate_fn(model, tokenizer, gen)
 
     was_training = model.training
     model.eval()

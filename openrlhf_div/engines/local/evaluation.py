@@ -12,12 +12,12 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 
 from openrlhf_div.eval.evaluate import evaluate
-from openrlhf_div.eval.generate import generate_local
+from openrlhf_div.eval.generate import local_generate_fn
 from openrlhf_div.eval.results import write_eval
 
 EVAL_SEED_OFFSET = 12345  # evaluation samples with its own stream: seed + this
@@ -43,11 +43,7 @@ def evaluate_policy(model, tokenizer, task, examples: Sequence[Dict[str, Any]], 
     s = eval_settings(cfg)
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(int(cfg.seed) + EVAL_SEED_OFFSET)
-
-    def generate_fn(prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=16, greedy=False) -> List[List[str]]:
-        return generate_local(model, tokenizer, prompts, n=n, temperature=temperature, top_p=top_p,
-                              max_new_tokens=max_new_tokens, greedy=greedy, batch_size=max(1, len(prompts)),
-                              generator=gen)
+    generate_fn = local_generate_fn(model, tokenizer, gen)
 
     was_training = model.training
     model.eval()
