@@ -16,10 +16,13 @@ its own schema and validation; the loading is this module's.
   as YAML (``true``, ``1e-3``, ``[1, 4]``, ``null``), merged like a file over the config.
 * **Variables.** ``${VAR}`` and ``${VAR:-default}`` in strings read the environment
   (:func:`expand_env`); the drivers expand the values they turn into paths and flags. An unset
-  variable without a default is an error naming it.
+  variable without a default is an error naming it. ``${name}`` in lower case naming a
+  top-level scalar of the config itself (``${experiment}``) is filled in at load time
+  (:func:`interpolate_self`): ``${RUN_DIR:-runs/${experiment}}/ckpt``.
 
 ``python -m openrlhf_div.config FILE [key=value ...]`` prints a file's resolved mapping;
-``--section NAME`` exits 0 when the resolved config has that section (the launchers use it).
+``--section NAME`` exits 0 when the resolved config has that section and 10 when it has not
+(the launchers use it; any other status is an error).
 """
 from __future__ import annotations
 
@@ -157,10 +160,34 @@ def load(path: Optional[str], overrides: Sequence[str] = (), *, merge: Merge = d
     (``path`` None: the overrides alone). ``merge`` is the schema's merge rule (default
     :func:`deep_merge`); ``what`` names the kind of file in errors."""
     data = read_with_extends(path, merge=merge, what=what) if path is not None else {}
-    return merge(data, parse_overrides(overrides, example)) if overrides else data
+    if overrides:
+        data = merge(data, parse_overrides(overrides, example))
+    return interpolate_self(data)
 
 
 # ------------------------------------------------------------------ variables
+_SELF = re.compile(r"\$\{([a-z_][a-z0-9_]*)\}")
+
+
+def interpolate_self(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """``${name}`` (lower case) where ``name`` is a top-level scalar of the config itself is
+    replaced by its value when the config is loaded, so that a family base can write
+    ``ckpt.path: ${RUN_DIR:-runs/${experiment}}/ckpt`` once for all its experiments.
+    Other ``${...}`` are left for :func:`expand_env`."""
+    names = {k: v for k, v in cfg.items()
+             if isinstance(k, str) and isinstance(v, (str, int, float)) and not isinstance(v, bool)}
+
+    def walk(node):
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        if isinstance(node, str) and "${" in node:
+            return _SELF.sub(lambda m: str(names[m.group(1)]) if m.group(1) in names else m.group(0), node)
+        return node
+    return walk(cfg) if names else cfg
+
+
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
@@ -198,6 +225,10 @@ def unknown_key(key: str, valid: Sequence[str], where: str = "", what: str = "co
                        f"{', '.join(sorted(valid))}")
 
 
+#: exit status of ``--section NAME`` when the section is absent (1 is Python's own for a crash)
+NO_SECTION = 10
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     import argparse
 
@@ -205,7 +236,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  description="Print a config file's resolved mapping (extends + overrides).")
     ap.add_argument("file")
     ap.add_argument("overrides", nargs="*", metavar="key=value")
-    ap.add_argument("--section", help="print nothing; exit 0 when the resolved config has this section, else 1")
+    ap.add_argument("--section", help=f"print nothing; exit 0 when the resolved config has this section, "
+                                      f"{NO_SECTION} when it has not (2: the config cannot be read)")
     a = ap.parse_args(argv)
     try:
         cfg = load(a.file, a.overrides)
@@ -213,7 +245,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if a.section:
-        return 0 if a.section in cfg else 1
+        return 0 if a.section in cfg else NO_SECTION
     sys.stdout.write(yaml.safe_dump(cfg, sort_keys=False))
     return 0
 

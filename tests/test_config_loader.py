@@ -118,3 +118,24 @@ def test_cli_prints_one_line_and_exits_2_on_malformed_yaml(tmp_path, argv):
     assert len(lines) == 1, r.stderr
     assert f"{bad}:4:" in lines[0] and "malformed YAML" in lines[0], lines[0]
     assert "Traceback" not in r.stderr
+
+
+def test_launchers_ask_the_loader_for_the_presample_stage(tmp_path):
+    """_common.sh's has_presample resolves extends (the stage may sit in a family base) and stops
+    the launcher when the config cannot be read, instead of silently skipping the stage."""
+    from openrlhf_div.config import NO_SECTION, main
+
+    assert main(["--section", "presample", os.path.join(ROOT, "configs", "openrlhf", "tiny_cpu_dph_js.yaml")]) == 0
+    assert main(["--section", "presample", os.path.join(ROOT, "configs", "openrlhf", "tiny_cpu_grpo.yaml")]) == NO_SECTION
+    _w(tmp_path / "_base.yaml", "presample: {n_pre: 4}\n")
+    child = _w(tmp_path / "child.yaml", "extends: _base.yaml\n")
+    common = os.path.join(ROOT, "examples", "scripts", "_common.sh")
+
+    def has(path, python=sys.executable):
+        return subprocess.run(["bash", "-c", f'source "{common}"; if has_presample "$1"; then echo yes; else echo no; fi',
+                               "_", path], capture_output=True, text=True, env=dict(os.environ, PYTHON=python))
+    assert has(child).stdout.strip() == "yes"
+    assert has(os.path.join(ROOT, "configs", "openrlhf", "tiny_cpu_grpo.yaml")).stdout.strip() == "no"
+    bad = has(_w(tmp_path / "bad.yaml", "a: [1\n"))
+    assert bad.returncode == 2 and "bad.yaml:2:1: malformed YAML" in bad.stderr and "yes" not in bad.stdout
+    assert has(child, python="/nonexistent/python").returncode == 2

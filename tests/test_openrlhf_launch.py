@@ -18,7 +18,7 @@ from openrlhf_div.engines.openrlhf import flags as F
 from openrlhf_div.engines.openrlhf import launch as L
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "openrlhf", "*.yaml")))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "openrlhf", "[!_]*.yaml")))  # _*.yaml: family bases
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "examples", "scripts", "*.sh")))
 BASE = ["--actor.model_name_or_path", "some/model", "--div.task", "math",
         "--rollout.n_samples_per_prompt", "4", "--rollout.batch_size", "8", "--train.batch_size", "32"]

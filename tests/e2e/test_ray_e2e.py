@@ -81,7 +81,10 @@ def test_dph_js_job_anchors_from_presampling_reach_the_loss(ray_head, tiny_exper
 def test_rkl_job_with_reference_actor_resumes_at_step_3(ray_head, tiny_experiment, tmp_path):
     run = str(tmp_path / "rkl")
     _job(ray_head, tiny_experiment, "rkl", run)
-    _check_training(run, tiny_experiment, [1, 2])
+    sc = _check_training(run, tiny_experiment, [1, 2])
+    # the reference actor's log-probs reach the loss: KL(pi || ref) is 0 at step 1 (same weights)
+    # and positive once the policy has moved
+    assert sc["train/div/kl"][1] == pytest.approx(0.0, abs=1e-6) and sc["train/div/kl"][2] > 0, sc["train/div/kl"]
     assert os.path.isdir(os.path.join(run, "ckpt", "_actor", "global_step2"))
     first = h.load_state_dict(os.path.join(run, "model"))
     n_syncs = len(h.probe_records(run))

@@ -322,7 +322,7 @@ def config_from_dict(data: Dict[str, Any], overrides: Sequence[str] = ()) -> Tra
 def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> TrainConfig:
     """Read a YAML config (``extends:`` followed; the defaults when ``path`` is None), apply
     ``key=value`` overrides and validate."""
-    return config_from_dict(load(path, merge=_merge), overrides)
+    return config_from_dict(load(path, overrides, merge=_merge))
 
 
 def dump_config(cfg: TrainConfig) -> str:

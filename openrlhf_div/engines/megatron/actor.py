@@ -69,16 +69,10 @@ def resolve_method(args) -> Method:
     if not m:
         raise ValueError("the Megatron actor needs the method: set --div.method (see `openrlhf-div methods`)")
     overrides = getattr(div, "hparams", None) or {}
-    if isinstance(overrides, (list, tuple)):
-        import yaml
+    if isinstance(overrides, (list, tuple)):  # key=value items, read by the one config loader
+        from openrlhf_div.config import parse_overrides
 
-        parsed = {}
-        for item in overrides:
-            if "=" not in item:
-                raise ValueError(f"method hyperparameter {item!r} is not key=value")
-            k, v = item.split("=", 1)
-            parsed[k.strip()] = yaml.safe_load(v)
-        overrides = parsed
+        overrides = parse_overrides(overrides, example="anchor_eta=0.1")
     return get_method(str(m), **dict(overrides))
 
 

@@ -319,6 +319,9 @@ def run(args) -> Dict[str, Any]:
 
     from openrlhf_div.progress import progress_bar
 
+    from openrlhf_div.compat.flash_attn_standin import install as install_flash_attn_standin
+
+    install_flash_attn_standin()  # before openrlhf.models (via the launcher); no-op with flash-attn
     from openrlhf.datasets import PromptDataset
     from openrlhf.trainer.ray import create_vllm_engines
     from openrlhf.trainer.ray.launcher import RayActorGroup

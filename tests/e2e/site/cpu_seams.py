@@ -81,7 +81,14 @@ def _patch_replay_buffer(mod) -> None:
     init = cls.__init__
 
     def __init__(self, *args, **kwargs):
-        init(self, *args, **kwargs)
+        # upstream builds torch.device(f"cuda:{current_device()}"): give it an index while it
+        # does (the device object is never used), then point the buffer at the CPU
+        current = torch.cuda.current_device
+        torch.cuda.current_device = lambda: 0
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            torch.cuda.current_device = current
         self.target_device = torch.device("cpu")
 
     cls.__init__ = __init__
@@ -116,10 +123,12 @@ class _GlooBroadcaster:
     def broadcast(self, tensor, src: int = 0, stream=None):
         import torch
 
-        buf = tensor.view(torch.int16) if tensor.dtype in (torch.bfloat16, torch.float16) else tensor
+        # gloo has no bfloat16 / int16 broadcast; a broadcast only copies bytes, so send bf16 as
+        # float16 bit patterns (the same two bytes per element, no arithmetic on them)
+        buf = tensor.view(torch.float16) if tensor.dtype == torch.bfloat16 else tensor
         if not buf.is_contiguous():
             raise ValueError("weight sync: non-contiguous tensor")
-        self.group.broadcast([buf], src).wait()
+        self.group.broadcast(buf, src).wait()
         return tensor
 
 
