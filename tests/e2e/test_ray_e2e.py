@@ -53,7 +53,8 @@ def _weights_changed(exp, model_dir):
     import torch
 
     before, after = h.load_state_dict(exp.model), h.load_state_dict(model_dir)
-    assert set(before) == set(after)
+    # the tiny model ties its head to the embedding: OpenRLHF's export also writes lm_head.weight
+    assert set(before) <= set(after), sorted(set(before) ^ set(after))
     return max(float((before[k].float() - after[k].float()).abs().max()) for k in before)
 
 
