@@ -313,3 +313,16 @@ def test_div_classes_imports_upstream_train_in_a_fresh_process_without_flash_att
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "ok openrlhf.cli.train_ppo_ray" in r.stdout
+
+
+def test_summary_names_the_policy_engine_that_runs(parser):
+    """A Megatron config's summary said 'ZeRO-2, DeepSpeed TP 1' (DeepSpeed's defaults)."""
+    from openrlhf_div.engines.openrlhf.launch import plan
+
+    mg = plan(["--config", os.path.join(ROOT, "configs", "megatron", "omnisql32b_bird_grpo_megatron_tp8.yaml")],
+              parser).summary()
+    line = next(ln for ln in mg.splitlines() if ln.startswith("policy actor"))
+    assert "Megatron-core TP 8 x PP 1" in line and "ZeRO" not in line, line
+    ds = plan(["--config", os.path.join(ROOT, "configs", "openrlhf", "llama8b_bird_grpo.yaml")], parser).summary()
+    line = next(ln for ln in ds.splitlines() if ln.startswith("policy actor"))
+    assert "DeepSpeed ZeRO-" in line and "Megatron" not in line, line

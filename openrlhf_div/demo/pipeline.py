@@ -27,9 +27,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..config import ConfigError, deep_merge, load, parse_overrides
 from ..eval.report import build_metrics, write_report
-from ..eval.results import atomic_write_json, read_eval_json
+from ..eval.results import read_eval_json, write_eval
 from ..tasks.demo import STYLES, STYLE_NAMES, SplitSpec, read_jsonl, render, write_splits
-from .evaluate import evaluate_model, save_evaluation
+from .evaluate import evaluate_model
 from .warmup import WarmupConfig, build_base_model
 
 REPO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -127,7 +127,7 @@ def _reusable(run_dir: str, settings: Dict[str, Any]) -> bool:
         e = read_eval_json(run_dir)
     except (FileNotFoundError, ValueError):
         return False
-    return json.loads(json.dumps(e.get("settings"))) == json.loads(json.dumps(settings))
+    return json.loads(json.dumps(e.get("info"))) == json.loads(json.dumps(settings))
 
 
 def _eval_kw(cfg: Dict[str, Any], seed: int) -> Dict[str, Any]:
@@ -190,10 +190,10 @@ def run_demo(cfg: Dict[str, Any], out_dir: str, *, cache_dir: Optional[str] = No
         log(f"  base evaluation: reused {base_run}/eval.json")
     else:
         model, tok = load_model(base_dir)
-        base_M, base_problems = evaluate_model(model, tok, eval_rows, is_base=True, styles=STYLES,
-                                               **_eval_kw(cfg, 0))
-        save_evaluation(base_run, task=task, name="base", role="base", metrics=base_M, problems=base_problems,
-                        seed=None, settings=base_settings)
+        res = evaluate_model(model, tok, eval_rows, is_base=True, styles=STYLES, **_eval_kw(cfg, 0))
+        base_M, base_problems = res["metrics"], res["problems"]
+        write_eval(base_run, res, name="base", role="base", seed=None, info=base_settings, model=base_dir,
+                   engine="local", data_paths=[os.path.join(data_dir, "eval.jsonl")])
         del model
     log(f"  base: {_short(base_M)}")
 
@@ -318,10 +318,12 @@ def _train_and_eval(cfg, tdict, run_dir, eval_rows, base_problems, seed, setting
     trainer.train()
     secs, cpu = time.time() - t0, time.process_time() - c0
     trainer.model.eval()
-    M, problems = evaluate_model(trainer.model, trainer.tokenizer, eval_rows, base_problems=base_problems,
-                                 styles=STYLES, **_eval_kw(cfg, seed))
-    save_evaluation(run_dir, task=task, name=settings["entry"], role="method", metrics=M, problems=problems,
-                    seed=seed, settings=settings)
+    res = evaluate_model(trainer.model, trainer.tokenizer, eval_rows, base_problems=base_problems, styles=STYLES,
+                         **_eval_kw(cfg, seed))
+    M = res["metrics"]
+    write_eval(run_dir, res, name=settings["entry"], role="method", seed=seed, info=settings,
+               model=os.path.join(run_dir, "final_model"), engine="local",
+               data_paths=[os.path.normpath(os.path.join(run_dir, "..", "..", "..", "data", "eval.jsonl"))])
     # keep the run small: the final model stays, the (identical) last checkpoint goes
     shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
     return M, secs, cpu

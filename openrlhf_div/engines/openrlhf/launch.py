@@ -221,8 +221,14 @@ class Plan:
         a = self.args
         lines = [f"method      : {self.method.name} ({self.method.summary})"]
         lines += [f"  {n}" for n in self.derived.notes]
-        lines.append(f"policy actor: {a.actor.num_nodes} node(s) x {a.actor.num_gpus_per_node} GPU(s), "
-                     f"ZeRO-{a.ds.zero_stage}, DeepSpeed TP {a.ds.tensor_parallel_size}")
+        if getattr(a.div, "actor_backend", "deepspeed") == "megatron":
+            m = a.megatron
+            engine = (f"Megatron-core TP {m.tp} x PP {m.pp}"
+                      + (", distributed optimizer" if m.distributed_optimizer else "")
+                      + (", optimizer on the host" if m.optimizer_cpu_offload else ""))
+        else:
+            engine = f"DeepSpeed ZeRO-{a.ds.zero_stage}, TP {a.ds.tensor_parallel_size}"
+        lines.append(f"policy actor: {a.actor.num_nodes} node(s) x {a.actor.num_gpus_per_node} GPU(s), {engine}")
         if self.derived.reference_actor:
             shared = " (colocated with the policy actor)" if (a.train.colocate_actor_ref or a.train.colocate_all) else ""
             lines.append(f"reference   : {a.ref.num_nodes} node(s) x {a.ref.num_gpus_per_node} GPU(s){shared}")
