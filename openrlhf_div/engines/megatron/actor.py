@@ -38,10 +38,15 @@ import torch
 import torch.distributed as dist
 
 from openrlhf_div.algorithms.registry import Method, get_method
+from openrlhf_div.compat.flash_attn_standin import install as _install_flash_attn_standin
 
 from ..contract import rows_from_experience
 from .config import MegatronConfig, megatron_config_from_args
 from .loss import MicroBatch, step_counts
+
+# Ray unpickles this actor's arguments (OpenRLHF's strategy -> openrlhf.models -> flash_attn)
+# after importing this module: without flash-attn (CPU) the stand-in must already be there.
+_install_flash_attn_standin()  # no-op where flash-attn is installed
 
 logger = logging.getLogger(__name__)
 
