@@ -75,7 +75,7 @@ from openrlhf_div.algorithms import (
     ds_reshape_advantages,
     get_method,
 )
-from openrlhf_div.io import atomic_write_bytes
+from openrlhf_div.io import apply_umask_mode, atomic_write_bytes
 
 LAD_BANDIT_METHODS: Tuple[str, ...] = (
     "lad_js", "lad_kl", "lad_reverse_kl", "lad_jeffreys", "lad_tv", "lad_hellinger",
@@ -459,6 +459,7 @@ def plot_result(result: Dict, path: str) -> None:
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=110, format="png")
+        apply_umask_mode(tmp)  # mkstemp made it 0600
         os.replace(tmp, path)
     finally:
         plt.close(fig)
@@ -531,7 +532,7 @@ def run_all(out_dir: str = "runs/bandit", config: Optional[BanditConfig] = None,
     (each single-threaded); results do not depend on ``workers``."""
     import time
 
-    from tqdm.auto import tqdm
+    from openrlhf_div.progress import progress_bar
 
     cfg = config or BanditConfig()
     cfg.validate()
@@ -539,8 +540,8 @@ def run_all(out_dir: str = "runs/bandit", config: Optional[BanditConfig] = None,
     os.makedirs(out_dir, exist_ok=True)
     total = cfg.steps * len(methods)
     t0 = time.time()
-    bar = tqdm(total=total, desc=f"bandit x{len(methods)}", unit="step", unit_scale=True, mininterval=0.5,
-               disable=not show_progress, dynamic_ncols=True)
+    bar = progress_bar(total=total, desc=f"bandit x{len(methods)}", unit="step", unit_scale=True, mininterval=0.5,
+                       disable=not show_progress, dynamic_ncols=True)
     results: Dict[str, Dict] = {}
     try:
         if workers <= 1:

@@ -264,14 +264,20 @@ def markdown(seq: int = 6144) -> str:
     return "\n".join(rows)
 
 
-def config_markdown(paths) -> str:
-    import yaml
+def load_config(path: str) -> dict:
+    """A configs/megatron/*.yaml through the project's one config loader (extends resolved)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from openrlhf_div.config import load
 
+    return load(path, what="experiment config")
+
+
+def config_markdown(paths) -> str:
     rows = ["| config | GPU: fit | GPU: generation | GPU: weight sync | host / node | of which pinned |",
             "|---|---|---|---|---|---|"]
     seen = set()
     for path in paths:
-        cfg = yaml.safe_load(open(path))
+        cfg = load_config(path)
         p = config_plan(cfg)
         key = tuple(round(v, 3) for v in p.values())
         layout = os.path.basename(path).rsplit("_megatron_", 1)[-1].replace(".yaml", "")
@@ -303,12 +309,10 @@ def main(argv=None) -> int:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         print(markdown(a.seq))
         print()
-        print(config_markdown(sorted(glob.glob(os.path.join(root, "configs", "megatron", "*.yaml")))))
+        print(config_markdown(sorted(glob.glob(os.path.join(root, "configs", "megatron", "[!_]*.yaml")))))
         return 0
     if a.config:
-        import yaml
-
-        cfg = yaml.safe_load(open(a.config))
+        cfg = load_config(a.config)
         for k, v in config_plan(cfg).items():
             print(f"  {k:<28} {v:8.1f}")
         print("  cluster section:          " + ", ".join(f"{k}: {v}" for k, v in config_figures(cfg).items()))

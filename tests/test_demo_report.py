@@ -12,6 +12,8 @@ from openrlhf_div.eval.report import aggregate_seeds, build_metrics, compare_run
 from openrlhf_div.eval.results import model_metrics, read_eval_json, write_eval_json
 
 STYLES = ("A", "B", "C", "D", "E")
+SETTINGS = {"n": 16, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 10, "keep_k": 8, "grading": "demo",
+            "data": {"hash": "abc"}}
 
 
 def passk_ref(n, c, k):
@@ -108,7 +110,7 @@ def test_aggregate_seeds_mean_sd_and_per_seed():
 def _write_runs(root):
     base = fake_problems(0)
     write_eval_json(str(root / "base"), task="demo", name="base", role="base",
-                    metrics=model_metrics(base, is_base=True, styles=STYLES), problems=base, settings={"x": 1})
+                    metrics=model_metrics(base, is_base=True, styles=STYLES), problems=base, settings=SETTINGS)
     truth = {}
     for name, w, acc in (("grpo", (90, 10, 0, 0, 0, 0), 0.95), ("dph_f", (35, 25, 20, 12, 8, 0), 0.8)):
         for seed in (0, 1, 2):
@@ -116,7 +118,7 @@ def _write_runs(root):
             # eval.json written WITHOUT keep/explore: compare must recompute them against the base
             M = model_metrics(probs, styles=STYLES)
             write_eval_json(str(root / name / f"seed{seed}"), task="demo", name=name, role="method", metrics=M,
-                            problems=probs, seed=seed, settings={"lr": 3e-4})
+                            problems=probs, seed=seed, settings=SETTINGS)
             truth[(name, seed)] = model_metrics(probs, base=base, styles=STYLES)
     return base, truth
 
@@ -158,7 +160,7 @@ def test_compare_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="eval.json"):
         read_eval_json(str(tmp_path / "nothing"))
     write_eval_json(str(tmp_path / "other"), task="math", name="base", role="base",
-                    metrics={"pass@1": 0.1}, problems=[])
+                    metrics={"pass@1": 0.1}, problems=[], settings=SETTINGS)
     with pytest.raises(ValueError, match="different tasks"):
         compare_runs([str(tmp_path / "other"), str(tmp_path / "runs" / "grpo" / "seed0")], str(tmp_path / "o"))
 
@@ -174,28 +176,35 @@ def test_write_report_prediction_checks(tmp_path):
     assert "grpo narrows the styles" in md
 
 
-def test_compare_reads_eval_cli_results_json(tmp_path):
-    """`openrlhf-div eval` writes results.json ({"task", "problems": [{"id", "source", "correct"}]});
-    compare recomputes the metrics from its per-problem outcomes."""
-    def results(seed, acc):
-        rng = random.Random(seed)
-        probs = [{"id": f"q{i}", "source": "aime", "n_correct": 0,
-                  "correct": [rng.random() < acc for _ in range(16)]} for i in range(10)]
-        return {"task": "math", "n": 16, "ks": [1, 8, 16], "metrics": {}, "problems": probs}
+def test_compare_refuses_runs_evaluated_differently(tmp_path):
+    """Runs with other n / max_new_tokens / data / keep_k > n are an error listing the
+    differences; --allow-mismatch compares them and the report says so."""
+    _write_runs(tmp_path / "runs")
+    probs = fake_problems(7)
+    other = {**SETTINGS, "max_new_tokens": 64, "data": {"hash": "zzz"}}
+    write_eval_json(str(tmp_path / "runs" / "rkl" / "seed0"), task="demo", name="rkl", role="method",
+                    metrics=model_metrics(probs, styles=STYLES), problems=probs, seed=0, settings=other)
+    dirs = [str(tmp_path / "runs" / "base"), str(tmp_path / "runs" / "grpo" / "seed0"),
+            str(tmp_path / "runs" / "rkl" / "seed0")]
+    with pytest.raises(ValueError) as err:
+        compare_runs(dirs, str(tmp_path / "o"))
+    msg = str(err.value)
+    assert "max_new_tokens: base=10, grpo/seed0=10, rkl/seed0=64" in msg
+    assert "data_hash" in msg and "--allow-mismatch" in msg and "temperature" not in msg
+    paths = compare_runs(dirs, str(tmp_path / "o"), allow_mismatch=True)
+    md = open(paths["report"]).read()
+    assert "evaluated with different settings" in md and "max_new_tokens" in md
+    assert json.load(open(paths["metrics"]))["settings_mismatch"]
+    # keep_k > n is a difference on its own
+    write_eval_json(str(tmp_path / "runs" / "rkl" / "seed0"), task="demo", name="rkl", role="method",
+                    metrics=model_metrics(probs, styles=STYLES), problems=probs, seed=0,
+                    settings={**SETTINGS, "n": 4, "keep_k": 8})
+    with pytest.raises(ValueError, match=r"keep_k > n: rkl/seed0 has keep_k=8 but n=4"):
+        compare_runs(dirs, str(tmp_path / "o"))
 
-    for d, seed, acc in (("base", 0, 0.2), ("grpo/seed0", 1, 0.5), ("grpo/seed1", 2, 0.5), ("dph_js/seed0", 3, 0.4)):
-        os.makedirs(tmp_path / d)
-        json.dump(results(seed, acc), open(tmp_path / d / "results.json", "w"))
-    runs = [str(tmp_path / d) for d in ("grpo/seed0", "grpo/seed1", "dph_js/seed0")]
-    compare_runs(runs + [str(tmp_path / "base")], str(tmp_path / "out"), base_dir=str(tmp_path / "base"))
-    m = json.load(open(tmp_path / "out" / "metrics.json"))
-    assert m["task"] == "math" and set(m["methods"]) == {"grpo", "dph_js"}
-    assert m["methods"]["grpo"]["seeds"] == [0, 1]
-    r = results(1, 0.5)["problems"]
-    assert m["methods"]["grpo"]["per_seed"]["0"]["pass@8"] == pytest.approx(
-        statistics.mean(passk_ref(16, sum(p["correct"]), 8) for p in r))
-    base = results(0, 0.2)["problems"]
-    solved = [i for i, p in enumerate(base) if any(p["correct"][:8])]
-    keep = sum(any(r[i]["correct"][:8]) for i in solved) / len(solved)
-    assert m["methods"]["grpo"]["per_seed"]["0"]["keep_rate"] == pytest.approx(keep)
-    assert not os.path.exists(tmp_path / "out" / "styles.png")  # no styles in these results
+
+def test_old_formats_are_refused_with_a_way_out(tmp_path):
+    os.makedirs(tmp_path / "old")
+    json.dump({"format": "openrlhf-div.eval/1", "task": "demo"}, open(tmp_path / "old" / "eval.json", "w"))
+    with pytest.raises(ValueError, match="openrlhf-div eval"):
+        read_eval_json(str(tmp_path / "old"))

@@ -96,32 +96,45 @@ def test_eval_command_end_to_end(model_dir, tmp_path, capsys):
                "--limit", "2",
                "--out", str(out), "--no-progress", "--task-opt", "timeout=2", "--task-opt", "num_workers=2"])
     assert rc == 0
-    data = json.load(open(out / "results.json"))
-    assert set(data["metrics"]) == {"math500", "aime24", "all"}
-    assert data["metrics"]["math500"]["problems"] == 2 and data["metrics"]["aime24"]["problems"] == 2
-    for m in data["metrics"].values():
+    data = json.load(open(out / "eval.json"))
+    assert data["format"] == "openrlhf-div.eval/2" and data["role"] == "base"
+    assert set(data["by_source"]) == {"math500", "aime24", "all"}
+    assert data["by_source"]["math500"]["problems"] == 2 and data["by_source"]["aime24"]["problems"] == 2
+    for m in data["by_source"].values():
         for key in ("pass@1", "pass@2", "pass@4", "mean@4", "greedy", "dist-1", "dist-2", "distinct_correct"):
             assert 0.0 <= m[key] <= (4 if key == "distinct_correct" else 1.0), key
     # per-problem records are consistent with the reported numbers
     probs = data["problems"]
     assert len(probs) == 4 and all(len(p["correct"]) == 4 and p["n_correct"] == sum(p["correct"]) for p in probs)
     mean4 = sum(sum(p["correct"]) for p in probs if p["source"] == "aime24") / 8
-    assert data["metrics"]["aime24"]["mean@4"] == pytest.approx(mean4)
-    assert data["engine"] == "hf" and data["task_options"] == {"timeout": 2, "num_workers": 2}
-    assert [d["loaded"] for d in data["data"]] == [2, 2]
+    assert data["by_source"]["aime24"]["mean@4"] == pytest.approx(mean4)
+    assert data["settings"]["engine"] == "hf" and data["info"]["task_options"] == {"timeout": 2, "num_workers": 2}
+    assert [d["loaded"] for d in data["info"]["data"]] == [2, 2]
+    assert data["settings"]["max_new_tokens"] == 6 and data["settings"]["grading"].startswith("math")
     samples = [json.loads(line) for line in open(out / "samples.jsonl")]
     assert len(samples) == 4 and all(len(s["responses"]) == 4 for s in samples)
     md = open(out / "results.md").read()
     assert "| math500 | 2 |" in md and "| aime24 | 2 |" in md and "pass@4" in md and "greedy" in md
     assert "| math500 | 2 |" in capsys.readouterr().out
 
-    # a second run against the first as the "base model": keep / exploration rates appear
+    # a second run against the first as the "base model": other n, max_new_tokens and data are refused,
+    # naming the differences (they used to be mixed silently) ...
     out2 = tmp_path / "run2"
-    rc = main(["eval", "--model", model_dir, "--task", "math", "--data", os.path.join(FIX, "math", "aime24.jsonl"),
-               "--n", "2", "--k", "1", "--max-new-tokens", "4", "--engine", "hf", "--out", str(out2),
-               "--no-progress", "--base-results", str(out / "results.json"), "--keep-k", "2"])
+    args = ["eval", "--model", model_dir, "--task", "math", "--data", os.path.join(FIX, "math", "aime24.jsonl"),
+            "--n", "2", "--k", "1", "--max-new-tokens", "4", "--engine", "hf", "--out", str(out2),
+            "--no-progress", "--base-results", str(out), "--keep-k", "2", "--top-p", "0.95",
+            "--task-opt", "timeout=2", "--task-opt", "num_workers=2"]
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "n: base=4, this run=2" in err and "max_new_tokens: base=6, this run=4" in err and "data_hash" in err
+    assert "--allow-mismatch" in err and not out2.exists()
+    # ... unless allowed, and then recorded
+    rc = main(args + ["--allow-mismatch"])
     assert rc == 0
-    m = json.load(open(out2 / "results.json"))["metrics"]["aime24"]
+    data2 = json.load(open(out2 / "eval.json"))
+    assert data2["role"] == "method" and any("max_new_tokens" in d for d in data2["info"]["settings_mismatch"])
+    m = data2["by_source"]["aime24"]
     assert m["problems"] == 3 and m["keep_explore_problems"] == 2  # the base run saw 2 of the 3
     assert "keep_rate" in m and "explore_rate" in m
 
@@ -185,7 +198,7 @@ def test_eval_defaults_to_the_engine_sampler_and_samples_carry_everything(model_
                "--n", "2", "--k", "1", "--max-new-tokens", "5", "--limit", "2", "--out", str(out), "--no-progress",
                "--task-opt", "timeout=2", "--task-opt", "num_workers=1"])
     assert rc == 0
-    assert json.load(open(out / "results.json"))["engine"] == "local"  # vllm is not installed here
+    assert json.load(open(out / "eval.json"))["settings"]["engine"] == "local"  # vllm is not installed here
     samples = [json.loads(line) for line in open(out / "samples.jsonl")]
     for s in samples:
         assert s["prompt"] and len(s["responses"]) == 2

@@ -4,7 +4,8 @@ from math import comb
 
 import pytest
 
-from openrlhf_div.eval.evaluate import evaluate, load_results, results_markdown, write_results
+from openrlhf_div.eval.evaluate import evaluate, results_markdown
+from openrlhf_div.eval.results import read_eval_json, write_eval
 from openrlhf_div.tasks import get_task
 
 LABEL = {"target": 24, "numbers": [4, 6, 1]}
@@ -82,7 +83,7 @@ def result():
 
 
 def test_pass_at_k_and_mean(result):
-    s1, s2, allm = result["metrics"]["s1"], result["metrics"]["s2"], result["metrics"]["all"]
+    s1, s2, allm = result["by_source"]["s1"], result["by_source"]["s2"], result["by_source"]["all"]
     for k in (1, 2, 4):
         assert s1[f"pass@{k}"] == pytest.approx((passk(4, 2, k) + passk(4, 0, k)) / 2)
         assert s2[f"pass@{k}"] == pytest.approx(1.0)
@@ -94,12 +95,12 @@ def test_pass_at_k_and_mean(result):
 
 
 def test_greedy(result):
-    assert result["metrics"]["s1"]["greedy"] == 0.5 and result["metrics"]["s2"]["greedy"] == 0.0
+    assert result["by_source"]["s1"]["greedy"] == 0.5 and result["by_source"]["s2"]["greedy"] == 0.0
     assert [p["greedy_correct"] for p in result["problems"]] == [True, False, False]
 
 
 def test_diversity(result):
-    s1, s2 = result["metrics"]["s1"], result["metrics"]["s2"]
+    s1, s2 = result["by_source"]["s1"], result["by_source"]["s2"]
     assert s1["distinct_correct"] == pytest.approx((2 + 0) / 2)  # a: 4*6*1 and 6*4*1; b: none
     assert s2["distinct_correct"] == 1.0
     assert s1["share_ge_3_distinct_correct"] == 0.0
@@ -109,11 +110,11 @@ def test_diversity(result):
 
 
 def test_keep_and_explore(result):
-    s1, s2 = result["metrics"]["s1"], result["metrics"]["s2"]
+    s1, s2 = result["by_source"]["s1"], result["by_source"]["s2"]
     assert s1["keep_rate"] == 0.5           # a kept, b lost
     assert s1["explore_rate"] is None       # no base-unsolved problem in s1
     assert s2["keep_rate"] is None and s2["explore_rate"] == 1.0
-    assert result["metrics"]["all"]["keep_rate"] == 0.5 and result["metrics"]["all"]["explore_rate"] == 1.0
+    assert result["by_source"]["all"]["keep_rate"] == 0.5 and result["by_source"]["all"]["explore_rate"] == 1.0
 
 
 def test_generate_calls_and_records(result):
@@ -131,16 +132,23 @@ def test_generate_calls_and_records(result):
 
 def test_write_and_reload(result, tmp_path):
     res = {k: v for k, v in result.items() if k != "_calls"}
-    paths = write_results(res, str(tmp_path / "out"), {"model": "fake"})
+    paths = write_eval(str(tmp_path / "out"), res, name="fake", model="fake")
     data = json.load(open(paths["json"]))
-    assert data["model"] == "fake" and data["metrics"]["s1"]["pass@2"] == pytest.approx(5 / 12)
+    assert data["settings"]["model"] == "fake" and data["by_source"]["s1"]["pass@2"] == pytest.approx(5 / 12)
+    st = data["settings"]
+    assert (st["n"], st["ks"], st["temperature"], st["top_p"], st["max_new_tokens"], st["keep_k"]) == \
+        (4, [1, 2, 4], 0.7, 0.9, 64, 4)
+    assert len(st["data"]["hash"]) == 16 and st["data"]["problems"] == 3
+    # the overall metrics: pass@k curve over all problems, structured
+    assert data["metrics"]["pass_at_k"]["2"] == pytest.approx((passk(4, 2, 2) + 0 + 1) / 3)
+    assert data["metrics"]["splits"]["s2"]["pass@1"] == 1.0
     assert "responses" not in data["problems"][0]
     samples = [json.loads(line) for line in open(paths["samples"])]
     assert samples[0]["responses"] == SAMPLES["A"]
     md = open(paths["markdown"]).read()
     assert "| s1 | 2 | 25.0 | 41.7 | 50.0 | 25.0 | 50.0 |" in md
     assert md == results_markdown(res)
-    assert load_results(paths["json"])["problems"][2]["correct"] == [True] * 4
+    assert read_eval_json(paths["json"])["problems"][2]["correct"] == [1] * 4
 
 
 def test_bad_arguments():
@@ -165,6 +173,6 @@ def test_with_the_math_task():
         return [["\\boxed{0.5}", "\\boxed{1/2}", "\\boxed{\\frac{\\sqrt{4}}{4}}", "\\boxed{2}"][:n] for _ in prompts]
 
     res = evaluate(get_task("math", timeout=2.0, num_workers=2), ex, gen, n=4, ks=[1, 4], progress=False)
-    m = res["metrics"]["m"]
+    m = res["by_source"]["m"]
     assert m["pass@1"] == pytest.approx(0.75) and m["pass@4"] == 1.0
     assert m["distinct_correct"] == 3.0  # three different correct responses

@@ -225,5 +225,5 @@ def test_eval_states_its_grading_mode():
     gen = lambda prompts, n, **kw: [["\\boxed{2}"] * n for _ in prompts]  # noqa: E731
     res = evaluate(task, [{"prompt": "1+1", "label": "2", "source": "t", "id": "a"}], gen, n=2, ks=(1,),
                    progress=False)
-    assert res["grading"].startswith("math, strict")
+    assert res["settings"]["grading"].startswith("math, strict")
     assert "grading: math, strict" in results_markdown(res)

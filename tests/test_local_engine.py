@@ -510,8 +510,8 @@ def test_ctrl_c_finishes_the_step_and_checkpoints(data_dir, tmp_path):
     cfg = load_config(None, _overrides(data_dir, tmp_path / "run", "grpo", ["optim.steps=5"]))
 
     def hook(e):
-        if e["step"] == 2 and not e["trainer"]._interrupted:
-            e["trainer"]._on_sigint(None, None)  # what SIGINT does
+        if e["step"] == 2 and not e["trainer"].interrupt.requested:
+            e["trainer"].interrupt.handle(None, None)  # what SIGINT does
 
     tr = Trainer(cfg, hooks=[hook])
     with pytest.raises(KeyboardInterrupt):

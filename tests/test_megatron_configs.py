@@ -12,13 +12,13 @@ import shutil
 import subprocess
 
 import pytest
-import yaml
 
 import importlib.util
 import sys
 
 from openrlhf_div.engines.megatron import add_megatron_arguments, megatron_config_from_args
 from openrlhf_div.engines.megatron.config import MegatronConfig
+from openrlhf_div.engines.openrlhf.launch import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,7 +35,7 @@ def _load_planner():
 MM = _load_planner()
 QWEN25_32B, estimate_memory, expected_mfu = MM.QWEN25_32B, MM.estimate_memory, MM.expected_mfu
 flops_per_token, total_params, with_tp = MM.flops_per_token, MM.total_params, MM.with_tp
-CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "megatron", "*.yaml")))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "megatron", "[!_]*.yaml")))  # _*.yaml: family bases
 SECTIONS = {"experiment", "description", "paper", "div", "openrlhf", "cluster", "presample", "notes"}
 GPU_GIB = 79.0   # usable memory of an 80 GB H100 / A100
 
@@ -63,7 +63,7 @@ def test_there_are_eight_configs():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
 def test_config_layout(path):
-    cfg = yaml.safe_load(open(path))
+    cfg = load_config(path)   # extends resolved: the family base + layout + method lines
     assert set(cfg) <= SECTIONS
     div, flags, cluster = cfg["div"], cfg["openrlhf"], cfg["cluster"]
     assert div["actor_backend"] == "megatron"
@@ -123,10 +123,9 @@ def test_single_node_needs_the_host_optimizer():
 def test_host_memory_per_node():
     """1 node, host optimizer: 8 x 16 B/param of optimizer on the host + two sleeping vLLM engines'
     bf16 weights; 2 nodes: the offloaded GPU optimizer state (pinned) + the same vLLM copies."""
-    import yaml
 
-    one = yaml.safe_load(open(os.path.join(ROOT, "configs", "megatron", "omnisql32b_bird_grpo_megatron_tp8.yaml")))
-    two = yaml.safe_load(open(os.path.join(ROOT, "configs", "megatron", "omnisql32b_bird_grpo_megatron_2node.yaml")))
+    one = load_config(os.path.join(ROOT, "configs", "megatron", "omnisql32b_bird_grpo_megatron_tp8.yaml"))
+    two = load_config(os.path.join(ROOT, "configs", "megatron", "omnisql32b_bird_grpo_megatron_2node.yaml"))
     p1, p2 = MM.config_plan(one), MM.config_plan(two)
     P = p1["params_per_gpu_B"] * 1e9
     vllm = 2 * 2 * total_params(QWEN25_32B) / MM.GiB           # 2 engines per node x bf16 model

@@ -211,8 +211,11 @@ def test_bad_d_pef_records_are_named(tmp_path, bad, msg):
 
 
 # ------------------------------------------------------------------ evaluation scoring
-def test_score_problems_uses_the_task_verdicts():
-    from openrlhf_div.engines.openrlhf.evaluate import score_problems
+def test_vllm_driver_evaluation_uses_the_one_evaluation(tmp_path):
+    """The OpenRLHF driver's evaluation is the project's evaluate() + write_eval() with its own
+    generate function and renderer: task verdicts, styles, and the common eval.json."""
+    from openrlhf_div.engines.openrlhf.evaluate import normalize_examples, run_evaluation
+    from openrlhf_div.eval.results import read_eval_json
     from openrlhf_div.tasks.base import RewardResult, Task
 
     class Echo(Task):
@@ -224,8 +227,22 @@ def test_score_problems_uses_the_task_verdicts():
             ok = response.strip() == str(label)
             return RewardResult(float(ok), ok, info={"style": response[:1]})
 
-    exs = [{"id": "a", "prompt": "p", "label": "1", "source": "s1"}, {"prompt": "q", "label": "2"}]
-    recs = score_problems(Echo(), exs, [["1", "x", "1"], ["2", "boom", "3"]])
-    assert recs[0] == {"id": "a", "source": "s1", "correct": [1, 0, 1], "styles": ["1", "x", "1"],
-                       "responses": ["1", "x", "1"]}
+    exs = normalize_examples([{"id": "a", "q": "p", "label": "1", "source": "s1"}, {"q": "q", "label": "2"}],
+                             input_key="q")
+    texts = {"<p>": ["1", "x", "1"], "<q>": ["2", "boom", "3"]}
+    seen = []
+
+    def gen(prompts, n, **kw):
+        seen.extend(prompts)
+        return [texts[p][:n] for p in prompts]
+
+    run_evaluation(Echo(), exs, gen, lambda ex: f"<{ex['prompt']}>", out=str(tmp_path), name="m", n=3,
+                   max_new_tokens=7)
+    assert seen == ["<p>", "<q>"]
+    d = read_eval_json(str(tmp_path))
+    recs = d["problems"]
+    assert recs[0]["id"] == "a" and recs[0]["source"] == "s1" and recs[0]["correct"] == [1, 0, 1]
+    assert recs[0]["styles"] == ["1", "x", "1"]
     assert recs[1]["id"] == "1" and recs[1]["correct"] == [1, 0, 0] and recs[1]["source"] == "default"
+    assert d["settings"]["n"] == 3 and d["settings"]["max_new_tokens"] == 7 and d["settings"]["engine"] == "vllm"
+    assert d["metrics"]["pass@1"] == pytest.approx((2 / 3 + 1 / 3) / 2)

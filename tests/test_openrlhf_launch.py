@@ -18,7 +18,7 @@ from openrlhf_div.engines.openrlhf import flags as F
 from openrlhf_div.engines.openrlhf import launch as L
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "openrlhf", "*.yaml")))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "openrlhf", "[!_]*.yaml")))  # _*.yaml: family bases
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "examples", "scripts", "*.sh")))
 BASE = ["--actor.model_name_or_path", "some/model", "--div.task", "math",
         "--rollout.n_samples_per_prompt", "4", "--rollout.batch_size", "8", "--train.batch_size", "32"]
@@ -296,3 +296,33 @@ def test_actor_backend_megatron_swaps_the_actor_classes(parser):
         assert "Div" in cli.ReferenceModelActor.__ray_actor_class__.__name__  # HiddenLogProbActor inside
     # the swap is undone on exit
     assert "Megatron" not in cli.PolicyModelActor.__ray_actor_class__.__name__
+
+
+def test_div_classes_imports_upstream_train_in_a_fresh_process_without_flash_attn():
+    """The job's driver imports nothing of ours before ``openrlhf.cli.train_ppo_ray``, which
+    imports ``openrlhf.models`` -> ``flash_attn`` (first contact with ``ray job submit``:
+    ModuleNotFoundError). In a fresh interpreter, entering div_classes must work."""
+    import subprocess
+    import sys
+
+    code = ("import importlib.util, sys\n"
+            "from openrlhf_div.engines.openrlhf.launch import div_classes\n"
+
+            "with div_classes() as cli:\n"
+            "    print('ok', cli.train.__module__)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "ok openrlhf.cli.train_ppo_ray" in r.stdout
+
+
+def test_summary_names_the_policy_engine_that_runs(parser):
+    """A Megatron config's summary said 'ZeRO-2, DeepSpeed TP 1' (DeepSpeed's defaults)."""
+    from openrlhf_div.engines.openrlhf.launch import plan
+
+    mg = plan(["--config", os.path.join(ROOT, "configs", "megatron", "omnisql32b_bird_grpo_megatron_tp8.yaml")],
+              parser).summary()
+    line = next(ln for ln in mg.splitlines() if ln.startswith("policy actor"))
+    assert "Megatron-core TP 8 x PP 1" in line and "ZeRO" not in line, line
+    ds = plan(["--config", os.path.join(ROOT, "configs", "openrlhf", "llama8b_bird_grpo.yaml")], parser).summary()
+    line = next(ln for ln in ds.splitlines() if ln.startswith("policy actor"))
+    assert "DeepSpeed ZeRO-" in line and "Megatron" not in line, line

@@ -110,8 +110,8 @@ def test_eval_on_gsm8k_style_jsonl(data, tmp_path):
                "--k", "1,2", "--max-new-tokens", "16", "--limit", "2", "--out", str(out), "--no-progress",
                "--task-opt", "num_workers=1"])
     assert rc == 0
-    res = json.load(open(out / "results.json"))
-    assert res["engine"] == "local" and next(iter(res["metrics"].values()))["problems"] == 2
+    res = json.load(open(out / "eval.json"))
+    assert res["settings"]["engine"] == "local" and next(iter(res["by_source"].values()))["problems"] == 2
     samples = [json.loads(x) for x in open(out / "samples.jsonl")]
     assert samples[0]["prompt"].startswith("<|im_start|>system")  # SmolLM2's chat template
     assert samples[0]["prompt"].count("<|im_start|>") == 3  # no extra BOS in front
@@ -119,7 +119,7 @@ def test_eval_on_gsm8k_style_jsonl(data, tmp_path):
         # responses end at <|im_end|> (generation_config's EOS), not at the tokenizer's <|im_start|>
         assert all("<|im_start|>" not in r and "<|im_end|>" not in r for r in s["responses"])
         assert len(s["truncated"]) == 2
-    with open(out / "results.json") as f:
+    with open(out / "eval.json") as f:
         assert json.load(f)["problems"][0]["id"] == "q0"
 
 

@@ -50,7 +50,18 @@ ensure_ray_head() {
   fi
 }
 
-has_presample() { grep -q '^presample:' "$1"; }
+# True when the config (its extends chain resolved by openrlhf_div.config) has a presample stage;
+# the loader exits 0 (yes) or 10 (no); anything else (an unreadable config, no PyYAML in $PYTHON)
+# stops the launcher instead of silently skipping the stage.
+has_presample() {
+  local rc=0
+  "$PYTHON" -m openrlhf_div.config --section presample "$1" || rc=$?
+  case "$rc" in
+    0) return 0 ;;
+    10) return 1 ;;
+    *) say "cannot read config $1 with $PYTHON (exit status $rc)"; exit 2 ;;
+  esac
+}
 
 # True when the driver flags ask for a dry run: then nothing runs for real (no Ray head, no
 # pre-sampling, no job), every stage only prints what it would do.

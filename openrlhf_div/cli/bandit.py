@@ -118,11 +118,11 @@ def run(args) -> int:
         print(f"wrote {len(results)} JSON + PNG, summary.json, summary.md to {args.out}")
         return 0
 
-    from tqdm.auto import tqdm
+    from openrlhf_div.progress import progress_bar
 
     torch.set_num_threads(1)
-    with tqdm(total=cfg.steps, desc=args.method, unit="step", disable=args.no_progress, mininterval=0.5,
-              dynamic_ncols=True) as bar:
+    with progress_bar(total=cfg.steps, desc=args.method, unit="step", disable=args.no_progress, mininterval=0.5,
+                      dynamic_ncols=True) as bar:
         res = run_bandit(args.method, cfg, progress=bar.update)
     print(summary_text([res]), end="")
     if args.json:

@@ -2,11 +2,16 @@
 
     openrlhf-div compare runs/demo/runs/base runs/demo/runs/*/seed* --out runs/cmp
 
-Each RUN_DIR holds an ``eval.json`` (format: :mod:`openrlhf_div.eval.results`) or the
-``results.json`` of ``openrlhf-div eval``; ``NAME=RUN_DIR`` names a run (default: from the
-eval.json, or the directory: ``.../grpo/seed1`` is method ``grpo``, seed 1). Exactly one run
+Each RUN_DIR is an eval output (a folder holding ``eval.json``, format:
+:mod:`openrlhf_div.eval.results`, written by ``openrlhf-div eval`` / ``demo`` / ``train``) or a
+``train`` run directory: its in-training evaluation (``eval.json``), or, when it has none, its
+final model is evaluated on its config's ``data.eval`` first. ``NAME=RUN_DIR`` names a run
+(default: from the eval.json; ``.../grpo/seed1`` without a seed gives seed 1). Exactly one run
 has ``role: base``, or name it with ``--base``. Runs of one method name with different
-seeds are averaged (mean +- sd). Writes metrics.json, report.md, passk.png, styles.png.
+seeds are averaged (mean +- sd). Runs evaluated with different settings (n, temperature,
+top_p, max_new_tokens, grading, data, keep_k) are refused with the list of differences unless
+``--allow-mismatch`` (the report then says so). Writes metrics.json, report.md, passk.png,
+styles.png.
 """
 from __future__ import annotations
 
@@ -15,11 +20,14 @@ import sys
 
 def add_parser(sub):
     p = sub.add_parser("compare", help="comparison report (metrics.json, report.md, plots) from run directories",
-                       description="Build metrics.json, report.md and the pass@k / style plots from run "
-                                   "directories that each hold an eval.json.")
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (or eval.json / results.json files), optionally NAME=DIR")
+                       description="Build metrics.json, report.md and the pass@k / style plots from eval outputs "
+                                   "(eval.json) and train run directories.")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                   help="eval outputs or train run directories (or eval.json files), optionally NAME=DIR")
     p.add_argument("--out", required=True, help="output directory of the report")
     p.add_argument("--base", default=None, help="the base model's run directory (default: the run with role 'base')")
+    p.add_argument("--allow-mismatch", action="store_true",
+                   help="compare runs evaluated with different settings (the report marks it)")
     p.add_argument("--style-split", default="auto",
                    help="split used for the style plot/table (default: a '*regular' split if present)")
     p.set_defaults(func=run)
@@ -30,9 +38,11 @@ def run(args) -> int:
     from openrlhf_div.eval.report import compare_runs
 
     try:
-        paths = compare_runs(args.run_dirs, args.out, base_dir=args.base, style_split=args.style_split)
+        paths = compare_runs(args.run_dirs, args.out, base_dir=args.base, style_split=args.style_split,
+                             allow_mismatch=args.allow_mismatch)
     except (FileNotFoundError, ValueError) as e:
-        print(f"compare: {e}", file=sys.stderr)
+        msg = str(e)
+        print(msg if msg.startswith("compare:") else f"compare: {msg}", file=sys.stderr)
         return 2
     print("wrote " + ", ".join(paths.values()))
     return 0

@@ -4,7 +4,8 @@ exploration rates of a model on one or more dataset files.
     openrlhf-div eval --model PATH --task math --data aime24.jsonl --data math500.jsonl \\
         --n 16 --k 1,8,16 --temperature 0.6 --top-p 0.95 --greedy --out runs/eval/qwen
 
-Writes ``results.json``, ``results.md`` and ``samples.jsonl`` into ``--out``. Generation uses
+Writes ``eval.json`` (the project's one results format, :mod:`openrlhf_div.eval.results`),
+``results.md`` and ``samples.jsonl`` into ``--out``. Generation uses
 vLLM when it is installed and a GPU is present (``--engine auto``), else the training engine's KV-cache sampler on
 the Hugging Face model in-process (``--engine local``; ``--engine hf``: ``model.generate``).
 """
@@ -55,8 +56,16 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call")
     p.add_argument("--out", default=None, help="output folder (default runs/eval/<model>-<task>)")
     p.add_argument("--base-results", default=None,
-                   help="a base model's results.json: adds keep / exploration rates")
-    p.add_argument("--keep-k", type=int, default=8, help="pass@k that counts as solved for keep/explore (default 8)")
+                   help="a base model's eval.json (or its folder): adds keep / exploration rates; it must have been "
+                        "evaluated with the same n, temperature, top_p, max_new_tokens, grading, data and keep_k")
+    p.add_argument("--name", default=None, help="name of this model in `compare` reports (default: the model's "
+                                                 "folder name)")
+    p.add_argument("--role", choices=["base", "method"], default=None,
+                   help="role in `compare` (default: method with --base-results, else base)")
+    p.add_argument("--allow-mismatch", action="store_true",
+                   help="use --base-results even when its evaluation settings differ (recorded in eval.json)")
+    p.add_argument("--keep-k", type=int, default=None,
+                   help="pass@k that counts as solved for keep/explore (default 8, or n when n < 8)")
     p.add_argument("--task-opt", type=_parse_opt, action="append", default=[], metavar="KEY=VALUE",
                    help="task option, e.g. db_root=/data/bird/dev_databases or template=llama3 (repeatable)")
     p.add_argument("--source", default=None, help="dataset name to report (default: from the file name)")
@@ -84,12 +93,18 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from openrlhf_div.eval.evaluate import evaluate, load_results, results_markdown, write_results
+    from openrlhf_div.eval.evaluate import evaluate, results_markdown
+    from openrlhf_div.eval.results import check_settings, data_hash, read_eval_json, write_eval
     from openrlhf_div.eval.generate import make_generate_fn
     from openrlhf_div.tasks import get_task
     from openrlhf_div.tasks.datasets import DatasetError, load_examples
 
     ks = args.k if args.k is not None else [k for k in (1, 8, 16) if k <= args.n]
+    if args.keep_k is None:
+        args.keep_k = min(8, args.n)
+    if args.keep_k > args.n or args.keep_k < 1:
+        print(f"error: --keep-k {args.keep_k} must be in [1, --n {args.n}]", file=sys.stderr)
+        return 2
     bad = [k for k in ks if k > args.n]
     if bad:
         print(f"error: --k {bad} exceed --n {args.n}; pass@k needs k <= n", file=sys.stderr)
@@ -124,8 +139,18 @@ def run(args) -> int:
     if not examples:
         print("error: no examples loaded", file=sys.stderr)
         return 2
+    mismatch = []
     try:
-        base = load_results(args.base_results) if args.base_results else None
+        base = read_eval_json(args.base_results) if args.base_results else None
+        if base is not None:
+            mine = {"n": args.n, "temperature": args.temperature, "top_p": args.top_p,
+                    "max_new_tokens": args.max_new_tokens, "keep_k": args.keep_k,
+                    "grading": task.grading() if hasattr(task, "grading") else None,
+                    "data": {"hash": data_hash(examples)}}
+            mismatch = check_settings([("base", base["settings"]), ("this run", mine)], args.allow_mismatch,
+                                      what="eval --base-results")
+            for line in mismatch:
+                print(f"warning: --allow-mismatch: {line}", file=sys.stderr)
     except (OSError, ValueError) as exc:
         print(f"error: --base-results: {exc}", file=sys.stderr)
         return 2
@@ -143,10 +168,13 @@ def run(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     out = args.out or os.path.join("runs", "eval", f"{os.path.basename(os.path.normpath(args.model))}-{args.task}")
-    extra = {"model": os.path.abspath(args.model) if os.path.exists(args.model) else args.model, "engine": engine, "data": summaries, "seed": args.seed,
-             "task_options": dict(args.task_opt), "base_results": args.base_results,
-             "seconds": round(time.time() - t0, 2)}
-    paths = write_results(result, out, extra)
+    model = os.path.abspath(args.model) if os.path.exists(args.model) else args.model
+    info = {"source": "eval", "data": summaries, "task_options": dict(args.task_opt),
+            "base_results": args.base_results, "settings_mismatch": mismatch, "seconds": round(time.time() - t0, 2)}
+    name = args.name or os.path.basename(os.path.normpath(args.model))
+    role = args.role or ("base" if base is None else "method")
+    paths = write_eval(out, result, name=name, role=role, seed=args.seed, info=info,
+                       model=model, engine=engine, data_paths=list(args.data))
     print(results_markdown(result))
     print(f"wrote {paths['json']}, {paths['markdown']}, {paths['samples']}", file=sys.stderr)
     return 0

@@ -34,6 +34,7 @@ def run(args) -> int:
         return 2
     from openrlhf_div.engines.local.models import ModelNotFoundError
     from openrlhf_div.engines.local.checkpoint import CorruptCheckpointError, NonFiniteWeightsError
+    from openrlhf_div.engines.local.runlog import WandbMissingError
     from openrlhf_div.engines.local.trainer import DegenerateRunError, EmptyAnchorError, NonFiniteLossError, train
     from openrlhf_div.tasks.datasets import DatasetError
 
@@ -42,7 +43,7 @@ def run(args) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    except (DatasetError, EmptyAnchorError, ModelNotFoundError) as e:
+    except (DatasetError, EmptyAnchorError, ModelNotFoundError, WandbMissingError) as e:
         print(f"openrlhf-div train: {e}", file=sys.stderr)
         return 2
     except DegenerateRunError as e:

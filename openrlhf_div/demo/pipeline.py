@@ -25,12 +25,11 @@ import shutil
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-import yaml
-
+from ..config import ConfigError, deep_merge, load, parse_overrides
 from ..eval.report import build_metrics, write_report
-from ..eval.results import atomic_write_json, read_eval_json
+from ..eval.results import read_eval_json, write_eval
 from ..tasks.demo import STYLES, STYLE_NAMES, SplitSpec, read_jsonl, render, write_splits
-from .evaluate import evaluate_model, save_evaluation
+from .evaluate import evaluate_model
 from .warmup import WarmupConfig, build_base_model
 
 REPO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -39,56 +38,24 @@ STAGES = 5
 
 
 # ------------------------------------------------------------------ config
-def _deep_merge(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
-    out = copy.deepcopy(a)
-    for k, v in (b or {}).items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _deep_merge(out[k], v)
-        else:
-            out[k] = copy.deepcopy(v)
-    return out
-
-
-def _read_yaml(path: str, _seen: tuple = ()) -> Dict[str, Any]:
-    """A demo YAML; ``extends: other.yaml`` (relative to this file) is read first and this
-    file deep-merged over it (lists such as ``methods`` are replaced, not appended)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"demo config {path!r} not found; pass --config PATH (the repository ships "
-                                f"configs/demo.yaml)")
-    if os.path.abspath(path) in _seen:
-        raise ValueError(f"demo config {path!r} extends itself (cycle: {' -> '.join(_seen)})")
-    with open(path) as f:
-        cfg = yaml.safe_load(f) or {}
-    if not isinstance(cfg, dict):
-        raise ValueError(f"demo config {path!r} must hold a YAML mapping")
-    parent = cfg.pop("extends", None)
-    if parent:
-        ppath = parent if os.path.isabs(parent) else os.path.join(os.path.dirname(os.path.abspath(path)), parent)
-        cfg = _deep_merge(_read_yaml(ppath, _seen + (os.path.abspath(path),)), cfg)
-    return cfg
-
-
 def load_demo_config(path: Optional[str] = None, *, quick: bool = False,
                      overrides: Sequence[str] = ()) -> Dict[str, Any]:
-    """The demo settings: ``configs/demo.yaml`` (or ``path``), its ``quick`` section merged in
-    when ``quick``, then ``key=value`` overrides with dotted keys (values parsed as YAML)."""
+    """The demo settings: ``configs/demo.yaml`` (or ``path``; ``extends:`` followed by the one
+    config loader, :mod:`openrlhf_div.config`: mappings merge, lists such as ``methods`` are
+    replaced), its ``quick`` section merged in when ``quick``, then ``key=value`` overrides with
+    dotted keys (values parsed as YAML)."""
     path = path or REPO_CONFIG
-    cfg = _read_yaml(path)
+    if not os.path.isfile(path):
+        raise ConfigError(f"demo config {path!r} not found; pass --config PATH (the repository ships "
+                          f"configs/demo.yaml)")
+    cfg = load(path, what="demo config")
     quick_part = cfg.pop("quick", {}) or {}
     if quick:
-        cfg = _deep_merge(cfg, quick_part)
-    for item in overrides:
-        if "=" not in item:
-            raise ValueError(f"override {item!r} must look like key=value (e.g. train.optim.steps=50)")
-        key, raw = item.split("=", 1)
-        node = cfg
-        parts = key.strip().split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = yaml.safe_load(raw)
+        cfg = deep_merge(cfg, quick_part)
+    cfg = deep_merge(cfg, parse_overrides(overrides, example="train.optim.steps=50"))
     for key in ("seeds", "methods", "train", "evaluation", "warmup", "splits"):
         if key not in cfg:
-            raise ValueError(f"demo config {path!r} lacks the {key!r} section")
+            raise ConfigError(f"demo config {path!r} lacks the {key!r} section")
     unknown = [m for m in cfg["methods"] if m not in (cfg.get("method_settings") or {})]
     if unknown:
         cfg.setdefault("method_settings", {}).update({m: {} for m in unknown})
@@ -124,7 +91,7 @@ def train_config_dict(cfg: Dict[str, Any], method: str, seed: int, *, base_dir: 
                       presample_dir: Optional[str], run_dir: str) -> Dict[str, Any]:
     """The local engine's TrainConfig (as a dict) of one demo run (``method``: a demo entry)."""
     reg, hp, train_over = method_spec(cfg, method)
-    t = _deep_merge(copy.deepcopy(cfg["train"]), train_over)
+    t = deep_merge(copy.deepcopy(cfg["train"]), train_over)
     d = {
         "task": cfg.get("task", "demo"), "seed": int(seed), "output_dir": run_dir,
         "num_threads": cfg.get("threads", 1),
@@ -136,7 +103,7 @@ def train_config_dict(cfg: Dict[str, Any], method: str, seed: int, *, base_dir: 
         "checkpoint": {"every": 0, "keep": 1},
         "logging": {"tensorboard": False, "progress": True, "entropy": False},
     }
-    return _deep_merge(d, t)
+    return deep_merge(d, t)
 
 
 # ------------------------------------------------------------------ helpers
@@ -160,7 +127,7 @@ def _reusable(run_dir: str, settings: Dict[str, Any]) -> bool:
         e = read_eval_json(run_dir)
     except (FileNotFoundError, ValueError):
         return False
-    return json.loads(json.dumps(e.get("settings"))) == json.loads(json.dumps(settings))
+    return json.loads(json.dumps(e.get("info"))) == json.loads(json.dumps(settings))
 
 
 def _eval_kw(cfg: Dict[str, Any], seed: int) -> Dict[str, Any]:
@@ -223,10 +190,10 @@ def run_demo(cfg: Dict[str, Any], out_dir: str, *, cache_dir: Optional[str] = No
         log(f"  base evaluation: reused {base_run}/eval.json")
     else:
         model, tok = load_model(base_dir)
-        base_M, base_problems = evaluate_model(model, tok, eval_rows, is_base=True, styles=STYLES,
-                                               **_eval_kw(cfg, 0))
-        save_evaluation(base_run, task=task, name="base", role="base", metrics=base_M, problems=base_problems,
-                        seed=None, settings=base_settings)
+        res = evaluate_model(model, tok, eval_rows, is_base=True, styles=STYLES, **_eval_kw(cfg, 0))
+        base_M, base_problems = res["metrics"], res["problems"]
+        write_eval(base_run, res, name="base", role="base", seed=None, info=base_settings, model=base_dir,
+                   engine="local", data_paths=[os.path.join(data_dir, "eval.jsonl")])
         del model
     log(f"  base: {_short(base_M)}")
 
@@ -351,10 +318,12 @@ def _train_and_eval(cfg, tdict, run_dir, eval_rows, base_problems, seed, setting
     trainer.train()
     secs, cpu = time.time() - t0, time.process_time() - c0
     trainer.model.eval()
-    M, problems = evaluate_model(trainer.model, trainer.tokenizer, eval_rows, base_problems=base_problems,
-                                 styles=STYLES, **_eval_kw(cfg, seed))
-    save_evaluation(run_dir, task=task, name=settings["entry"], role="method", metrics=M, problems=problems,
-                    seed=seed, settings=settings)
+    res = evaluate_model(trainer.model, trainer.tokenizer, eval_rows, base_problems=base_problems, styles=STYLES,
+                         **_eval_kw(cfg, seed))
+    M = res["metrics"]
+    write_eval(run_dir, res, name=settings["entry"], role="method", seed=seed, info=settings,
+               model=os.path.join(run_dir, "final_model"), engine="local",
+               data_paths=[os.path.normpath(os.path.join(run_dir, "..", "..", "..", "data", "eval.jsonl"))])
     # keep the run small: the final model stays, the (identical) last checkpoint goes
     shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
     return M, secs, cpu

@@ -158,11 +158,9 @@ def train_base_model(cfg: WarmupConfig, progress: bool = True, log: Callable[[st
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
     model.train()
     t0 = time.time()
-    bar = None
-    if progress:
-        from tqdm import tqdm
+    from openrlhf_div.progress import progress_bar
 
-        bar = tqdm(total=cfg.steps, desc="warm-up (supervised)", unit="step", leave=False)
+    bar = progress_bar(total=cfg.steps, desc="warm-up (supervised)", unit="step", leave=False, disable=not progress)
     losses: List[float] = []
     for step in range(cfg.steps):
         batch = synthetic_examples(cfg, rng, cfg.batch_size)

@@ -14,21 +14,28 @@ the demo and the CLI share it. Per dataset (the examples' ``source``) it reports
 * ``keep_rate`` / ``explore_rate`` against a base model's results (DPH 6.2): among problems
   the base solved at pass@``keep_k`` (any of its first ``keep_k`` samples correct), the share
   this model still solves; among those it did not, the share this model now solves.
+
+It is the one evaluation of the project: ``openrlhf-div eval`` (any model file), the local
+trainer's in-training evaluation (:mod:`openrlhf_div.engines.local.evaluation`), the demo and
+the OpenRLHF driver's vLLM evaluation all call it with their own ``generate_fn`` and write its
+result with :func:`openrlhf_div.eval.results.write_eval` (``eval.json``, ``samples.jsonl``,
+``results.md``). The result holds ``settings`` (what makes two evaluations comparable),
+``metrics`` (:func:`openrlhf_div.eval.results.model_metrics` over all problems, with per-source
+``splits``), ``by_source`` (:func:`summarize`) and the per-problem records.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections import Counter, defaultdict
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from .diversity import keep_explore_rates, mean_distinct_n
 from .passk import mean_at_k, pass_at_k
-from openrlhf_div.io import atomic_write_text
+from .results import EVAL_FORMAT, data_hash, model_metrics
+from openrlhf_div.progress import progress_bar
 from openrlhf_div.tasks.datasets import render_example
 
-__all__ = ["evaluate", "summarize", "results_markdown", "load_results", "write_results"]
+__all__ = ["evaluate", "summarize", "results_markdown"]
 
 
 def _check_outputs(outs, prompts, n, where):
@@ -46,19 +53,26 @@ def evaluate(task, examples: Sequence[Mapping[str, Any]], generate_fn: Callable[
              top_p: float = 1.0, max_new_tokens: int = 1024, tokenizer=None,
              base_results: Optional[Mapping[str, Any]] = None, keep_k: int = 8, dist_ns: Sequence[int] = (1, 2),
              batch_size: int = 16, progress: bool = True, keep_responses: bool = True,
-             prompt_template: Optional[str] = None, system_prompt: Optional[str] = None) -> Dict[str, Any]:
+             prompt_template: Optional[str] = None, system_prompt: Optional[str] = None,
+             styles: Optional[Sequence[str]] = None, is_base: bool = False,
+             render: Optional[Callable[[Mapping[str, Any]], str]] = None) -> Dict[str, Any]:
     """Generate ``n`` samples per example, score them with ``task``, and summarise.
 
     ``examples``: normalised ``{"prompt", "label", "source", "id"}`` dicts (see
     :func:`openrlhf_div.tasks.datasets.load_examples`). ``ks`` must lie in ``[1, n]``.
     Prompts are rendered with ``task.render_prompt(example, tokenizer)``, or with
     ``prompt_template`` / ``system_prompt`` as in training
-    (:func:`openrlhf_div.tasks.datasets.render_example`). ``base_results``:
-    a previous result of this function (or its JSON) for keep/exploration rates.
+    (:func:`openrlhf_div.tasks.datasets.render_example`), or by ``render(example)`` when given
+    (an engine with its own prompt convention, e.g. OpenRLHF's chat template). ``base_results``:
+    a previous result of this function (or its ``eval.json``) for keep/exploration rates;
+    ``is_base`` marks the base model itself (keep 1, explore 0); ``styles``: the style names
+    in order, for tasks whose ``RewardResult.info`` carries a ``style`` (the demo).
 
-    Returns ``{"task", "n", "ks", "greedy", "sampling", "metrics": {source: {...}, "all": {...}},
-    "problems": [...]}`` where each problem holds its per-sample ``correct``, ``rewards``,
-    ``reasons`` (and ``responses`` when ``keep_responses``).
+    Returns ``{"format", "task", "settings": {n, ks, temperature, top_p, max_new_tokens,
+    greedy, keep_k, grading, data: {hash, problems}, ...}, "metrics": M, "by_source":
+    {source: {...}, "all": {...}}, "problems": [...]}`` where each problem holds its per-sample
+    ``correct``, ``rewards``, ``reasons``, ``styles`` (and ``responses`` when
+    ``keep_responses``).
     """
     ks = sorted({int(k) for k in ks})
     if n < 1:
@@ -71,16 +85,14 @@ def evaluate(task, examples: Sequence[Mapping[str, Any]], generate_fn: Callable[
     prompts = []
     for ex in examples:
         try:
-            prompts.append(render_example(task, tokenizer, ex, prompt_template, system_prompt))
+            prompts.append(render(ex) if render is not None else
+                           render_example(task, tokenizer, ex, prompt_template, system_prompt))
         except Exception as exc:
             raise ValueError(f"cannot build the prompt of example {ex.get('id')!r} ({ex.get('source')}): "
                              f"{type(exc).__name__}: {exc}") from exc
 
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(examples) * (2 if greedy else 1), desc=f"eval {task.name}", unit="prob")
+    bar = progress_bar(total=len(examples) * (2 if greedy else 1), desc=f"eval {task.name}", unit="prob",
+                       disable=not progress)
     problems: List[Dict[str, Any]] = []
     try:
         for start in range(0, len(examples), batch_size):
@@ -97,18 +109,20 @@ def evaluate(task, examples: Sequence[Mapping[str, Any]], generate_fn: Callable[
                 resps = outs[j]
                 correct = [bool(r.correct) for r in rs]
                 keys = [str(task.solution_key(s, r)) for s, r in zip(resps, rs) if r.correct]
+                sty = [(r.info or {}).get("style") for r in rs]
                 rec = {"id": str(ex["id"]), "source": str(ex.get("source", "data")), "n_correct": sum(correct),
                        "correct": correct, "rewards": [float(r.reward) for r in rs], "reasons": [r.reason for r in rs],
+                       "styles": sty if all(x is not None for x in sty) else None,
                        "distinct_correct": len(set(keys)), "greedy_correct": None}
                 rec["_responses"] = list(resps)
                 if keep_responses:
                     rec["responses"] = [str(x) for x in resps]
                     rec["prompt"] = cprompts[j]
+                    rec["label"] = ex.get("label")
                     rec["answers"] = [extracted_answer(r) for r in rs]
                     rec["truncated"] = [getattr(x, "truncated", None) for x in resps]
                 problems.append(rec)
-            if bar is not None:
-                bar.update(len(chunk))
+            bar.update(len(chunk))
         if greedy:
             for start in range(0, len(examples), batch_size):
                 chunk = examples[start:start + batch_size]
@@ -123,19 +137,23 @@ def evaluate(task, examples: Sequence[Mapping[str, Any]], generate_fn: Callable[
                     rec["greedy_reason"] = r.reason
                     if keep_responses:
                         rec["greedy_response"] = outs[j][0]
-                if bar is not None:
-                    bar.update(len(chunk))
+                bar.update(len(chunk))
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
 
-    metrics = summarize(problems, n, ks, base_results=base_results, keep_k=keep_k, dist_ns=dist_ns)
+    by_source = summarize(problems, n, ks, base_results=base_results, keep_k=keep_k, dist_ns=dist_ns)
+    base_problems = base_results.get("problems") if base_results else None
+    metrics = model_metrics([{**p, "responses": p["_responses"]} for p in problems], base=base_problems,
+                            is_base=is_base, styles=styles, keep_k=keep_k)
     for rec in problems:
         rec.pop("_responses", None)
     grading = task.grading() if hasattr(task, "grading") else None  # duck-typed tasks may lack it
-    return {"task": task.name, "grading": grading, "n": n, "ks": ks, "greedy": bool(greedy), "keep_k": keep_k,
-            "sampling": {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens},
-            "metrics": metrics, "problems": problems}
+    settings = {"n": n, "ks": ks, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
+                "greedy": bool(greedy), "keep_k": keep_k, "grading": grading,
+                "data": {"hash": data_hash(examples), "problems": len(examples)},
+                "prompt_template": prompt_template, "system_prompt": system_prompt}
+    return {"format": EVAL_FORMAT, "task": task.name, "settings": settings, "metrics": metrics,
+            "by_source": by_source, "problems": problems}
 
 
 def extracted_answer(result) -> Optional[str]:
@@ -205,10 +223,11 @@ def summarize(problems: Sequence[Mapping[str, Any]], n: int, ks: Sequence[int], 
 def results_markdown(result: Mapping[str, Any]) -> str:
     """A Markdown table: one row per dataset, columns pass@k, mean@n, greedy, dist-2, keep /
     explore (when present), all in percent."""
-    n, ks = result["n"], result["ks"]
-    metrics = result["metrics"]
+    st = result["settings"]
+    n, ks = st["n"], st["ks"]
+    metrics = result["by_source"]
     cols = [f"pass@{k}" for k in ks] + [f"mean@{n}"]
-    if result.get("greedy"):
+    if st.get("greedy"):
         cols.append("greedy")
     any_m = next(iter(metrics.values()))
     for extra in ("dist-2", "distinct_correct", "keep_rate", "explore_rate"):
@@ -222,43 +241,11 @@ def results_markdown(result: Mapping[str, Any]) -> str:
             return f"{v:.2f}"
         return f"{100 * v:.1f}"
 
-    lines = [f"Task `{result['task']}`, n={n}, temperature={result['sampling']['temperature']}, "
-             f"top_p={result['sampling']['top_p']} (percent; distinct_correct is a count)"
-             + (f"; grading: {result['grading']}" if result.get("grading") else ""), "",
+    lines = [f"Task `{result['task']}`, n={n}, temperature={st['temperature']}, top_p={st['top_p']}, "
+             f"max_new_tokens={st['max_new_tokens']} (percent; distinct_correct is a count)"
+             + (f"; grading: {st['grading']}" if st.get("grading") else ""), "",
              "| dataset | problems | " + " | ".join(cols) + " |",
              "|---|---:|" + "---:|" * len(cols)]
     for src, m in metrics.items():
         lines.append(f"| {src} | {m['problems']} | " + " | ".join(fmt(c, m.get(c)) for c in cols) + " |")
     return "\n".join(lines) + "\n"
-
-
-def load_results(path: str) -> Dict[str, Any]:
-    """A results JSON written by :func:`write_results` (for ``base_results``)."""
-    with open(path, encoding="utf-8") as fh:
-        data = json.load(fh)
-    if not isinstance(data, dict) or "problems" not in data:
-        raise ValueError(f"{path} is not an evaluation results file (no 'problems' list)")
-    return data
-
-
-def write_results(result: Mapping[str, Any], out_dir: str, extra: Optional[Mapping[str, Any]] = None) -> Dict[str, str]:
-    """Write ``results.json`` (metrics + per-problem correctness), ``results.md`` (the table)
-    and ``samples.jsonl`` (one problem per line: prompt, responses, extracted answers, rewards,
-    reasons, correct, truncated flags) atomically into ``out_dir``."""
-    problems = [{k: v for k, v in p.items() if k not in ("responses", "greedy_response", "prompt", "answers")}
-                for p in result["problems"]]
-    data = {**{k: v for k, v in result.items() if k != "problems"}, **(dict(extra) if extra else {}),
-            "problems": problems}
-    paths = {"json": os.path.join(out_dir, "results.json"), "markdown": os.path.join(out_dir, "results.md"),
-             "samples": os.path.join(out_dir, "samples.jsonl")}
-    atomic_write_text(paths["json"], json.dumps(data, indent=1, allow_nan=False) + "\n")
-    atomic_write_text(paths["markdown"], results_markdown(result))
-    lines = []
-    for p in result["problems"]:
-        if "responses" in p:
-            lines.append(json.dumps({"id": p["id"], "source": p["source"], "prompt": p.get("prompt"),
-                                     "responses": p["responses"], "answers": p.get("answers"),
-                                     "rewards": p["rewards"], "reasons": p["reasons"], "correct": p["correct"],
-                                     "truncated": p.get("truncated"), "greedy_response": p.get("greedy_response")}))
-    atomic_write_text(paths["samples"], "\n".join(lines) + ("\n" if lines else ""))
-    return paths

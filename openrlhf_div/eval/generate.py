@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-__all__ = ["Completion", "generate", "generate_local", "generate_vllm", "make_generate_fn", "vllm_available",
+__all__ = ["Completion", "generate", "generate_local", "local_generate_fn", "generate_vllm", "make_generate_fn", "vllm_available",
            "GenerateFn"]
 
 GenerateFn = Callable[..., List[List[str]]]
@@ -60,6 +60,18 @@ def generate_local(model, tokenizer, prompts: Sequence[str], n: int = 1, tempera
             group = [Completion(g.texts[j], truncated=not bool(g.finished[j])) for j in range(i * reps, (i + 1) * reps)]
             out.append(group * n if greedy else group)
     return out
+
+
+def local_generate_fn(model, tokenizer, generator=None, batch_size: Optional[int] = None) -> GenerateFn:
+    """``generate_fn`` over an in-memory model with the local engine's sampler
+    (:func:`generate_local`), drawing from ``generator``; ``batch_size`` prompts per call
+    (default: all prompts of a call in one batch)."""
+    def fn(prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=512, greedy=False):
+        return generate_local(model, tokenizer, prompts, n=n, temperature=temperature, top_p=top_p,
+                              max_new_tokens=max_new_tokens, greedy=greedy,
+                              batch_size=batch_size or max(1, len(prompts)), generator=generator)
+
+    return fn
 
 
 def generate(model, tokenizer, prompts: Sequence[str], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
@@ -199,9 +211,4 @@ def make_generate_fn(model_path: str, engine: str = "auto", device: str = "auto"
         return fn, tokenizer, "hf"
 
     gen = torch.Generator(device=device).manual_seed(int(seed or 0))
-
-    def fn(prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=512, greedy=False):
-        return generate_local(model, tokenizer, prompts, n=n, temperature=temperature, top_p=top_p,
-                              max_new_tokens=max_new_tokens, greedy=greedy, batch_size=batch_size, generator=gen)
-
-    return fn, tokenizer, "local"
+    return local_generate_fn(model, tokenizer, gen, batch_size), tokenizer, "local"

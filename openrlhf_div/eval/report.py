@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .results import atomic_write_json, atomic_write_text, load_run, model_metrics
+from .results import atomic_write_json, atomic_write_text, check_settings, load_run, model_metrics
 
 STYLE_COLORS = {"A": "#4C72B0", "B": "#DD8452", "C": "#55A868", "D": "#C44E52", "E": "#8172B3",
                 "other": "#7f7f7f"}
@@ -399,13 +399,15 @@ def write_report(out_dir: str, metrics: Mapping[str, Any], *, settings: Optional
 
 # ------------------------------------------------------------------ compare
 def compare_runs(run_dirs: Iterable[str], out_dir: str, *, base_dir: Optional[str] = None,
-                 style_split: Optional[str] = "auto") -> Dict[str, str]:
-    """The report from run directories holding ``eval.json`` or ``openrlhf-div eval``'s
-    ``results.json`` (``openrlhf-div compare``; see :func:`~.results.load_run` for ``NAME=DIR``).
+                 style_split: Optional[str] = "auto", allow_mismatch: bool = False) -> Dict[str, str]:
+    """The report from eval outputs and ``train`` run directories (``openrlhf-div compare``;
+    see :func:`~.results.load_run` for what a ``RUN_DIR`` may be and ``NAME=DIR``).
 
     The base is ``base_dir`` or the one run with ``role == "base"``. Methods are grouped by
-    ``name``; runs of one name with different seeds are aggregated. When the runs carry
-    per-problem records, keep / explore rates are recomputed against this base.
+    ``name``; runs of one name with different seeds are aggregated. Keep / explore rates are
+    recomputed against this base (at the runs' ``keep_k``). Runs evaluated with different
+    settings (:func:`~.results.settings_differences`) are an error listing the differences,
+    unless ``allow_mismatch``: then the report says so at the top.
     """
     evals = [load_run(d) for d in run_dirs]
     if base_dir is not None:
@@ -419,6 +421,11 @@ def compare_runs(run_dirs: Iterable[str], out_dir: str, *, base_dir: Optional[st
     tasks = {e["task"] for e in evals} | {base_eval["task"]}
     if len(tasks) != 1:
         raise ValueError(f"compare: runs are from different tasks {sorted(tasks)}; compare one task at a time")
+    everyone = [base_eval] + [e for e in evals if e["_path"] != base_eval["_path"]]
+    labels = [f"{e['name']}" + (f"/seed{e['seed']}" if e.get("seed") is not None and e is not base_eval else "")
+              for e in everyone]
+    mismatch = check_settings(list(zip(labels, [e["settings"] for e in everyone])), allow_mismatch)
+    keep_k = int(base_eval["settings"].get("keep_k") or 8)
     base_M = dict(base_eval["metrics"])
     methods: Dict[str, Dict[Any, Dict[str, Any]]] = OrderedDict()
     settings: Dict[str, Any] = {}
@@ -432,13 +439,16 @@ def compare_runs(run_dirs: Iterable[str], out_dir: str, *, base_dir: Optional[st
             if ids != {p["id"] for p in e["problems"]}:
                 raise ValueError(f"compare: run {e['name']!r} (seed {e.get('seed')}) was evaluated on other "
                                  f"problems than the base; evaluate both on the same set")
-            redo = model_metrics(e["problems"], base=base_problems)
+            redo = model_metrics(e["problems"], base=base_problems, keep_k=keep_k)
             M["keep_rate"], M["explore_rate"] = redo["keep_rate"], redo["explore_rate"]
         per_seed = methods.setdefault(e["name"], OrderedDict())
         seed = e.get("seed")
         key = seed if seed is not None and seed not in per_seed else len(per_seed)
         per_seed[key] = M
-        if e.get("settings"):
-            settings[e["name"]] = e["settings"]
-    metrics = build_metrics(next(iter(tasks)), base_M, methods)
-    return write_report(out_dir, metrics, settings=settings, style_split=style_split)
+        settings[e["name"]] = {k: v for k, v in e["settings"].items() if not isinstance(v, (dict, list))}
+    metrics = build_metrics(next(iter(tasks)), base_M, methods, settings_mismatch=mismatch)
+    intro = ""
+    if mismatch:
+        intro = ("**Warning: these runs were evaluated with different settings (compared with --allow-mismatch); "
+                 "their numbers are not directly comparable:**\n\n" + "\n".join(f"- {d}" for d in mismatch))
+    return write_report(out_dir, metrics, settings=settings, style_split=style_split, intro=intro)

@@ -30,18 +30,25 @@ them with the task. :func:`model_metrics` turns those scored samples into the me
 - ``dist-2``, ``dist-3``: distinct character n-grams / all character n-grams over a
   problem's samples, averaged over problems (LAD Table 4; responses here are one "word",
   so characters are the unit); ``unique_frac``: distinct responses / n, averaged.
+- ``mean_reward``: the mean task reward of the samples (when the records carry ``rewards``).
 - ``splits``: the same accuracy and style metrics per ``source`` (e.g. ``demo/regular``,
   ``demo/rare``).
 
-The eval-output file of a run directory is ``eval.json`` (:func:`write_eval_json`)::
+The one results file of every evaluation (``openrlhf-div eval``, the demo, the local trainer's
+in-training evaluation, the OpenRLHF driver's vLLM evaluation) is ``eval.json``
+(:func:`write_eval`), written next to ``samples.jsonl`` (texts) and ``results.md`` (a table)::
 
-    {"format": "openrlhf-div.eval/1", "task": "demo", "name": "grpo", "role": "method",
-     "seed": 0, "settings": {...}, "metrics": M, "problems": [per-problem records]}
+    {"format": "openrlhf-div.eval/2", "task": "demo", "name": "grpo", "role": "method", "seed": 0,
+     "settings": {"n", "ks", "temperature", "top_p", "max_new_tokens", "greedy", "keep_k",
+                  "grading", "data": {"hash", "problems", "paths"}, "model", "engine", ...},
+     "metrics": M, "by_source": {source: {pass@k, mean@n, greedy, mean_reward, dist-m, ...}},
+     "info": {caller's provenance: training step, demo settings, timing, ...},
+     "problems": [per-problem records: id, source, correct, styles, rewards, reasons, ...]}
 
-``role`` is ``"base"`` or ``"method"``; ``problems`` carries ``id``, ``source``,
-``correct`` and ``styles`` per problem (no texts), so ``openrlhf-div compare`` can recompute
-keep / explore rates against any base. ``compare`` also reads the ``results.json`` that
-``openrlhf-div eval`` writes (:func:`load_run`), so run directories of any engine compare.
+``role`` is ``"base"`` or ``"method"``; ``problems`` carries no texts, so ``openrlhf-div
+compare`` can recompute keep / explore rates against any base. ``settings`` is what makes two
+evaluations comparable: :func:`settings_differences` lists where two runs differ
+(``compare`` and ``eval --base-results`` refuse such runs unless told to allow them).
 """
 from __future__ import annotations
 
@@ -49,7 +56,7 @@ import json
 import math
 import os
 import re
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -57,7 +64,7 @@ from .diversity import distinct_n, keep_explore_rates
 from .passk import pass_at_k
 from openrlhf_div.io import atomic_write_text as _atomic_write_text
 
-EVAL_FORMAT = "openrlhf-div.eval/1"
+EVAL_FORMAT = "openrlhf-div.eval/2"
 EVAL_FILE = "eval.json"
 REPORT_KS = (1, 8, 16)
 
@@ -91,6 +98,8 @@ def _accuracy_and_styles(problems: Sequence[Mapping[str, Any]], n: int,
         if k <= n:
             out[f"pass@{k}"] = curve[str(k)]
     out["pass_at_k"] = curve
+    if all(p.get("rewards") is not None for p in problems):
+        out["mean_reward"] = float(np.mean([float(np.mean(p["rewards"])) for p in problems]))
     have_styles = all(p.get("styles") is not None for p in problems)
     if not have_styles:
         return out
@@ -133,7 +142,9 @@ def model_metrics(problems: Sequence[Mapping[str, Any]], base: Optional[Sequence
     if is_base:
         M["keep_rate"], M["explore_rate"] = 1.0, 0.0
     elif base is not None:
-        keep, explore = keep_explore_rates(solved_at(base, keep_k), solved_at(problems, keep_k))
+        mine = solved_at(problems, keep_k)
+        # problems of the base that this model did not see are left out (the data hashes differ then)
+        keep, explore = keep_explore_rates({i: v for i, v in solved_at(base, keep_k).items() if i in mine}, mine)
         M["keep_rate"] = None if math.isnan(keep) else float(keep)
         M["explore_rate"] = None if math.isnan(explore) else float(explore)
     else:
@@ -159,31 +170,79 @@ def atomic_write_json(path: str, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, allow_nan=False) + "\n")
 
 
+_TEXT_KEYS = ("responses", "greedy_response", "prompt", "answers", "_responses", "label")
+
+
 def strip_problems(problems: Sequence[Mapping[str, Any]]) -> List[Dict[str, Any]]:
-    """Per-problem records for ``eval.json``: id, source, correct (0/1), styles; no texts."""
+    """Per-problem records for ``eval.json``: everything but the texts (``correct`` as 0/1)."""
     out = []
     for p in problems:
-        r = {"id": str(p["id"]), "source": str(p.get("source", "")),
-             "correct": [int(bool(x)) for x in p["correct"]]}
-        if p.get("styles") is not None:
-            r["styles"] = list(p["styles"])
+        r = {k: v for k, v in p.items() if k not in _TEXT_KEYS}
+        r["id"], r["source"] = str(p["id"]), str(p.get("source", ""))
+        r["correct"] = [int(bool(x)) for x in p["correct"]]
+        if r.get("styles") is None:
+            r.pop("styles", None)
         out.append(r)
     return out
 
 
+def data_hash(examples: Sequence[Mapping[str, Any]]) -> str:
+    """A short SHA-256 of the evaluation problems (source, id, prompt, label), order-free: two
+    evaluations on the same problems have the same hash whatever file or engine loaded them."""
+    import hashlib
+
+    rows = sorted(json.dumps([str(e.get("source", "")), str(e.get("id", "")), e.get("prompt"), e.get("label")],
+                             sort_keys=True, default=str) for e in examples)
+    return hashlib.sha256("\n".join(rows).encode()).hexdigest()[:16]
+
+
 def write_eval_json(run_dir: str, *, task: str, name: str, role: str, metrics: Mapping[str, Any],
-                    problems: Sequence[Mapping[str, Any]], seed: Optional[int] = None,
-                    settings: Optional[Mapping[str, Any]] = None) -> str:
+                    problems: Sequence[Mapping[str, Any]], settings: Mapping[str, Any], seed: Optional[int] = None,
+                    by_source: Optional[Mapping[str, Any]] = None, info: Optional[Mapping[str, Any]] = None) -> str:
     """Write ``run_dir/eval.json`` (the format in the module docstring); returns its path."""
     if role not in ("base", "method"):
         raise ValueError(f"eval.json role must be 'base' or 'method', got {role!r}")
     path = os.path.join(run_dir, EVAL_FILE)
     atomic_write_json(path, {
         "format": EVAL_FORMAT, "task": task, "name": name, "role": role, "seed": seed,
-        "settings": dict(settings or {}), "metrics": dict(metrics),
-        "problems": strip_problems(problems),
+        "settings": dict(settings), "metrics": dict(metrics), "by_source": dict(by_source or {}),
+        "info": dict(info or {}), "problems": strip_problems(problems),
     })
     return path
+
+
+def write_eval(out_dir: str, result: Mapping[str, Any], *, name: str, role: str = "method",
+               seed: Optional[int] = None, info: Optional[Mapping[str, Any]] = None,
+               **settings: Any) -> Dict[str, str]:
+    """Write an :func:`openrlhf_div.eval.evaluate.evaluate` result into ``out_dir``:
+    ``eval.json`` (metrics + per-problem correctness), ``results.md`` (the table) and
+    ``samples.jsonl`` (one problem per line: prompt, responses, extracted answers, rewards,
+    reasons, correct, styles, truncated flags). ``settings`` (``model=``, ``engine=``,
+    ``data_paths=``) are added to the result's settings. Returns the three paths."""
+    from .evaluate import results_markdown
+
+    os.makedirs(out_dir, exist_ok=True)
+    s = dict(result["settings"])
+    if "data_paths" in settings:
+        s["data"] = {**s.get("data", {}), "paths": settings.pop("data_paths")}
+    s.update(settings)
+    result = {**result, "settings": s}
+    paths = {"json": os.path.join(out_dir, EVAL_FILE), "markdown": os.path.join(out_dir, "results.md"),
+             "samples": os.path.join(out_dir, "samples.jsonl")}
+    lines = []
+    for p in result["problems"]:
+        if "responses" in p:
+            lines.append(json.dumps({"id": p["id"], "source": p["source"], "prompt": p.get("prompt"),
+                                     "label": p.get("label"), "responses": p["responses"], "answers": p.get("answers"),
+                                     "rewards": p["rewards"], "reasons": p["reasons"], "correct": p["correct"],
+                                     "styles": p.get("styles"), "truncated": p.get("truncated"),
+                                     "greedy_response": p.get("greedy_response")}, default=str) + "\n")
+    atomic_write_text(paths["samples"], "".join(lines))
+    atomic_write_text(paths["markdown"], results_markdown(result))
+    write_eval_json(out_dir, task=result["task"], name=name, role=role, metrics=result["metrics"],
+                    problems=result["problems"], settings=s, seed=seed, by_source=result.get("by_source"),
+                    info=info)
+    return paths
 
 
 def read_eval_json(path: str) -> Dict[str, Any]:
@@ -193,62 +252,89 @@ def read_eval_json(path: str) -> Dict[str, Any]:
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"no {EVAL_FILE} at {path!r}: a run directory must hold the eval output "
-            f"(written by openrlhf-div demo / eval; format in openrlhf_div/eval/results.py)")
+            f"(written by openrlhf-div demo / eval / train; format in openrlhf_div/eval/results.py)")
     with open(path) as f:
         d = json.load(f)
-    if d.get("format") != EVAL_FORMAT:
-        raise ValueError(f"{path}: format {d.get('format')!r} is not {EVAL_FORMAT!r}")
-    for key in ("task", "name", "role", "metrics"):
+    if not isinstance(d, dict) or d.get("format") != EVAL_FORMAT:
+        got = d.get("format") if isinstance(d, dict) else type(d).__name__
+        raise ValueError(f"{path}: format {got!r} is not {EVAL_FORMAT!r} (an older openrlhf-div wrote it: "
+                         f"evaluate the model again with `openrlhf-div eval`)")
+    for key in ("task", "name", "role", "metrics", "settings"):
         if key not in d:
             raise ValueError(f"{path}: eval.json lacks the {key!r} field")
     return d
 
 
-RESULTS_FILE = "results.json"  # written by `openrlhf-div eval` (openrlhf_div.eval.evaluate)
+# ------------------------------------------------------------------ comparable settings
+#: the settings that must agree for two evaluations to be compared
+COMPARED_SETTINGS = ("n", "temperature", "top_p", "max_new_tokens", "grading", "data_hash", "keep_k")
+
+
+def _setting(s: Mapping[str, Any], key: str) -> Any:
+    if key == "data_hash":
+        return (s.get("data") or {}).get("hash")
+    return s.get(key)
+
+
+def settings_differences(runs: Sequence[Tuple[str, Mapping[str, Any]]]) -> List[str]:
+    """Where the evaluation settings of ``runs`` (``[(label, settings)]``) disagree, one line
+    each (empty when they agree): ``n``, ``temperature``, ``top_p``, ``max_new_tokens``,
+    ``grading``, the evaluation data (its hash) and ``keep_k`` -- plus any run whose ``keep_k``
+    exceeds its ``n`` (keep / explore would then use fewer samples than they say)."""
+    out = []
+    for key in COMPARED_SETTINGS:
+        vals = [(label, _setting(s, key)) for label, s in runs]
+        if len({json.dumps(v, sort_keys=True) for _, v in vals}) > 1:
+            out.append(f"{key}: " + ", ".join(f"{label}={v!r}" for label, v in vals))
+    for label, s in runs:
+        if s.get("keep_k") is not None and s.get("n") is not None and int(s["keep_k"]) > int(s["n"]):
+            out.append(f"keep_k > n: {label} has keep_k={s['keep_k']} but n={s['n']} (lower --keep-k or raise --n)")
+    return out
+
+
+def check_settings(runs: Sequence[Tuple[str, Mapping[str, Any]]], allow_mismatch: bool = False,
+                   what: str = "compare") -> List[str]:
+    """:func:`settings_differences`; raises ``ValueError`` listing them unless ``allow_mismatch``
+    (then they are returned, for the report to mark)."""
+    diffs = settings_differences(runs)
+    if diffs and not allow_mismatch:
+        raise ValueError(f"{what}: the runs were evaluated with different settings, so their numbers are not "
+                         "comparable:\n  " + "\n  ".join(diffs) +
+                         "\nEvaluate them alike, or pass --allow-mismatch to compare anyway (the report marks it)")
+    return diffs
+
+
 _SEED_DIR = re.compile(r"seed[_-]?(\d+)$")
 
 
-def load_run(spec: str, role: Optional[str] = None) -> Dict[str, Any]:
-    """One run for ``compare``, as an ``eval.json``-shaped dict.
+def load_run(spec: str, role: Optional[str] = None, *, evaluate_missing: bool = True) -> Dict[str, Any]:
+    """One run for ``compare``, as an ``eval.json`` dict (plus ``_path``).
 
-    ``spec`` is ``[NAME=]PATH``; ``PATH`` is a run directory (or file) holding ``eval.json``
-    or, failing that, ``results.json`` from ``openrlhf-div eval``. For a ``results.json`` the
-    metrics are recomputed from its per-problem ``correct`` lists (no styles), the name is
-    ``NAME`` or the directory name (``.../grpo/seed1`` -> name ``grpo``, seed 1), and the
-    role is ``role`` (default ``"method"``).
+    ``spec`` is ``[NAME=]PATH``; ``PATH`` is an ``eval.json`` file, a directory holding one
+    (``openrlhf-div eval``/``demo`` outputs, and ``train`` run directories with an in-training
+    evaluation), or a ``train`` run directory without one: its final model is then evaluated on
+    its config's ``data.eval`` and the ``eval.json`` written there
+    (:func:`openrlhf_div.engines.local.evaluation.evaluate_run_dir`). ``NAME`` overrides the
+    name; ``.../grpo/seed1`` without a seed in the file gives seed 1.
     """
     name = None
     if "=" in spec and not os.path.exists(spec):
         name, spec = spec.split("=", 1)
     path = spec
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, EVAL_FILE)) \
-            and os.path.isfile(os.path.join(path, RESULTS_FILE)):
-        path = os.path.join(path, RESULTS_FILE)
-    if os.path.basename(path) != RESULTS_FILE:
-        d = read_eval_json(path)
-        d["_path"] = os.path.abspath(path if os.path.isfile(path) else os.path.join(path, EVAL_FILE))
-        if name:
-            d["name"] = name
-        if role:
-            d["role"] = role
-        return d
-    with open(path) as f:
-        r = json.load(f)
-    if not isinstance(r, dict) or "problems" not in r:
-        raise ValueError(f"{path}: not an `openrlhf-div eval` results file (no 'problems' list)")
-    run_dir = os.path.dirname(os.path.abspath(path))
-    seed = r.get("seed")
-    if name is None:
+            and os.path.isfile(os.path.join(path, "config.yaml")) and evaluate_missing:
+        from openrlhf_div.engines.local.evaluation import evaluate_run_dir
+
+        evaluate_run_dir(path)
+    d = read_eval_json(path)
+    d["_path"] = os.path.abspath(path if os.path.isfile(path) else os.path.join(path, EVAL_FILE))
+    run_dir = os.path.dirname(d["_path"])
+    if d.get("seed") is None:
         m = _SEED_DIR.search(os.path.basename(run_dir))
         if m:
-            seed = int(m.group(1))
-            name = os.path.basename(os.path.dirname(run_dir))
-        else:
-            name = os.path.basename(run_dir)
-    problems = [{"id": str(p["id"]), "source": str(p.get("source", "")), "correct": [int(bool(c)) for c in p["correct"]]}
-                for p in r["problems"]]
-    role = role or "method"
-    return {"_path": os.path.abspath(path), "format": EVAL_FORMAT, "task": r.get("task", "?"), "name": name,
-            "role": role, "seed": seed,
-            "settings": {k: r[k] for k in ("model", "sampling", "n") if k in r},
-            "metrics": model_metrics(problems, is_base=(role == "base")), "problems": problems}
+            d["seed"] = int(m.group(1))
+    if name:
+        d["name"] = name
+    if role:
+        d["role"] = role
+    return d

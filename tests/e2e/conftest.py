@@ -22,14 +22,14 @@ def _have_stack() -> str:
     return ""
 
 
-GATE = "OPENRLHF_DIV_RAY_E2E"
+#: set to 1 to leave the end-to-end run out of a local `bash scripts/test.sh` (never in CI)
+SKIP = "OPENRLHF_DIV_SKIP_RAY_E2E"
 
 
 @pytest.fixture(scope="session")
 def tiny_experiment(tmp_path_factory):
-    if os.environ.get(GATE) != "1":
-        # Opt-in until a full run has passed on the CI machine (see docs/scaling.md, "ray_e2e").
-        pytest.skip(f"the Ray/vLLM end-to-end run is opt-in for now: {GATE}=1 bash scripts/test.sh tests/e2e")
+    if os.environ.get(SKIP) == "1":
+        pytest.skip(f"{SKIP}=1: the Ray/vLLM end-to-end run was switched off by hand")
     why = _have_stack()
     if why and os.environ.get("CI"):
         pytest.fail(why)  # the README's set-up installs the whole stack: in CI it must run

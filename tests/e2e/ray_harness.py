@@ -112,7 +112,12 @@ def build_tiny_experiment(root: str, *, n_prompts: int = 8, seed: int = 0) -> Ti
 
 # ------------------------------------------------------------------ a private Ray head
 class RayHead:
-    """``ray start --head --block`` on 127.0.0.1 in its own process group (see module doc)."""
+    """``ray start --head`` on 127.0.0.1 in its own process group (see module doc).
+
+    Not ``--block``: in that mode ``ray start`` kills the whole cluster when any subprocess
+    exits, and on a loaded 2-core machine the Ray Client server (unused here: jobs go through
+    the dashboard) gives up after its hard-coded 30 s wait for the raylet and exits 1. Without
+    ``--block`` the processes run detached and :meth:`stop` kills them by temp dir / GCS port."""
 
     def __init__(self, *, num_cpus: int = 8, num_gpus: int = 4, env: Optional[Dict[str, str]] = None,
                  probe: bool = True, keep_logs: Optional[str] = None):
@@ -172,7 +177,7 @@ class RayHead:
         # the ports Ray fixes by default (52365, 10001); the others it picks at random itself
         ports = {f"--{k}": str(free_port()) for k in ("dashboard-agent-listen-port", "ray-client-server-port")}
         lo = free_port()
-        cmd = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block",
+        cmd = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head",
                "--node-ip-address", "127.0.0.1", "--port", str(self.gcs_port),
                "--include-dashboard=true", "--dashboard-host", "127.0.0.1",
                "--dashboard-port", str(self.dashboard_port), "--num-cpus", str(self.num_cpus),
@@ -187,7 +192,7 @@ class RayHead:
         import urllib.request
 
         while time.time() < deadline:
-            if self.proc.poll() is not None:
+            if self.proc.poll() not in (None, 0):
                 log, rc = self.head_log(), self.proc.returncode
                 self.stop()
                 raise RuntimeError(f"ray start exited {rc}: {log[-3000:]}")
@@ -248,10 +253,13 @@ class RayHead:
         return out
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        if self.proc is not None:
+            # the group outlives `ray start` (it returns once the cluster is up): the daemons and
+            # the workers (whose command lines Ray rewrites to ray::...) are still in it
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
                 self.proc.wait(timeout=30)
+                time.sleep(2.0)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 pass
         for sig in (signal.SIGTERM, signal.SIGKILL):  # stragglers that left the group
@@ -263,7 +271,7 @@ class RayHead:
                     pass
             if pids:
                 time.sleep(2.0)
-        if self.proc is not None and self.proc.poll() is None:
+        if self.proc is not None:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:

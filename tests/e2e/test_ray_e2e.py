@@ -53,7 +53,8 @@ def _weights_changed(exp, model_dir):
     import torch
 
     before, after = h.load_state_dict(exp.model), h.load_state_dict(model_dir)
-    assert set(before) == set(after)
+    # the tiny model ties its head to the embedding: OpenRLHF's export also writes lm_head.weight
+    assert set(before) <= set(after), sorted(set(before) ^ set(after))
     return max(float((before[k].float() - after[k].float()).abs().max()) for k in before)
 
 
@@ -81,7 +82,10 @@ def test_dph_js_job_anchors_from_presampling_reach_the_loss(ray_head, tiny_exper
 def test_rkl_job_with_reference_actor_resumes_at_step_3(ray_head, tiny_experiment, tmp_path):
     run = str(tmp_path / "rkl")
     _job(ray_head, tiny_experiment, "rkl", run)
-    _check_training(run, tiny_experiment, [1, 2])
+    sc = _check_training(run, tiny_experiment, [1, 2])
+    # the reference actor's log-probs reach the loss: KL(pi || ref) is 0 at step 1 (same weights)
+    # and positive once the policy has moved
+    assert sc["train/div/kl"][1] == pytest.approx(0.0, abs=1e-6) and sc["train/div/kl"][2] > 0, sc["train/div/kl"]
     assert os.path.isdir(os.path.join(run, "ckpt", "_actor", "global_step2"))
     first = h.load_state_dict(os.path.join(run, "model"))
     n_syncs = len(h.probe_records(run))

@@ -206,3 +206,65 @@ def read_jsonl_rows(path: str, say: Callable[[str], None] = None) -> Tuple[List[
             raise ValueError(f"{path}:{i}: not valid JSON ({exc}); this is not the last line, so the file was not "
                              "just cut off: fix or remove that line") from None
     return rows, torn
+
+
+# ------------------------------------------------------------------ trainer checkpoints
+def rng_states(gen_rng: torch.Generator, train_rng: torch.Generator) -> Dict[str, Any]:
+    """Every random stream a run draws from: Python, NumPy, torch (CPU and CUDA), the sampling
+    generator and the training generator (mini-batch order, Clip-Cov's token choice)."""
+    import random
+
+    import numpy as np
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "gen": gen_rng.get_state(), "train": train_rng.get_state()}
+
+
+def restore_rng_states(rng: Dict[str, Any], gen_rng: torch.Generator, train_rng: torch.Generator) -> None:
+    """Put back what :func:`rng_states` saved."""
+    import random
+
+    import numpy as np
+
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    gen_rng.set_state(rng["gen"])
+    train_rng.set_state(rng["train"])
+
+
+def write_checkpoint(root: str, step: int, model, tokenizer, state: Dict[str, Any], keep: int) -> str:
+    """``root/step_<step>``: the model + tokenizer (``save_pretrained``), ``trainer_state.pt``
+    (``state``) and the manifest, written into a temporary directory and renamed into place;
+    then ``latest`` is switched atomically and all but the newest ``keep`` checkpoints deleted."""
+    import shutil
+
+    from .tiny import _atomic_dir_write
+
+    name = f"step_{step:06d}"
+
+    def write(tmp):
+        model.save_pretrained(os.path.join(tmp, "model"))
+        tokenizer.save_pretrained(os.path.join(tmp, "model"))
+        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+        write_manifest(tmp)
+
+    os.makedirs(root, exist_ok=True)
+    path = _atomic_dir_write(os.path.join(root, name), write)
+    atomic_write_text(os.path.join(root, "latest"), name + "\n")
+    old = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.startswith("."))
+    for d in old[:-max(1, keep)]:
+        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+    return path
+
+
+def read_trainer_state(path: str) -> Dict[str, Any]:
+    """``path/trainer_state.pt`` (a checkpoint directory), or :class:`CorruptCheckpointError`."""
+    state_file = os.path.join(path, "trainer_state.pt")
+    try:
+        return torch.load(state_file, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - an unverified (pre-manifest) checkpoint may be torn
+        raise CorruptCheckpointError(f"{state_file}: cannot be read ({type(exc).__name__}: {exc})") from None

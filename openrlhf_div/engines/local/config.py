@@ -1,5 +1,6 @@
 """The local engine's configuration: one dataclass per section, each option documented
-where it is declared (TRL style), loaded from YAML with ``key=value`` overrides.
+where it is declared (TRL style), loaded by the one config loader (:mod:`openrlhf_div.config`: YAML, ``extends:``,
+``key=value`` overrides).
 
     cfg = load_config("configs/local_example.yaml", ["method.name=dph_js", "optim.steps=50"])
 
@@ -12,13 +13,15 @@ key and the closest valid ones.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
+from openrlhf_div.config import ConfigError, deep_merge, load, parse_overrides, unknown_key
+
+__all__ = ["ConfigError", "TrainConfig", "config_from_dict", "config_help", "dump_config", "load_config",
+           "parse_overrides"]
 
 def _f(default=None, help: str = "", factory=None):
     if factory is not None:
@@ -244,19 +247,8 @@ class TrainConfig:
         return self
 
 
-class ConfigError(ValueError):
-    """A bad configuration key or value; the message says which and what to do."""
-
-
 # ---------------------------------------------------------------------- loading
-def _unknown_key(key: str, valid: Sequence[str], where: str) -> ConfigError:
-    close = difflib.get_close_matches(key.split(".")[-1], list(valid), n=3, cutoff=0.5)
-    prefix = where + "." if where else ""
-    hint = f" Did you mean {', '.join(repr(prefix + c) for c in close)}?" if close else ""
-    return ConfigError(f"unknown config key {key!r}.{hint} Valid keys{' in ' + where if where else ''}: "
-                       f"{', '.join(sorted(valid))}")
-
-
+# YAML, extends and overrides: openrlhf_div.config (the one loader); the schema is this module's.
 def _coerce(key: str, hint: Any, val: Any) -> Any:
     """Convert ``val`` to a scalar field's type (YAML reads ``1e-3`` as a string, for one)."""
     text = str(hint)
@@ -299,7 +291,7 @@ def _from_dict(cls, data: Dict[str, Any], where: str = ""):
     for k, v in data.items():
         full = f"{where}.{k}" if where else k
         if k not in fields:
-            raise _unknown_key(full, list(fields), where)
+            raise unknown_key(full, list(fields), where)
         ftype = fields[k].default_factory if fields[k].default_factory is not dataclasses.MISSING else None
         if dataclasses.is_dataclass(ftype):
             kwargs[k] = _from_dict(ftype, v or {}, full)
@@ -308,47 +300,22 @@ def _from_dict(cls, data: Dict[str, Any], where: str = ""):
     return cls(**kwargs)
 
 
-def parse_overrides(overrides: Sequence[str]) -> Dict[str, Any]:
-    """``["a.b=1", "c=x"]`` -> nested dict ``{"a": {"b": 1}, "c": "x"}`` (values parsed as YAML)."""
-    out: Dict[str, Any] = {}
-    for item in overrides or ():
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like key=value (e.g. method.name=dph_js)")
-        key, raw = item.split("=", 1)
-        key = key.strip()
-        if not key:
-            raise ConfigError(f"override {item!r} has an empty key")
-        try:
-            val = yaml.safe_load(raw) if raw.strip() != "" else ""
-        except yaml.YAMLError:
-            val = raw
-        node = out
-        parts = key.split(".")
-        for p in parts[:-1]:
-            nxt = node.setdefault(p, {})
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"override {item!r} conflicts with an earlier override of {p!r}")
-            node = nxt
-        node[parts[-1]] = val
-    return out
-
-
-def _merge(base: Dict[str, Any], extra: Dict[str, Any], replace_method: bool = True) -> Dict[str, Any]:
-    out = dict(base)
-    for k, v in extra.items():
-        if k == "method" and isinstance(v, dict) and replace_method and "name" in v \
-                and v.get("name") != (base.get("method") or {}).get("name"):
-            # switching method: the old method's hyperparameters would not apply to the new one
-            out[k] = dict(v)
-        elif isinstance(v, dict) and isinstance(out.get(k), dict) and k not in ("task_options",):
-            out[k] = _merge(out[k], v, replace_method=False)
-        else:
-            out[k] = v
-    return out
+def _merge(base: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:
+    """The loader's deep merge with this schema's two exceptions: switching ``method.name``
+    drops the old method's hyperparameters (they would not apply to the new one), and
+    ``task_options`` is replaced whole (they are one task factory's keyword arguments)."""
+    base = dict(base)
+    m, old = extra.get("method"), base.get("method")
+    old_name = old.get("name") if isinstance(old, dict) else old
+    if isinstance(m, str) or (isinstance(m, dict) and "name" in m and m.get("name") != old_name):
+        base["method"] = {}
+    if "task_options" in extra:
+        base["task_options"] = {}
+    return deep_merge(base, extra)
 
 
 def config_from_dict(data: Dict[str, Any], overrides: Sequence[str] = ()) -> TrainConfig:
-    merged = _merge(data or {}, parse_overrides(overrides))
+    merged = _merge(data or {}, parse_overrides(overrides)) if overrides else dict(data or {})
     cfg = _from_dict(TrainConfig, merged)
     if isinstance(cfg.method, str):
         cfg.method = {"name": cfg.method}
@@ -360,17 +327,9 @@ def config_from_dict(data: Dict[str, Any], overrides: Sequence[str] = ()) -> Tra
 
 
 def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> TrainConfig:
-    """Read a YAML config (or start from the defaults when ``path`` is None), apply
+    """Read a YAML config (``extends:`` followed; the defaults when ``path`` is None), apply
     ``key=value`` overrides and validate."""
-    data: Dict[str, Any] = {}
-    if path is not None:
-        if not os.path.exists(path):
-            raise ConfigError(f"config file {path!r} does not exist")
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path!r} must hold a YAML mapping, got {type(data).__name__}")
-    return config_from_dict(data, overrides)
+    return config_from_dict(load(path, overrides, merge=_merge))
 
 
 def dump_config(cfg: TrainConfig) -> str:

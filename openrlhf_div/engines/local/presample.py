@@ -152,8 +152,7 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
               max_new_chunks: Optional[int] = None, progress: bool = True) -> Dict[str, Any]:
     """Run (or resume) the pre-sampling stage; returns the summary (``{"complete": False,
     ...}`` when ``max_new_chunks`` stopped it early; run again to continue)."""
-    from tqdm.auto import tqdm
-
+    from openrlhf_div.progress import progress_bar
     from openrlhf_div.tasks import get_task
 
     from .trainer import build_policy, resolve_device
@@ -204,8 +203,8 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
     if max_new_chunks is not None:
         todo = todo[:max(0, int(max_new_chunks))]
     t0 = time.time()
-    bar = tqdm(total=len(examples), initial=min(len(done) * C, len(examples)), desc="presample", unit="prompt",
-               disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(total=len(examples), initial=min(len(done) * C, len(examples)), desc="presample",
+                       unit="prompt", disable=not progress, dynamic_ncols=True)
     for c in todo:
         part = examples[c * C:(c + 1) * C]
         res = _process_chunk(model, tokenizer, task, part, c, s, device, prompts, prompt_texts)

@@ -15,10 +15,14 @@ import contextlib
 import os
 import re
 import shutil
+import sys
 import tempfile
 from typing import Iterable, Optional, Sequence, Tuple, Union
 
 import torch
+
+from openrlhf_div.io import apply_umask_modes_tree
+from openrlhf_div.progress import quiet_library_bars
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
@@ -105,18 +109,29 @@ def build_tiny_model(vocab: Union[str, Sequence[str]], *, seed: int = 0, hidden_
     return model, tokenizer
 
 
-@contextlib.contextmanager
-def quiet_hf_progress():
-    """Silence transformers' per-shard progress bars (noise inside a training loop)."""
-    from transformers.utils import logging as hf_logging
+quiet_hf_progress = quiet_library_bars  # noqa: E305 (the one helper: openrlhf_div.progress)
 
-    was = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
+
+@contextlib.contextmanager
+def no_deepspeed_autodetect():
+    """Keep DeepSpeed's accelerator auto-detection quiet on a CPU-only local run.
+
+    The local engine never uses DeepSpeed, but ``save_pretrained`` -> ``unwrap_model`` ->
+    accelerate's ``extract_model_from_parallel`` imports it whenever it is installed, and its
+    auto-detection then warns "Setting accelerator to CPU ... unable to detect" at the end of
+    every run. With no GPU (CUDA or MPS) CPU is what DeepSpeed would pick anyway, so inside this
+    context, when DeepSpeed is not loaded yet and ``DS_ACCELERATOR`` is unset, it is set to
+    ``cpu`` (DeepSpeed's own override: same choice, no warning) and removed afterwards."""
+    set_here = ("deepspeed" not in sys.modules and "DS_ACCELERATOR" not in os.environ
+                and not torch.cuda.is_available()
+                and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()))
+    if set_here:
+        os.environ["DS_ACCELERATOR"] = "cpu"
     try:
         yield
     finally:
-        if was:
-            hf_logging.enable_progress_bar()
+        if set_here:
+            os.environ.pop("DS_ACCELERATOR", None)
 
 
 def _atomic_dir_write(path: str, write) -> str:
@@ -126,8 +141,10 @@ def _atomic_dir_write(path: str, write) -> str:
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
     try:
-        with quiet_hf_progress():
+        with quiet_hf_progress(), no_deepspeed_autodetect():
             write(tmp)
+        # mkdtemp made the folder 0700 and save_pretrained writes its safetensors 0600: follow the umask
+        apply_umask_modes_tree(tmp)
         old = None
         if os.path.exists(path):
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=parent)

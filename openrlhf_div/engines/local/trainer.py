@@ -49,9 +49,6 @@ import json
 import math
 import os
 import random
-import shutil
-import signal
-import subprocess
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -73,10 +70,14 @@ from .generation import (
     response_forward,
     sequence_log_probs,
 )
-from .checkpoint import (CorruptCheckpointError, NonFiniteWeightsError, check_weights, read_jsonl_rows,  # noqa: F401
-                         resume_checkpoint, weight_norm, write_manifest)
-from .tiny import _atomic_dir_write, build_tiny_model, load_model, save_model
-from openrlhf_div.io import atomic_write_json, atomic_write_text
+from .evaluation import eval_row, evaluate_policy
+from .checkpoint import (CorruptCheckpointError, NonFiniteWeightsError, check_weights,  # noqa: F401
+                         latest_pointer, read_trainer_state, restore_rng_states, resume_checkpoint, rng_states,
+                         weight_norm, write_checkpoint)
+from .interrupt import GracefulInterrupt
+from .runlog import RunLog
+from .step_metrics import StepMetrics
+from .tiny import build_tiny_model, load_model, save_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -99,15 +100,6 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(f"device={name!r} but CUDA is not available; use device=cpu")
     return torch.device(name)
-
-
-def git_commit() -> Optional[str]:
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or None if out.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def fit_width(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -145,46 +137,6 @@ def build_policy(cfg: TrainConfig, device: torch.device, path: Optional[str] = N
                                       num_heads=m.tiny_heads, num_kv_heads=m.tiny_kv_heads, dtype=dtype)
         model.to(device)
     return model, tok
-
-
-# =============================================================================== evaluation
-@torch.no_grad()
-def evaluate_pass_at_k(model, tokenizer, task, examples: Sequence[Dict[str, Any]], *, n_samples: int = 8,
-                       ks: Sequence[int] = (1, 4, 8), temperature: float = 1.0, top_p: float = 1.0,
-                       max_new_tokens: int = 16, seed: int = 0, batch_size: Optional[int] = 512,
-                       return_samples: bool = False, data_cfg=None) -> Dict[str, Any]:
-    """Unbiased pass@k over ``examples`` (``n_samples`` each): ``mean_x 1 - C(n-c,k)/C(n,k)``
-    with ``c`` the task-correct samples of prompt ``x`` (:func:`openrlhf_div.eval.pass_at_k`).
-
-    Returns ``{"pass@k": ..., "reward_mean", "n_prompts", "n_samples", "per_prompt":
-    [{"id", "n", "c"}]}`` (+ ``"samples"``: per prompt the texts and correctness, when
-    ``return_samples``). Sampling uses its own generator seeded by ``seed``.
-    """
-    from openrlhf_div.eval import pass_at_k
-
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(int(seed))
-    prompts = [render_prompt(task, tokenizer, ex, data_cfg) for ex in examples]
-    out = generate(model, tokenizer, prompts, n_samples=n_samples, max_new_tokens=max_new_tokens,
-                   temperature=temperature, top_p=top_p, generator=gen, batch_size=batch_size)
-    per_prompt, samples, rewards = [], [], []
-    for i, ex in enumerate(examples):
-        texts = out.texts[i * n_samples:(i + 1) * n_samples]
-        res = task.reward_results(texts, [ex.get("label")] * len(texts))
-        rewards += [r.reward for r in res]
-        per_prompt.append({"id": ex.get("id"), "n": n_samples, "c": int(sum(r.correct for r in res))})
-        if return_samples:
-            samples.append({"id": ex.get("id"), "prompt": prompts[i], "texts": texts,
-                            "correct": [bool(r.correct) for r in res], "rewards": [float(r.reward) for r in res],
-                            "info": [r.info for r in res]})
-    result: Dict[str, Any] = {"n_prompts": len(examples), "n_samples": n_samples,
-                              "reward_mean": float(np.mean(rewards)) if rewards else 0.0}
-    for k in ks:
-        if 1 <= k <= n_samples:
-            result[f"pass@{k}"] = float(np.mean([pass_at_k(p["n"], p["c"], k) for p in per_prompt]))
-    result["per_prompt"] = per_prompt
-    if return_samples:
-        result["samples"] = samples
-    return result
 
 
 # =============================================================================== experience
@@ -305,12 +257,13 @@ class Trainer:
         self.gen_rng = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.train_rng = torch.Generator(device="cpu").manual_seed(cfg.seed + 2)
         self.step = 0
+        self.log = RunLog(self.run_dir, tensorboard=cfg.logging.tensorboard, run_name=self.method.name,
+                          config={"method": self.method.describe(), "seed": cfg.seed})
         if ckpt:
             self._load_checkpoint(ckpt)
         # reference for the exploding-weights check after every optimizer step
         self._start_weight_norm = weight_norm(self._checked_params())
-        self._interrupted = False
-        self._tb = None
+        self.interrupt = GracefulInterrupt()
         self._degenerate = DegenerateMonitor(cfg.optim.stop_after_degenerate_steps)
 
     # ------------------------------------------------------------------ data plumbing
@@ -434,9 +387,7 @@ class Trainer:
         lr_f = lr_factor(self.step, o.steps, o.lr_schedule, o.warmup_steps, o.min_lr_ratio)
         for group, base_lr in zip(self.optimizer.param_groups, self._base_lrs):
             group["lr"] = base_lr * lr_f
-        sums: Dict[str, float] = {}
-        counts: Dict[str, int] = {}
-        n_opt = 0
+        acc = StepMetrics()
         for epoch in range(o.ppo_epochs):
             perm = torch.randperm(len(exp), generator=self.train_rng)
             for mb_i, rows in enumerate(torch.tensor_split(perm, o.mini_batches)):
@@ -458,13 +409,7 @@ class Trainer:
                                                     where=dict(epoch=epoch, mini_batch=mb_i, micro_batch=k),
                                                     num_anchor_seqs=float(len(anchors)))
                     loss.backward()
-                    for key, val in metrics.items():
-                        # loss parts are already divided by the step's global counts: they add up
-                        if key.startswith("loss"):
-                            sums[f"{key}@{n_opt}"] = sums.get(f"{key}@{n_opt}", 0.0) + val
-                        else:
-                            sums[key] = sums.get(key, 0.0) + val
-                            counts[key] = counts.get(key, 0) + 1
+                    acc.add_micro_batch(metrics)
                 if self.master is not None:  # bfloat16 gradients -> the float32 master copies
                     self.master.grads_to_master()
                 params = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -476,17 +421,9 @@ class Trainer:
                 if self.master is not None:
                     self.master.master_to_model()
                 self._check_weights(f"at step {self.step + 1} (epoch {epoch}, mini-batch {mb_i})")
-                sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm
-                counts["grad_norm"] = counts.get("grad_norm", 0) + 1
-                n_opt += 1
-        out: Dict[str, float] = {}
-        for key, val in sums.items():
-            if "@" in key:
-                base = key.split("@")[0]
-                out[base] = out.get(base, 0.0) + val / n_opt
-            else:
-                out[key] = val / counts[key]
-        out["optimizer_steps"] = float(n_opt)
+                acc.add_mean("grad_norm", grad_norm)
+                acc.end_optimizer_step()
+        out = acc.result()
         out["lr"] = float(self._base_lrs[0] * lr_f)
         return out
 
@@ -573,19 +510,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> Optional[Dict[str, Any]]:
+        """Evaluate the current policy on the held-out prompts (:mod:`.evaluation`): writes
+        ``eval.json`` (the latest evaluation), appends a row to ``eval.jsonl`` and returns it."""
         if not self.eval_examples:
             return None
-        e, r = self.cfg.eval, self.cfg.rollout
-        self.model.eval()
-        res = evaluate_pass_at_k(self.model, self.tokenizer, self.task, self.eval_examples, n_samples=e.n_samples,
-                                 ks=e.k, temperature=r.temperature if e.temperature is None else e.temperature,
-                                 top_p=r.top_p, max_new_tokens=e.max_new_tokens or r.max_new_tokens,
-                                 seed=self.cfg.seed + 12345, data_cfg=self.cfg.data)
-        self.model.train()
-        res = {"step": self.step, **{k: v for k, v in res.items() if k != "per_prompt"}}
-        self._append_jsonl("eval.jsonl", res)
-        self._tb_log({f"eval/{k}": v for k, v in res.items() if k != "step"})
-        return res
+        res = evaluate_policy(self.model, self.tokenizer, self.task, self.eval_examples, self.cfg,
+                              run_dir=self.run_dir, name=self.method.name, step=self.step)
+        row = eval_row(self.step, res)
+        self.log.append("eval.jsonl", row)
+        self.log.scalars("eval", row, self.step)
+        return row
 
     # ------------------------------------------------------------------ checkpoints
     def _checked_params(self):
@@ -601,171 +535,88 @@ class Trainer:
         return os.path.join(self.run_dir, "checkpoints")
 
     def latest_checkpoint(self) -> Optional[str]:
-        p = os.path.join(self.checkpoint_dir(), "latest")
-        if not os.path.exists(p):
-            return None
-        with open(p) as f:
-            name = f.read().strip()
-        path = os.path.join(self.checkpoint_dir(), name)
-        return path if os.path.isdir(path) else None
+        return latest_pointer(self.checkpoint_dir())
 
     def save_checkpoint(self) -> str:
-        """Model, optimizer, log Z head, every RNG state and the data positions, written into
-        a temporary directory with a manifest (sizes, SHA-256) and renamed into place; then
-        ``latest`` is switched atomically. Refuses non-finite weights."""
+        """Model, optimizer, log Z head, every RNG state and the data positions
+        (:func:`.checkpoint.write_checkpoint`: atomic, with a manifest). Refuses non-finite weights."""
         self._check_weights(f"before saving the checkpoint of step {self.step}")
-        name = f"step_{self.step:06d}"
         state = {
             "step": self.step,
             "optimizer": self.optimizer.state_dict(),
             "master_weights": self.master.state_dict() if self.master is not None else None,
             "log_z_head": self.log_z_head.state_dict() if self.log_z_head is not None else None,
-            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                    "gen": self.gen_rng.get_state(), "train": self.train_rng.get_state()},
+            "rng": rng_states(self.gen_rng, self.train_rng),
             "prompt_cursor": self.prompt_cursor.state_dict(),
             "anchor_cursor": self.anchor_cursor.state_dict() if self.anchor_cursor is not None else None,
             "method": self.method.describe(),
         }
-
-        def write(tmp):
-            self.model.save_pretrained(os.path.join(tmp, "model"))
-            self.tokenizer.save_pretrained(os.path.join(tmp, "model"))
-            torch.save(state, os.path.join(tmp, "trainer_state.pt"))
-            write_manifest(tmp)
-
-        os.makedirs(self.checkpoint_dir(), exist_ok=True)
-        path = _atomic_dir_write(os.path.join(self.checkpoint_dir(), name), write)
-        atomic_write_text(os.path.join(self.checkpoint_dir(), "latest"), name + "\n")
-        keep = max(1, self.cfg.checkpoint.keep)
-        old = sorted(d for d in os.listdir(self.checkpoint_dir()) if d.startswith("step_") and not d.startswith("."))
-        for d in old[:-keep]:
-            shutil.rmtree(os.path.join(self.checkpoint_dir(), d), ignore_errors=True)
-        return path
+        return write_checkpoint(self.checkpoint_dir(), self.step, self.model, self.tokenizer, state,
+                                self.cfg.checkpoint.keep)
 
     def _load_checkpoint(self, path: str) -> None:
-        state_file = os.path.join(path, "trainer_state.pt")
-        try:
-            st = torch.load(state_file, map_location="cpu", weights_only=False)
-        except Exception as exc:  # noqa: BLE001 - an unverified (pre-manifest) checkpoint may be torn
-            raise CorruptCheckpointError(f"{state_file}: cannot be read ({type(exc).__name__}: {exc})") from None
+        st = read_trainer_state(path)
         self.step = int(st["step"])
         self.optimizer.load_state_dict(st["optimizer"])
         if self.master is not None and st.get("master_weights") is not None:
             self.master.load_state_dict(st["master_weights"])  # the exact float32 values, not the bf16 model's
         if self.log_z_head is not None and st.get("log_z_head") is not None:
             self.log_z_head.load_state_dict(st["log_z_head"])
-        rng = st["rng"]
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
-        if rng.get("cuda") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        self.gen_rng.set_state(rng["gen"])
-        self.train_rng.set_state(rng["train"])
+        restore_rng_states(st["rng"], self.gen_rng, self.train_rng)
         self.prompt_cursor.load_state_dict(st["prompt_cursor"])
         if self.anchor_cursor is not None and st.get("anchor_cursor") is not None:
             self.anchor_cursor.load_state_dict(st["anchor_cursor"])
         # metrics logged after this checkpoint belong to steps that will be redone
         for fname in ("metrics.jsonl", "eval.jsonl"):
-            self._truncate_jsonl(fname, self.step)
-
-    # ------------------------------------------------------------------ logging
-    def _append_jsonl(self, fname: str, row: Dict[str, Any]) -> None:
-        with open(os.path.join(self.run_dir, fname), "a") as f:
-            f.write(json.dumps(row, default=float) + "\n")
-
-    def _truncate_jsonl(self, fname: str, step: int) -> None:
-        p = os.path.join(self.run_dir, fname)
-        if not os.path.exists(p):
-            return
-        rows, _ = read_jsonl_rows(p)  # a torn last line (kill, full disk) is dropped with a warning
-        keep = [r for r in rows if r.get("step", 0) <= step]
-        atomic_write_text(p, "".join(json.dumps(r, default=float) + "\n" for r in keep))
-
-    def _tb_log(self, scalars: Dict[str, Any]) -> None:
-        if not self.cfg.logging.tensorboard:
-            return
-        if self._tb is None:
-            if getattr(self, "_tb_missing", False):
-                return
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                self._tb_missing = True
-                print("[openrlhf-div] TensorBoard logging is on but the `tensorboard` package is not installed: "
-                      "metrics go to metrics.jsonl only (pip install tensorboard, or logging.tensorboard=false)")
-                return
-            self._tb = SummaryWriter(os.path.join(self.run_dir, "tb"))
-        for k, v in scalars.items():
-            if isinstance(v, (int, float)) and math.isfinite(float(v)):
-                self._tb.add_scalar(k, float(v), self.step)
+            self.log.truncate(fname, self.step)
 
     def _write_run_info(self, resumed: bool) -> None:
-        import transformers
-
-        from openrlhf_div import __version__
-        os.makedirs(self.run_dir, exist_ok=True)
-        atomic_write_text(os.path.join(self.run_dir, "config.yaml"), dump_config(absolute_paths(self.cfg)))
-        info = {"seed": self.cfg.seed, "openrlhf_div": __version__, "git_commit": git_commit(),
-                "torch": torch.__version__, "transformers": transformers.__version__, "device": str(self.device),
-                "num_threads": torch.get_num_threads(), "method": self.method.describe(),
-                "n_train_examples": len(self.train_examples), "n_eval_examples": len(self.eval_examples),
-                "n_anchor_samples": len(self.anchor_samples), "reference_model_loaded": self.ref_model is not None,
-                "time": time.strftime("%Y-%m-%d %H:%M:%S"), "resumed_from_step": self.step if resumed else None}
-        atomic_write_json(os.path.join(self.run_dir, "run_info.json" if not resumed else
-                                       f"run_info.resume_{self.step:06d}.json"), info, default=str)
+        info = {"seed": self.cfg.seed, "device": str(self.device), "num_threads": torch.get_num_threads(),
+                "method": self.method.describe(), "n_train_examples": len(self.train_examples),
+                "n_eval_examples": len(self.eval_examples), "n_anchor_samples": len(self.anchor_samples),
+                "reference_model_loaded": self.ref_model is not None}
+        self.log.write_run_info(dump_config(absolute_paths(self.cfg)), info, self.step if resumed else None)
 
     # ------------------------------------------------------------------ the loop
-    def _on_sigint(self, signum, frame):
-        if self._interrupted:  # second Ctrl-C: stop now
-            raise KeyboardInterrupt
-        self._interrupted = True
-        print("\n[openrlhf-div] Ctrl-C: finishing this step, then writing a checkpoint (Ctrl-C again to abort)")
-
     def train(self, steps: Optional[int] = None) -> Dict[str, Any]:
         """Run until ``optim.steps`` (or ``steps``) RL steps are done; returns the last
         metrics and evaluation. Ctrl-C finishes the current step and checkpoints."""
-        from tqdm.auto import tqdm
+        from openrlhf_div.progress import progress_bar
 
         total = self.cfg.optim.steps if steps is None else steps
-        resumed = self.step > 0
-        self._write_run_info(resumed)
-        old_handler = None
-        try:
-            old_handler = signal.signal(signal.SIGINT, self._on_sigint)
-        except ValueError:  # not the main thread
-            pass
+        self._write_run_info(self.step > 0)
         last_eval = None
         last: Dict[str, float] = {}
         try:
-            if self.step == 0 and self.cfg.eval.at_start:
-                last_eval = self.evaluate()
-            bar = tqdm(total=total, initial=min(self.step, total), desc=f"train {self.method.name}",
-                       disable=not self.cfg.logging.progress, dynamic_ncols=True)
-            while self.step < total:
-                last = self.train_step()
-                try:
-                    self._degenerate.update(last, self.step)
-                finally:
-                    self._append_jsonl("metrics.jsonl", last)
-                self._tb_log({f"train/{k}": v for k, v in last.items() if k != "step"})
-                bar.update(1)
-                bar.set_postfix(reward=f"{last['reward_mean']:.3f}", loss=f"{last.get('loss', float('nan')):.4f}",
-                                degenerate=f"{int(last.get('degenerate_steps_total', 0))}/{self.step}",
-                                s_per_step=f"{last['time_step']:.2f}")
-                e = self.cfg.eval.every
-                if e and self.step % e == 0 and self.step < total:
+            with self.interrupt:
+                if self.step == 0 and self.cfg.eval.at_start:
                     last_eval = self.evaluate()
-                c = self.cfg.checkpoint.every
-                if (c and self.step % c == 0) or self._interrupted:
-                    self.save_checkpoint()
-                if self._interrupted:
-                    bar.close()
-                    print(f"[openrlhf-div] interrupted after step {self.step}; checkpoint written. Continue with "
-                          f"`openrlhf-div train --resume {self.run_dir}`")
-                    raise KeyboardInterrupt
-            bar.close()
+                bar = progress_bar(total=total, initial=min(self.step, total), desc=f"train {self.method.name}",
+                                   unit="step", disable=not self.cfg.logging.progress, dynamic_ncols=True)
+                while self.step < total:
+                    last = self.train_step()
+                    try:
+                        self._degenerate.update(last, self.step)
+                    finally:
+                        self.log.append("metrics.jsonl", last)
+                    self.log.scalars("train", last, self.step)
+                    bar.set_postfix(reward=f"{last['reward_mean']:.3f}",
+                                    loss=f"{last.get('loss', float('nan')):.4f}",
+                                    degenerate=f"{int(last.get('degenerate_steps_total', 0))}/{self.step}",
+                                    s_per_step=f"{last['time_step']:.2f}")
+                    bar.update(1)
+                    e = self.cfg.eval.every
+                    if e and self.step % e == 0 and self.step < total:
+                        last_eval = self.evaluate()
+                    c = self.cfg.checkpoint.every
+                    if (c and self.step % c == 0) or self.interrupt.requested:
+                        self.save_checkpoint()
+                    if self.interrupt.requested:
+                        bar.close()
+                        print(f"[openrlhf-div] interrupted after step {self.step}; checkpoint written. Continue "
+                              f"with `openrlhf-div train --resume {self.run_dir}`")
+                        raise KeyboardInterrupt
+                bar.close()
             if not (last_eval and last_eval.get("step") == self.step):
                 last_eval = self.evaluate()  # the final policy
             latest = self.latest_checkpoint()
@@ -773,10 +624,7 @@ class Trainer:
                 self.save_checkpoint()
             save_model(merged_for_saving(self.model), self.tokenizer, os.path.join(self.run_dir, "final_model"))
         finally:
-            if old_handler is not None:
-                signal.signal(signal.SIGINT, old_handler)
-            if self._tb is not None:
-                self._tb.flush()
+            self.log.close()
         return {"metrics": last, "eval": last_eval, "run_dir": self.run_dir}
 
 

@@ -38,10 +38,15 @@ import torch
 import torch.distributed as dist
 
 from openrlhf_div.algorithms.registry import Method, get_method
+from openrlhf_div.compat.flash_attn_standin import install as _install_flash_attn_standin
 
 from ..contract import rows_from_experience
 from .config import MegatronConfig, megatron_config_from_args
 from .loss import MicroBatch, step_counts
+
+# Ray unpickles this actor's arguments (OpenRLHF's strategy -> openrlhf.models -> flash_attn)
+# after importing this module: without flash-attn (CPU) the stand-in must already be there.
+_install_flash_attn_standin()  # no-op where flash-attn is installed
 
 logger = logging.getLogger(__name__)
 
@@ -69,16 +74,10 @@ def resolve_method(args) -> Method:
     if not m:
         raise ValueError("the Megatron actor needs the method: set --div.method (see `openrlhf-div methods`)")
     overrides = getattr(div, "hparams", None) or {}
-    if isinstance(overrides, (list, tuple)):
-        import yaml
+    if isinstance(overrides, (list, tuple)):  # key=value items, read by the one config loader
+        from openrlhf_div.config import parse_overrides
 
-        parsed = {}
-        for item in overrides:
-            if "=" not in item:
-                raise ValueError(f"method hyperparameter {item!r} is not key=value")
-            k, v = item.split("=", 1)
-            parsed[k.strip()] = yaml.safe_load(v)
-        overrides = parsed
+        overrides = parse_overrides(overrides, example="anchor_eta=0.1")
     return get_method(str(m), **dict(overrides))
 
 

@@ -14,6 +14,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from openrlhf_div.io import apply_umask_modes_tree
+
 __all__ = ["ShardedSafetensorsWriter"]
 
 
@@ -67,6 +69,7 @@ class ShardedSafetensorsWriter:
             config.save_pretrained(self.tmp_dir)
         if tokenizer is not None:
             tokenizer.save_pretrained(self.tmp_dir)
+        apply_umask_modes_tree(self.tmp_dir)  # safetensors writes 0600 whatever the umask
         if os.path.exists(self.out_dir):
             old = self.out_dir.rstrip("/") + ".old"
             shutil.rmtree(old, ignore_errors=True)

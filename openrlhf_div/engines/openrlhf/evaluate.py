@@ -5,16 +5,16 @@ them, and ``RUN_DIR/eval.json`` is written for ``openrlhf-div compare``.
         --data data/bird/dev.jsonl --n 16 --temperature 1.0 --top-p 0.95 --max-new-tokens 4096 \\
         --tp 1 --name dph_js --role method --seed 1 --out RUN_DIR
 
-The per-problem records (``id``, ``source``, ``correct``, ``responses``) and the metric dict
-come from :mod:`openrlhf_div.eval.results` (``model_metrics`` / ``write_eval_json``), the same
-format the demo writes, so one report covers both engines. Scoring (:func:`score_problems`)
-is a pure function of the texts; only :func:`sample` needs vLLM and a GPU.
+This is the project's one evaluation (:func:`openrlhf_div.eval.evaluate.evaluate`) with vLLM as
+the generate function (:func:`openrlhf_div.eval.generate.generate_vllm`) and OpenRLHF's prompt
+convention (``input_key``, the tokenizer's chat template) as the renderer; the result is written
+by :func:`openrlhf_div.eval.results.write_eval`, the same ``eval.json`` every engine and the demo
+write, so one report covers them all. Only :func:`make_vllm_generate_fn` needs vLLM and a GPU.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -33,45 +33,60 @@ def load_examples(path: str, input_key: str = "prompt", label_key: str = "label"
     return rows
 
 
-def score_problems(task, examples: Sequence[Dict[str, Any]], responses: Sequence[Sequence[str]],
-                   label_key: str = "label", keep_texts: bool = True) -> List[Dict[str, Any]]:
-    """Per-problem records for :func:`openrlhf_div.eval.results.model_metrics`."""
-    out = []
-    for i, (ex, texts) in enumerate(zip(examples, responses)):
-        results = [task.reward_result(t, ex.get(label_key)) for t in texts]
-        rec = {"id": str(ex.get("id", i)), "source": ex.get("source", ex.get("datasource", "default")),
-               "correct": [int(bool(r.correct)) for r in results]}
-        styles = [r.info.get("style") for r in results]
-        if any(s is not None for s in styles):
-            rec["styles"] = styles
-        if keep_texts:
-            rec["responses"] = list(texts)
-        out.append(rec)
-    return out
+def normalize_examples(examples: Sequence[Dict[str, Any]], input_key: str = "prompt",
+                       label_key: str = "label") -> List[Dict[str, Any]]:
+    """Rows of the evaluation JSONL as ``{id, source, prompt, label}`` (``id``: the row's, else
+    its index; ``source``: ``source`` or ``datasource``, else ``"default"``)."""
+    return [{"id": str(ex.get("id", i)), "source": str(ex.get("source", ex.get("datasource", "default"))),
+             "prompt": ex[input_key], "label": ex.get(label_key)} for i, ex in enumerate(examples)]
 
 
-def sample(model: str, prompts: Sequence[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
-           tp: int, seed: int) -> List[List[str]]:  # pragma: no cover - needs vLLM and a GPU
-    from vllm import LLM, SamplingParams
+def make_vllm_generate_fn(model: str, tp: int, seed: int):  # pragma: no cover - needs vLLM and a GPU
+    from vllm import LLM
+
+    from openrlhf_div.eval.generate import generate_vllm
 
     llm = LLM(model=model, tensor_parallel_size=tp, seed=seed, trust_remote_code=True)
-    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=seed)
-    outs = llm.generate(list(prompts), params)
-    return [[c.text for c in o.outputs] for o in outs]
+
+    def fn(prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=512, greedy=False):
+        return generate_vllm(llm, prompts, n, temperature, top_p, max_new_tokens, greedy, seed=seed)
+
+    return fn
 
 
-def render_prompts(model: str, examples, input_key: str, chat: bool) -> List[str]:
+def make_renderer(model: str, chat: bool):
+    """``render(example) -> str``: the prompt as is, or through the model's chat template."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model, trust_remote_code=True)
-    out = []
-    for ex in examples:
-        p = ex[input_key]
+    tok = AutoTokenizer.from_pretrained(model, trust_remote_code=True) if chat else None
+
+    def render(ex):
+        p = ex["prompt"]
         if chat:
             msgs = p if isinstance(p, list) else [{"role": "user", "content": p}]
-            p = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        out.append(p)
-    return out
+            return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return p if isinstance(p, str) else "\n\n".join(m["content"] for m in p) + "\n"
+
+    return render
+
+
+def run_evaluation(task, examples: Sequence[Dict[str, Any]], generate_fn, render, *, out: str, name: str,
+                   role: str = "method", seed: int = 0, n: int = 16, temperature: float = 1.0, top_p: float = 1.0,
+                   max_new_tokens: int = 2048, base_eval: Optional[str] = None, allow_mismatch: bool = False,
+                   model: Optional[str] = None, data: Optional[str] = None) -> Dict[str, str]:
+    """Evaluate and write ``out/eval.json`` (+ samples, table); ``base_eval``: the base's
+    eval.json for keep / explore (its settings must match unless ``allow_mismatch``)."""
+    from openrlhf_div.eval.evaluate import evaluate
+    from openrlhf_div.eval.results import check_settings, read_eval_json, write_eval
+
+    base = read_eval_json(base_eval) if base_eval else None
+    res = evaluate(task, examples, generate_fn, n=n, ks=[k for k in (1, 8, 16) if k <= n], temperature=temperature,
+                   top_p=top_p, max_new_tokens=max_new_tokens, keep_k=min(8, n), base_results=base,
+                   is_base=role == "base", render=render, batch_size=max(1, len(examples)))
+    mismatch = check_settings([("base", base["settings"]), (name, res["settings"])], allow_mismatch,
+                              what="--base-eval") if base else []
+    return write_eval(out, res, name=name, role=role, seed=seed, model=model, engine="vllm", data_paths=[data],
+                      info={"source": "openrlhf.evaluate", "base_eval": base_eval, "settings_mismatch": mismatch})
 
 
 def defaults_from_config(path: str) -> Dict[str, Any]:
@@ -110,6 +125,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--label-key", default="label")
     ap.add_argument("--no-chat-template", action="store_true")
     ap.add_argument("--base-eval", default=None, help="the base model's eval.json (keep/explore rates)")
+    ap.add_argument("--allow-mismatch", action="store_true",
+                    help="use --base-eval even when its evaluation settings differ (recorded in eval.json)")
     ap.add_argument("--dry-run", action="store_true", help="print the resolved settings and exit")
     argv = list(sys.argv[1:] if argv is None else argv)
     pre, _ = ap.parse_known_args(argv)
@@ -122,26 +139,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.dry_run:
         print(json.dumps(vars(a), indent=2))
         return 0
-    try:
-        from openrlhf_div.eval import results as R
-        from openrlhf_div.tasks import get_task
-    except ImportError as exc:  # pragma: no cover
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    from openrlhf_div.tasks import get_task
     task = get_task(a.task)
-    examples = load_examples(a.data, a.input_key, a.label_key)
-    prompts = render_prompts(a.model, examples, a.input_key, not a.no_chat_template)
-    texts = sample(a.model, prompts, a.n, a.temperature, a.top_p, a.max_new_tokens, a.tp, a.seed)
-    problems = score_problems(task, examples, texts, a.label_key)
-    base = None
-    if a.base_eval:
-        with open(a.base_eval) as fh:
-            base = json.load(fh)["problems"]
-    metrics = R.model_metrics(problems, base=base, is_base=a.role == "base")
-    os.makedirs(a.out, exist_ok=True)
-    path = R.write_eval_json(a.out, task=a.task, name=a.name, role=a.role, metrics=metrics, problems=problems,
-                             seed=a.seed, settings={k: v for k, v in vars(a).items() if k != "out"})
-    print(f"wrote {path}: pass@1 {metrics.get('pass@1')}")
+    examples = normalize_examples(load_examples(a.data, a.input_key, a.label_key))
+    paths = run_evaluation(task, examples, make_vllm_generate_fn(a.model, a.tp, a.seed),
+                           make_renderer(a.model, not a.no_chat_template), out=a.out, name=a.name, role=a.role,
+                           seed=a.seed, n=a.n, temperature=a.temperature, top_p=a.top_p,
+                           max_new_tokens=a.max_new_tokens, base_eval=a.base_eval, allow_mismatch=a.allow_mismatch,
+                           model=a.model, data=a.data)
+    print(f"wrote {paths['json']}")
     return 0
 
 

@@ -7,7 +7,8 @@
   accepted, with OpenRLHF's own defaults and help. :func:`finalize` executes the file's
   post-parse statements (``hierarchize`` and its validation), i.e. everything after
   ``parse_args`` except the final ``train(args)``. Nothing is copied from OpenRLHF.
-* **Configs.** A YAML file (``configs/openrlhf/*.yaml``) holds ``div:`` (``--div.*``),
+* **Configs.** A YAML file (``configs/openrlhf/*.yaml``, read by the one loader
+  :mod:`openrlhf_div.config`: ``extends:``, ``${VAR:-default}``) holds ``div:`` (``--div.*``),
   ``openrlhf:`` (OpenRLHF flags by dotted name) and ``cluster:`` (nodes x GPUs it must fit).
 * **Plan.** :func:`plan` merges config + command line + the flags the method implies
   (:mod:`.flags`), validates them with OpenRLHF's own checks, counts GPUs and renders the
@@ -29,11 +30,12 @@ import copy
 import datetime
 import importlib.util
 import os
-import re
 import shlex
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
+
+from openrlhf_div.config import expand_env, load, unknown_key
 
 from .flags import (
     Derived,
@@ -140,21 +142,6 @@ def finalize(parsed: argparse.Namespace):
 
 
 # ------------------------------------------------------------------ YAML configs
-_ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
-
-
-def expand_env(value: str) -> str:
-    """``${VAR}`` and ``${VAR:-default}``; an unset variable without a default is an error."""
-    def sub(m):
-        name, default = m.group(1), m.group(2)
-        if name in os.environ:
-            return os.environ[name]
-        if default is not None:
-            return default
-        raise ValueError(f"config refers to ${{{name}}}, which is not set (export it or write ${{{name}:-default}})")
-    return _ENV.sub(sub, value)
-
-
 def _flag_values(prefix: str, key: str, value, bool_values: bool = False) -> List[str]:
     """One config entry as flags. OpenRLHF's booleans are store_true switches (``true`` -> the
     bare flag, ``false`` -> nothing); ours take a value (``bool_values``)."""
@@ -176,15 +163,13 @@ CONFIG_SECTIONS = ("experiment", "description", "paper", "div", "openrlhf", "clu
 
 
 def load_config(path: str) -> Dict[str, Any]:
-    import yaml
-
-    with open(path) as fh:
-        cfg = yaml.safe_load(fh) or {}
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: a config is a mapping with sections {', '.join(CONFIG_SECTIONS)}")
-    unknown = sorted(set(cfg) - set(CONFIG_SECTIONS))
-    if unknown:
-        raise ValueError(f"{path}: unknown section(s) {unknown}; valid: {', '.join(CONFIG_SECTIONS)}")
+    """An experiment config through the one loader (:mod:`openrlhf_div.config`: ``extends:``
+    followed, so ``configs/openrlhf/<family>_<method>.yaml`` is its family base plus the
+    method's lines); ``${VAR:-default}`` is expanded later, where values become flags."""
+    cfg = load(path, what="experiment config")
+    for section in cfg:
+        if section not in CONFIG_SECTIONS:
+            raise unknown_key(section, CONFIG_SECTIONS, what=f"section in {path}:")
     return cfg
 
 
@@ -236,8 +221,14 @@ class Plan:
         a = self.args
         lines = [f"method      : {self.method.name} ({self.method.summary})"]
         lines += [f"  {n}" for n in self.derived.notes]
-        lines.append(f"policy actor: {a.actor.num_nodes} node(s) x {a.actor.num_gpus_per_node} GPU(s), "
-                     f"ZeRO-{a.ds.zero_stage}, DeepSpeed TP {a.ds.tensor_parallel_size}")
+        if getattr(a.div, "actor_backend", "deepspeed") == "megatron":
+            m = a.megatron
+            engine = (f"Megatron-core TP {m.tp} x PP {m.pp}"
+                      + (", distributed optimizer" if m.distributed_optimizer else "")
+                      + (", optimizer on the host" if m.optimizer_cpu_offload else ""))
+        else:
+            engine = f"DeepSpeed ZeRO-{a.ds.zero_stage}, TP {a.ds.tensor_parallel_size}"
+        lines.append(f"policy actor: {a.actor.num_nodes} node(s) x {a.actor.num_gpus_per_node} GPU(s), {engine}")
         if self.derived.reference_actor:
             shared = " (colocated with the policy actor)" if (a.train.colocate_actor_ref or a.train.colocate_all) else ""
             lines.append(f"reference   : {a.ref.num_nodes} node(s) x {a.ref.num_gpus_per_node} GPU(s){shared}")
@@ -323,6 +314,9 @@ def div_classes(args=None):
     With ``--div.actor_backend megatron`` the policy (and reference) actor classes are the
     Megatron-core ones; everything else (vLLM, rewards, the registry, anchors) is unchanged.
     """
+    from openrlhf_div.compat.flash_attn_standin import install as install_flash_attn_standin
+
+    install_flash_attn_standin()  # before openrlhf.models: a no-op where flash-attn is installed
     from openrlhf.cli import train_ppo_ray as upstream_cli
     from openrlhf.trainer import ppo_trainer
 

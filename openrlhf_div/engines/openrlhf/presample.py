@@ -316,8 +316,12 @@ def reference_actor_class(args):
 def run(args) -> Dict[str, Any]:
     """Sample, split, score and write (resumable). ``args`` is the hierarchized namespace."""
     import ray
-    from tqdm import tqdm
 
+    from openrlhf_div.progress import progress_bar
+
+    from openrlhf_div.compat.flash_attn_standin import install as install_flash_attn_standin
+
+    install_flash_attn_standin()  # before openrlhf.models (via the launcher); no-op with flash-attn
     from openrlhf.datasets import PromptDataset
     from openrlhf.trainer.ray import create_vllm_engines
     from openrlhf.trainer.ray.launcher import RayActorGroup
@@ -345,8 +349,8 @@ def run(args) -> Dict[str, Any]:
         group = RayActorGroup(args.ref.num_nodes, args.ref.num_gpus_per_node, ref_cls,
                               duplicate_actors=args.ds.ring_attn_size * args.ds.tensor_parallel_size)
         ray.get(group.async_init_model_from_pretrained(strategy, model))
-        bar = tqdm(total=len(rows), initial=len(rows) - sum(store.bounds(c)[1] - store.bounds(c)[0] for c in todo),
-                   desc="presample", unit="prompt")
+        bar = progress_bar(total=len(rows), desc="presample", unit="prompt",
+                           initial=len(rows) - sum(store.bounds(c)[1] - store.bounds(c)[0] for c in todo))
         for c in todo:
             lo, hi = store.bounds(c)
             prompts = [dataset.prompts[i] for i in range(lo, hi)]

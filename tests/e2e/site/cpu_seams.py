@@ -51,6 +51,10 @@ SEAMS: Dict[str, tuple] = {
         "utils/distributed_util.py:13-26 stateless_init_process_group, imported by name in "
         "trainer/ray/ppo_actor.py:24",
         "a gloo group on the same StatelessProcessGroup rendezvous; broadcast(tensor, src, stream)"),
+    "megatron-core 0.16 CUDA-only corners (our Megatron actor's engine)": (
+        "megatron/core hard-coded 'cuda' tensors, torch.cuda.current_device/streams, "
+        "CudaRNGStatesTracker.fork (tests/mcore_cpu.py lists them)",
+        "tests/mcore_cpu.megatron_cpu_compat around each MegatronEngine method"),
     "WorkerWrap.update_weight receive buffer": (
         "trainer/ray/vllm_worker_wrap.py:40 (torch.empty(..., device='cuda'))",
         "the buffer on the vLLM worker's own device (cpu)"),
@@ -81,7 +85,14 @@ def _patch_replay_buffer(mod) -> None:
     init = cls.__init__
 
     def __init__(self, *args, **kwargs):
-        init(self, *args, **kwargs)
+        # upstream builds torch.device(f"cuda:{current_device()}"): give it an index while it
+        # does (the device object is never used), then point the buffer at the CPU
+        current = torch.cuda.current_device
+        torch.cuda.current_device = lambda: 0
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            torch.cuda.current_device = current
         self.target_device = torch.device("cpu")
 
     cls.__init__ = __init__
@@ -116,10 +127,12 @@ class _GlooBroadcaster:
     def broadcast(self, tensor, src: int = 0, stream=None):
         import torch
 
-        buf = tensor.view(torch.int16) if tensor.dtype in (torch.bfloat16, torch.float16) else tensor
+        # gloo has no bfloat16 / int16 broadcast; a broadcast only copies bytes, so send bf16 as
+        # float16 bit patterns (the same two bytes per element, no arithmetic on them)
+        buf = tensor.view(torch.float16) if tensor.dtype == torch.bfloat16 else tensor
         if not buf.is_contiguous():
             raise ValueError("weight sync: non-contiguous tensor")
-        self.group.broadcast([buf], src).wait()
+        self.group.broadcast(buf, src).wait()
         return tensor
 
 
@@ -156,6 +169,39 @@ def _patch_worker_wrap(mod) -> None:
     cls.update_weight = update_weight
 
 
+def _patch_megatron_engine(mod) -> None:
+    """Run our Megatron engine's methods inside megatron-core's CPU shim (``tests/mcore_cpu.py``:
+    megatron-core 0.16's few hard-coded ``"cuda"`` tensors and ``torch.cuda`` calls -> CPU), the
+    shim the gloo tests of the engine use; the engine itself is unchanged."""
+    import functools
+
+    tests_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if tests_dir not in sys.path:
+        sys.path.insert(0, tests_dir)
+    from mcore_cpu import megatron_cpu_compat
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            with megatron_cpu_compat():
+                return fn(*args, **kwargs)
+        return inner
+
+    def wrap_gen(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            with megatron_cpu_compat():
+                yield from fn(*args, **kwargs)
+        return inner
+
+    cls = mod.MegatronEngine
+    for name in ("__init__", "forward_log_probs", "train_step", "save_checkpoint", "load_checkpoint",
+                 "offload", "reload", "save_hf"):
+        setattr(cls, name, wrap(getattr(cls, name)))
+    cls.iter_hf_weights = wrap_gen(cls.iter_hf_weights)
+    mod.init_megatron_parallel = wrap(mod.init_megatron_parallel)
+
+
 #: upstream module -> patch (applied right after the module is first imported)
 HOOKS: Dict[str, Callable] = {
     "openrlhf": lambda mod: _patch_torch(),
@@ -164,6 +210,7 @@ HOOKS: Dict[str, Callable] = {
     "openrlhf.utils.distributed_util": _patch_distributed_util,
     "openrlhf.trainer.ray.ppo_actor": _patch_ppo_actor,
     "openrlhf.trainer.ray.vllm_worker_wrap": _patch_worker_wrap,
+    "openrlhf_div.engines.megatron.engine": _patch_megatron_engine,
 }
 
 #: extra post-import hooks (the e2e probe registers its own through :func:`add_hook`)

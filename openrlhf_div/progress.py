@@ -1,0 +1,171 @@
+"""The one progress helper: a redrawn bar on a terminal, plain lines in a file.
+
+Every progress display of the project (training steps, evaluation, pre-sampling, the demo's
+warm-up, the bandit) goes through :func:`progress_bar`. On a terminal it is a ``tqdm`` bar
+(carriage-return redraws). When the stream is not a terminal (a log file, a pipe, CI) it is a
+:class:`LineProgress`: one ordinary line at most every ``every_percent`` percent of the total
+or every ``every_seconds`` seconds (whichever comes first), plus one at the end, so a log
+written to a file holds no ``\\r`` redraws::
+
+    train grpo: 40/100 (40%) 12.3 s, 3.25 step/s, reward=0.512, loss=0.0131
+
+Libraries we drive get the same treatment: :func:`quiet_library_bars` turns the Hugging Face
+Hub / transformers bars off around model loading and saving (per-shard noise inside a run);
+vLLM is called with ``use_tqdm=False``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from contextlib import contextmanager
+from typing import Any, Optional, TextIO
+
+__all__ = ["progress_bar", "LineProgress", "is_terminal", "quiet_library_bars"]
+
+
+def is_terminal(stream: Optional[TextIO] = None) -> bool:
+    """Whether ``stream`` (default ``sys.stderr``) is an interactive terminal."""
+    stream = sys.stderr if stream is None else stream
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # closed or not a file
+        return False
+
+
+class _NoProgress:
+    n = 0
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+    def set_postfix(self, *a: Any, **kw: Any) -> None:
+        pass
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        pass
+
+    def set_description(self, *a: Any, **kw: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class LineProgress(_NoProgress):
+    """Progress as plain lines (see the module docstring); the ``tqdm`` methods the project uses
+    (``update``, ``set_postfix``, ``set_description``, ``close``, context manager)."""
+
+    def __init__(self, total: Optional[int], desc: str = "", unit: str = "it", initial: int = 0,
+                 stream: Optional[TextIO] = None, every_percent: float = 10.0, every_seconds: float = 30.0,
+                 clock=time.monotonic):
+        self.total, self.desc, self.unit = total, desc, unit
+        self.n = self._start = int(initial)
+        self.stream = stream
+        self.every_percent, self.every_seconds = float(every_percent), float(every_seconds)
+        self._clock = clock
+        self._t0 = self._last_t = clock()
+        self._last_pct = self._pct()
+        self._postfix = ""
+        self._closed = False
+        self._printed_n = None
+
+    def _pct(self) -> float:
+        return 100.0 * self.n / self.total if self.total else 0.0
+
+    def _line(self) -> str:
+        el = self._clock() - self._t0
+        done = self.n - self._start
+        head = f"{self.desc}: " if self.desc else ""
+        if self.total:
+            head += f"{self.n}/{self.total} ({self._pct():.0f}%)"
+        else:
+            head += f"{self.n} {self.unit}"
+        rate = f", {done / el:.3g} {self.unit}/s" if el > 0 and done > 0 else ""
+        return f"{head} {el:.1f} s{rate}" + (f", {self._postfix}" if self._postfix else "")
+
+    def _emit(self) -> None:
+        print(self._line(), file=self.stream if self.stream is not None else sys.stderr, flush=True)
+        self._last_t, self._last_pct, self._printed_n = self._clock(), self._pct(), self.n
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = self._clock()
+        if (self.total and self._pct() - self._last_pct >= self.every_percent) or \
+                now - self._last_t >= self.every_seconds:
+            self._emit()
+
+    def set_postfix(self, ordered_dict=None, refresh: bool = True, **kw: Any) -> None:
+        items = dict(ordered_dict or {}, **kw)
+        self._postfix = ", ".join(f"{k}={v}" for k, v in items.items())
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        self._postfix = str(s)
+
+    def set_description(self, desc: Optional[str] = None, refresh: bool = True) -> None:
+        self.desc = desc or ""
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if self._printed_n != self.n and self.n != self._start:
+                self._emit()
+
+
+def progress_bar(total: Optional[int] = None, desc: str = "", unit: str = "it", initial: int = 0,
+                 disable: bool = False, stream: Optional[TextIO] = None, every_percent: float = 10.0,
+                 every_seconds: float = 30.0, **tqdm_kwargs: Any):
+    """A ``tqdm`` bar on a terminal, a :class:`LineProgress` otherwise, nothing when
+    ``disable``. ``stream`` defaults to ``sys.stderr``; ``tqdm_kwargs`` go to ``tqdm`` only."""
+    if disable:
+        return _NoProgress()
+    if is_terminal(stream):
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, unit=unit, initial=initial, file=stream, **tqdm_kwargs)
+    return LineProgress(total, desc=desc, unit=unit, initial=initial, stream=stream, every_percent=every_percent,
+                        every_seconds=every_seconds)
+
+
+@contextmanager
+def quiet_library_bars():
+    """Turn off the progress bars of Hugging Face Hub / transformers (weights loading, saving)
+    while inside."""
+    old = os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS")
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    hub = tf = None
+    try:
+        try:
+            from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars
+
+            hub = are_progress_bars_disabled()
+            disable_progress_bars()
+        except ImportError:  # pragma: no cover
+            pass
+        try:
+            from transformers.utils import logging as tf_logging
+
+            tf = tf_logging.is_progress_bar_enabled()
+            tf_logging.disable_progress_bar()
+        except ImportError:  # pragma: no cover
+            pass
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
+        else:
+            os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = old
+        if hub is False:
+            from huggingface_hub.utils import enable_progress_bars
+
+            enable_progress_bars()
+        if tf:
+            from transformers.utils import logging as tf_logging
+
+            tf_logging.enable_progress_bar()

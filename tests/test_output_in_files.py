@@ -1,0 +1,80 @@
+"""Output that reads well in a file: progress as plain lines (no carriage-return redraws) when
+the output is not a terminal, and no DeepSpeed accelerator warning on local CPU runs."""
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+
+from openrlhf_div.progress import LineProgress, progress_bar
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class _Clock:
+    t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_line_progress_prints_every_few_percent_or_seconds():
+    buf, clock = io.StringIO(), _Clock()
+    bar = LineProgress(total=100, desc="train grpo", unit="step", stream=buf, every_percent=25, every_seconds=60,
+                       clock=clock)
+    for i in range(100):
+        clock.t += 0.1
+        bar.set_postfix(loss=f"{i:.1f}")
+        bar.update(1)
+    bar.close()
+    lines = buf.getvalue().splitlines()
+    assert "\r" not in buf.getvalue()
+    assert [line.split(" ")[2] for line in lines] == ["25/100", "50/100", "75/100", "100/100"]
+    assert lines[-1].startswith("train grpo: 100/100 (100%) 10.0 s, 10 step/s, loss=99.0")
+    # time also triggers a line: 1 step a minute, 1000 steps -> a line per step after the first
+    buf2, clock2 = io.StringIO(), _Clock()
+    slow = LineProgress(total=1000, desc="x", stream=buf2, every_percent=10, every_seconds=30, clock=clock2)
+    for _ in range(3):
+        clock2.t += 31
+        slow.update(1)
+    slow.close()
+    assert len(buf2.getvalue().splitlines()) == 3
+
+
+def test_progress_bar_is_lines_off_a_terminal_and_tqdm_on_one():
+    buf = io.StringIO()
+    assert isinstance(progress_bar(total=3, stream=buf), LineProgress)
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    from tqdm.auto import tqdm
+
+    bar = progress_bar(total=3, stream=Tty())
+    assert isinstance(bar, tqdm)
+    bar.close()
+    assert progress_bar(total=3, disable=True, stream=Tty()).update(1) is None
+
+
+@pytest.mark.slow
+def test_demo_log_written_to_a_file_has_no_redraws_and_no_deepspeed_warning(tmp_path):
+    from test_demo_e2e import TINY  # the demo test's tiny budget (tests/ is on sys.path)
+
+    log = tmp_path / "demo.log"
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("DS_ACCELERATOR", None)
+    with open(log, "wb") as fh:
+        rc = subprocess.run([sys.executable, "-m", "openrlhf_div.cli.main", "demo", "--quick", "--out",
+                             str(tmp_path / "demo"), "--methods", "grpo", "--seeds", "0", "--cache-dir",
+                             str(tmp_path / "cache"), "--set", *TINY], stdout=fh, stderr=subprocess.STDOUT,
+                            env=env, cwd=ROOT, timeout=900).returncode
+    text = log.read_text()
+    assert rc == 0, text[-3000:]
+    assert "\r" not in text
+    assert "warm-up (supervised): " in text and "train grpo: 2/2 (100%)" in text  # progress, as lines
+    assert "Setting accelerator to CPU" not in text and "DeepSpeed" not in text
+    assert len(text.splitlines()) < 200, len(text.splitlines())
