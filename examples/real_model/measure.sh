@@ -5,4 +5,4 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
 exec nice -n 10 "$PY" "$ROOT/examples/real_model/run.py" --out "${OUT:-runs/real_model_small}" --steps 6 \
-    --n-train 24 --n-eval 12 --n-samples 4 --max-new-tokens 32 --num-threads 1 "$@"
+    --n-train 24 --n-eval 12 --n-samples 4 --max-new-tokens 32 --tau 1 --num-threads 1 "$@"

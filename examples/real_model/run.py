@@ -38,6 +38,7 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--methods", nargs="+", default=["grpo", "dph_js"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tau", type=int, default=2, help="near-perfect threshold of the pre-sampling (#correct >= tau)")
     p.add_argument("--num-threads", type=int, default=1,
                    help="torch threads (1: on a shared machine OpenMP's spin-waiting makes 2+ threads much slower)")
     a = p.parse_args(argv)
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
         f"optim.steps={a.steps}", f"optim.learning_rate={a.lr}", "optim.lr_schedule=cosine", "optim.warmup_steps=2",
         "eval.at_start=true", "eval.every=0", f"eval.n_samples={a.n_samples}", f"eval.k={ks}",
         "eval.max_prompts=null", "checkpoint.every=0", "checkpoint.keep=1", "logging.tensorboard=false",
-        "presample.n_pre=4", "presample.tau=2", f"num_threads={a.num_threads}",
+        "presample.n_pre=4", f"presample.tau={a.tau}", f"num_threads={a.num_threads}",
     ]
     results = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, de-quantized to float32)", "settings": vars(a),
                "methods": {}}
