@@ -305,9 +305,7 @@ def test_div_classes_imports_upstream_train_in_a_fresh_process_without_flash_att
     import subprocess
     import sys
 
-    code = ("import importlib.util, sys\n"
-            "from openrlhf_div.engines.openrlhf.launch import div_classes\n"
-
+    code = ("from openrlhf_div.engines.openrlhf.launch import div_classes\n"
             "with div_classes() as cli:\n"
             "    print('ok', cli.train.__module__)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -50,8 +50,6 @@ def _check_training(run_dir, exp, steps, tb="tb"):
 
 
 def _weights_changed(exp, model_dir):
-    import torch
-
     before, after = h.load_state_dict(exp.model), h.load_state_dict(model_dir)
     # the tiny model ties its head to the embedding: OpenRLHF's export also writes lm_head.weight
     assert set(before) <= set(after), sorted(set(before) ^ set(after))
