@@ -225,6 +225,23 @@ def unknown_key(key: str, valid: Sequence[str], where: str = "", what: str = "co
                        f"{', '.join(sorted(valid))}")
 
 
+# ------------------------------------------------------------------ experiment configs
+#: the sections of an OpenRLHF / Megatron experiment config (configs/openrlhf/*.yaml)
+EXPERIMENT_SECTIONS = ("experiment", "description", "paper", "div", "openrlhf", "cluster", "presample", "notes")
+
+
+def load_experiment(path: str) -> Dict[str, Any]:
+    """An experiment config (``extends:`` followed, so ``configs/openrlhf/<family>_<method>.yaml``
+    is its family base plus the method's lines) with its sections checked; ``${VAR:-default}``
+    is expanded later, where values become flags. Light on purpose (YAML only, no torch): the
+    launchers call it in a fresh process before every job."""
+    cfg = load(path, what="experiment config")
+    for section in cfg:
+        if section not in EXPERIMENT_SECTIONS:
+            raise unknown_key(section, EXPERIMENT_SECTIONS, what=f"section in {path}:")
+    return cfg
+
+
 #: exit status of ``--section NAME`` when the section is absent (1 is Python's own for a crash)
 NO_SECTION = 10
 

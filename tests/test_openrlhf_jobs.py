@@ -101,6 +101,19 @@ def test_submit_requires_absolute_paths(tmp_path):
         del os.environ["RUN_DIR"], os.environ["DATA_DIR"]
 
 
+def test_runtime_env_helper_imports_no_torch(tmp_path):
+    """The launchers run `python -m openrlhf_div.engines.openrlhf.jobs` before every submit; it
+    used to import torch (and the method registry) through launch.py's config loader."""
+    code = ("import sys; from openrlhf_div.engines.openrlhf import jobs; "
+            f"rc = jobs.main([{ROOT!r}, 'configs/openrlhf/tiny_cpu_grpo.yaml']); "
+            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'deepspeed', 'transformers')); "
+            "print('HEAVY', heavy, rc)")
+    env = dict(os.environ, TINY_MODEL=str(tmp_path / "m"), DATA_DIR=str(tmp_path), RUN_DIR=str(tmp_path / "r"))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert "HEAVY [] 0" in r.stdout, r.stdout + r.stderr
+    assert json.loads(r.stdout.splitlines()[0])["env_vars"]["RUN_DIR"] == str(tmp_path / "r")
+
+
 def test_upload_excludes_data_runs_venv_and_checks_size(tmp_path):
     root = tmp_path / "repo"
     (root / "pkg").mkdir(parents=True)

@@ -100,7 +100,7 @@ INPUT_KEYS = ("data.prompt_dataset", "eval.dataset", "actor.model_name_or_path",
 
 
 def _config_items(cfg: Mapping[str, Any]) -> Iterable:
-    from .launch import expand_env
+    from openrlhf_div.config import expand_env
 
     for section in ("div", "openrlhf", "presample"):
         for k, v in (cfg.get(section) or {}).items():
@@ -165,7 +165,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     env JSON after checking its paths and upload size (used by examples/scripts/_common.sh)."""
     import sys
 
-    from .launch import load_config
+    from openrlhf_div.config import load_experiment as load_config
 
     argv = list(sys.argv[1:] if argv is None else argv)
     warn_only = "--warn-only" in argv  # dry runs: report path problems, still print the env

@@ -35,7 +35,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from openrlhf_div.config import expand_env, load, unknown_key
+from openrlhf_div.config import EXPERIMENT_SECTIONS, expand_env, load_experiment
 
 from .flags import (
     Derived,
@@ -159,18 +159,12 @@ def _flag_values(prefix: str, key: str, value, bool_values: bool = False) -> Lis
     return [flag, expand_env(str(value))]
 
 
-CONFIG_SECTIONS = ("experiment", "description", "paper", "div", "openrlhf", "cluster", "presample", "notes")
+CONFIG_SECTIONS = EXPERIMENT_SECTIONS
 
 
 def load_config(path: str) -> Dict[str, Any]:
-    """An experiment config through the one loader (:mod:`openrlhf_div.config`: ``extends:``
-    followed, so ``configs/openrlhf/<family>_<method>.yaml`` is its family base plus the
-    method's lines); ``${VAR:-default}`` is expanded later, where values become flags."""
-    cfg = load(path, what="experiment config")
-    for section in cfg:
-        if section not in CONFIG_SECTIONS:
-            raise unknown_key(section, CONFIG_SECTIONS, what=f"section in {path}:")
-    return cfg
+    """An experiment config through the one loader (:func:`openrlhf_div.config.load_experiment`)."""
+    return load_experiment(path)
 
 
 def config_argv(cfg: Dict[str, Any]) -> List[str]:

@@ -376,7 +376,7 @@ def presample_argv(cfg: Dict[str, Any]) -> List[str]:
     """A config's ``presample:`` section as flags: plain keys are ``--presample.<key>``; dotted
     keys are OpenRLHF flags that override the training layout for this stage (e.g.
     ``vllm.num_engines: 6``, ``ref.num_gpus_per_node: 2``, ``data.prompt_dataset: full.jsonl``)."""
-    from .launch import expand_env
+    from openrlhf_div.config import expand_env
 
     out: List[str] = []
     for k, v in (cfg.get("presample") or {}).items():
