@@ -7,4 +7,5 @@ bash "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
 # the real-model tests may not skip here: setup_env.sh installed their GGUF file
 export OPENRLHF_DIV_REQUIRE_REAL_MODEL=1
-exec "$ROOT/.venv/bin/python" -m pytest "$@"
+# two workers, a test file at a time each (tests/conftest.py); `-n 0` runs in one process
+exec "$ROOT/.venv/bin/python" -m pytest -n 2 --dist loadfile "$@"

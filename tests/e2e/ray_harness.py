@@ -146,6 +146,11 @@ class RayHead:
             "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
             "VLLM_CPU_OMP_THREADS_BIND": env.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
             "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+            # vLLM's CPU platform turns OpenRLHF's executor choice for TP=1 ("uni", what a GPU
+            # runs: the model in the EngineCore process) into "mp" (one more spawned process
+            # importing vLLM, ~15 CPU-s per engine) unless this is 0; with 0 the CPU run has the
+            # GPU's process layout. AsyncLLM (OpenRLHF's engine) keeps its EngineCore process.
+            "VLLM_ENABLE_V1_MULTIPROCESSING": env.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
             "RAY_DEDUP_LOGS": "0",
             "RAY_USAGE_STATS_ENABLED": "0",
             # a loaded 2-core box starts the dashboard's modules slowly (default 30 s)
