@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The scaled-down run whose figures docs/real_model.md reports (nice'd: the machine is shared).
-# About 10 CPU-minutes on one thread; pass a different --out or more steps as extra arguments.
+# About 18 CPU-minutes on one thread (measured 1088 CPU-s, docs/real_model.md); pass a different
+# --out or more steps as extra arguments.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
