@@ -32,11 +32,13 @@ start-up fast: children inherit the parent's imported modules.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import multiprocessing as mp
 import os
 import queue as _queue
 import socket
+import sys
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, Iterator, List, Sequence
@@ -136,7 +138,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world_size, port, args, q, timeout):
+def _load_fn(ref):
+    """The function ``ref = (file, qualname)`` names, from its file: test modules are imported by
+    pytest under ``--import-mode=importlib`` and cannot be imported by name in a fresh process."""
+    import importlib.util
+
+    path, qualname = ref
+    mod_name = "_mp_" + os.path.splitext(os.path.basename(path))[0]
+    mod = sys.modules.get(mod_name)
+    if mod is None:
+        spec = importlib.util.spec_from_file_location(mod_name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = mod
+        spec.loader.exec_module(mod)
+    obj = mod
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _child(fn_ref, rank, world_size, port, args, q, timeout):
     import torch
     import torch.distributed as dist
 
@@ -146,6 +167,7 @@ def _child(fn, rank, world_size, port, args, q, timeout):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
+        fn = _load_fn(fn_ref)
         with megatron_cpu_compat():
             out = fn(rank, world_size, *args)
         buf = io.BytesIO()
@@ -161,13 +183,24 @@ def _child(fn, rank, world_size, port, args, q, timeout):
             pass
 
 
+def _mp_context():
+    """Children come from a fork server: a fresh single-threaded process (started once per test
+    process, torch and megatron-core preloaded), never from the test process itself. Forking a
+    pytest-xdist worker directly (it runs execnet's I/O thread, and earlier tests may have left
+    threads of their own) hung both children of a gloo pair in a clean-clone run."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "megatron.core", "mcore_cpu"])
+    return ctx
+
+
 def run_multiprocess(fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] = (),
                      timeout: float = 60.0) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo-connected processes."""
-    ctx = mp.get_context("fork")
+    ctx = _mp_context()
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, tuple(args), q, timeout), daemon=False)
+    fn_ref = (os.path.abspath(inspect.getsourcefile(fn)), fn.__qualname__)
+    procs = [ctx.Process(target=_child, args=(fn_ref, r, world_size, port, tuple(args), q, timeout), daemon=False)
              for r in range(world_size)]
     for p in procs:
         p.start()
