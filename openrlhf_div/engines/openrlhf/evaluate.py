@@ -91,8 +91,7 @@ def run_evaluation(task, examples: Sequence[Dict[str, Any]], generate_fn, render
 
 def defaults_from_config(path: str) -> Dict[str, Any]:
     """Evaluation settings implied by an experiment config (its eval.* and rollout.* flags)."""
-    from openrlhf_div.config import expand_env
-    from openrlhf_div.config import load_experiment as load_config
+    from openrlhf_div.config import expand_env, load_experiment as load_config
 
     cfg = load_config(path)
     o, d = cfg.get("openrlhf") or {}, cfg.get("div") or {}

@@ -35,7 +35,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from openrlhf_div.config import EXPERIMENT_SECTIONS, expand_env, load_experiment
+from openrlhf_div.config import expand_env, load_experiment
 
 from .flags import (
     Derived,
@@ -159,12 +159,8 @@ def _flag_values(prefix: str, key: str, value, bool_values: bool = False) -> Lis
     return [flag, expand_env(str(value))]
 
 
-CONFIG_SECTIONS = EXPERIMENT_SECTIONS
-
-
-def load_config(path: str) -> Dict[str, Any]:
-    """An experiment config through the one loader (:func:`openrlhf_div.config.load_experiment`)."""
-    return load_experiment(path)
+#: an experiment config through the one loader (YAML only; see openrlhf_div.config)
+load_config = load_experiment
 
 
 def config_argv(cfg: Dict[str, Any]) -> List[str]:
