@@ -1,0 +1,191 @@
+"""Force vLLM 0.29's CPU GEMM dispatch into a chosen branch on any x86 CPU (test-only helper).
+
+``dispatch_cpu_unquantized_gemm`` (``vllm/model_executor/layers/utils.py``) picks, per layer, at
+load time and again whenever a layer is re-processed:
+
+* ``zentorch`` when ``current_platform.is_zen_cpu()`` and zentorch's ops exist,
+* ``sgl`` (sgl-kernel ``weight_packed_linear``) when ``check_cpu_sgl_kernel`` (AMX, small
+  bf16/fp16 weights),
+* ``onednn`` when vLLM's ops carry ``create_onednn_mm_handler`` and the handle builds for
+  the dtype,
+* ``fallback`` ``F.linear`` otherwise.
+
+:func:`set_branch` wraps that function so that, while it runs, the capability answers it reads
+(``is_zen_cpu``, ``check_cpu_sgl_kernel``, ``ops._supports_onednn``) pick the requested
+branch; vLLM's own branch code then runs unchanged (the packing, the removal of
+``layer.weight``, the ``cpu_linear`` closure). Only a **kernel** this CPU cannot run is replaced,
+by the smallest stand-in that keeps the branch's contract (a packed copy owned by the kernel,
+the live ``layer.weight`` never read):
+
+* oneDNN: the real ``create_onednn_mm`` / ``onednn_mm`` run wherever the handle builds
+  (float32 on an AVX2 CPU, bf16 on AVX-512-BF16); only where it raises (bf16 on AVX2) a
+  stand-in handle keeps a transposed copy and multiplies with it.
+* sgl-kernel: ``torch.ops._C.convert_weight_packed`` / ``weight_packed_linear`` exist only in
+  vLLM's AVX-512 build (``_C_AVX512``, which an AVX2 CPU cannot load); where missing, the
+  stand-ins pack to a transposed copy and multiply with it.
+* zentorch: not installed here; where missing, ``torch.ops.zentorch.zentorch_linear_unary`` /
+  ``zentorch_weight_prepack_for_linear`` stand-ins do the same.
+
+docs/scaling.md ("CPU weight sync") names these stand-ins. Used by
+``tests/test_vllm_weights.py`` and, in every process of the CPU e2e cluster, by
+``tests/e2e/site/cpu_seams.py`` when ``OPENRLHF_DIV_FORCE_CPU_GEMM`` names a branch.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Dict, List
+
+import torch
+
+BRANCHES = ("onednn", "sgl", "zentorch", "fallback")
+
+#: which kernel ran where: branch -> "kernel" (vLLM's real op) / "stand-in", set when packing
+USED: Dict[str, str] = {}
+
+
+def branch_of(layer: torch.nn.Module) -> str:
+    """The branch ``layer``'s ``cpu_linear`` came from ('' for a layer vLLM did not dispatch)."""
+    fn = getattr(layer, "cpu_linear", None)
+    if fn is None:
+        return ""
+    if fn is torch.nn.functional.linear:
+        return "fallback"  # layers without weights (meta) get F.linear itself
+    names = set(getattr(getattr(fn, "__code__", None), "co_names", ()))
+    for op, branch in (("onednn_mm", "onednn"), ("weight_packed_linear_cpu", "sgl"),
+                       ("zentorch_linear_unary", "zentorch")):
+        if op in names:
+            return branch
+    return "fallback" if "linear" in names else "?"
+
+
+# ------------------------------------------------------------------ kernel stand-ins
+class StandinOneDNNHandle:
+    """What ``create_onednn_mm`` returns where oneDNN cannot build the handle for the dtype."""
+
+    def __init__(self, weight_kn: torch.Tensor):
+        self.packed = weight_kn.detach().contiguous().clone()  # [K, N], owned by the "kernel"
+        self.k, self.n = self.packed.shape
+
+
+def _standin_mm(x: torch.Tensor, packed_kn: torch.Tensor, bias, n: int) -> torch.Tensor:
+    out = x.reshape(-1, x.size(-1)).float() @ packed_kn.float()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def _install_kernels() -> List[Callable[[], None]]:
+    """Install the stand-ins this CPU needs (never over a kernel that exists); return undos."""
+    from vllm import _custom_ops as ops
+
+    undo: List[Callable[[], None]] = []
+    if not getattr(ops.create_onednn_mm, "_standin_wrapper", False):
+        real_create, real_mm = ops.create_onednn_mm, ops.onednn_mm
+
+        def create_onednn_mm(weight, primitive_cache_size=128):
+            try:
+                handle = real_create(weight, primitive_cache_size)
+                USED["onednn"] = "kernel"
+                return handle
+            except RuntimeError:  # e.g. bf16 on a CPU without AVX-512-BF16
+                USED["onednn"] = "stand-in"
+                return StandinOneDNNHandle(weight)
+
+        def onednn_mm(handler, x, bias):
+            if isinstance(handler, StandinOneDNNHandle):
+                return _standin_mm(x, handler.packed, bias, handler.n)
+            return real_mm(handler, x, bias)
+
+        create_onednn_mm._standin_wrapper = True
+        ops.create_onednn_mm, ops.onednn_mm = create_onednn_mm, onednn_mm
+
+        def _undo_onednn():
+            ops.create_onednn_mm, ops.onednn_mm = real_create, real_mm
+
+        undo.append(_undo_onednn)
+
+    c_ops = torch.ops._C
+    if not hasattr(c_ops, "convert_weight_packed"):
+        def convert_weight_packed(weight):
+            USED["sgl"] = "stand-in"
+            return weight.detach().t().contiguous().clone()  # [K, N]
+
+        def weight_packed_linear(out, x, packed, bias, is_vnni):
+            out.copy_(_standin_mm(x, packed, bias, packed.shape[1]).reshape(out.shape))
+
+        setattr(c_ops, "convert_weight_packed", convert_weight_packed)
+        setattr(c_ops, "weight_packed_linear", weight_packed_linear)
+        undo.append(lambda: (delattr(c_ops, "convert_weight_packed"), delattr(c_ops, "weight_packed_linear")))
+
+    zen = torch.ops.zentorch
+    if not hasattr(zen, "zentorch_linear_unary"):
+        def zentorch_weight_prepack_for_linear(weight):
+            return weight.detach().t().contiguous().clone()  # [K, N]
+
+        def zentorch_linear_unary(x, weight, bias, is_weight_prepacked=False):
+            USED["zentorch"] = "stand-in"
+            packed = weight if is_weight_prepacked else weight.t()
+            return _standin_mm(x, packed, bias, packed.shape[1])
+
+        setattr(zen, "zentorch_weight_prepack_for_linear", zentorch_weight_prepack_for_linear)
+        setattr(zen, "zentorch_linear_unary", zentorch_linear_unary)
+        undo.append(lambda: (delattr(zen, "zentorch_weight_prepack_for_linear"),
+                             delattr(zen, "zentorch_linear_unary")))
+    return undo
+
+
+# ------------------------------------------------------------------ the branch choice
+@contextlib.contextmanager
+def _choose(branch: str):
+    """While vLLM's dispatch runs: the capability answers that select ``branch``."""
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers import utils
+
+    platform = utils.current_platform
+    saved = (utils.check_cpu_sgl_kernel, ops._supports_onednn, platform.__dict__.get("is_zen_cpu"))
+    platform.is_zen_cpu = lambda: branch == "zentorch"
+    utils.check_cpu_sgl_kernel = lambda n, k, dtype: branch == "sgl"
+    ops._supports_onednn = branch == "onednn"
+    try:
+        yield
+    finally:
+        utils.check_cpu_sgl_kernel, ops._supports_onednn = saved[0], saved[1]
+        if saved[2] is None:
+            del platform.is_zen_cpu
+        else:
+            platform.is_zen_cpu = saved[2]
+
+
+_STATE: Dict[str, object] = {"branch": None, "undo": []}
+
+
+def set_branch(branch: str) -> None:
+    """From now on every CPU GEMM dispatch in this process takes ``branch`` (one of
+    :data:`BRANCHES`); stand-in kernels are installed where this CPU lacks the real ones."""
+    if branch not in BRANCHES:
+        raise ValueError(f"unknown CPU GEMM branch {branch!r}; one of {', '.join(BRANCHES)}")
+    from vllm.model_executor.layers import utils
+
+    if _STATE["branch"] is None:
+        real = utils.dispatch_cpu_unquantized_gemm
+
+        def dispatch_cpu_unquantized_gemm(layer, remove_weight):
+            with _choose(_STATE["branch"]):
+                return real(layer, remove_weight)
+
+        utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
+        undo = _install_kernels()
+
+        def _undo_dispatch():
+            utils.dispatch_cpu_unquantized_gemm = real
+
+        _STATE["undo"] = undo + [_undo_dispatch]
+    _STATE["branch"] = branch
+
+
+def reset() -> None:
+    """Undo :func:`set_branch` (vLLM's own choice again; stand-ins removed)."""
+    for fn in reversed(_STATE["undo"]):
+        fn()
+    _STATE.update(branch=None, undo=[])
+
