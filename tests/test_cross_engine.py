@@ -52,7 +52,7 @@ from openrlhf.trainer.ppo_utils.experience import (  # noqa: E402
 
 from openrlhf_div.engines.openrlhf.advantages import rollout_advantages  # noqa: E402
 from openrlhf_div.engines.openrlhf.flags import add_div_arguments, derive_upstream_flags, method_from_args  # noqa: E402
-from openrlhf_div.engines.openrlhf.pef import AnchorPool, AnchorRecord, read_pef  # noqa: E402
+from openrlhf_div.engines.anchor_data import AnchorSampler, AnchorRecord, read_pef  # noqa: E402
 
 torch.set_num_threads(1)
 NS = types.SimpleNamespace
@@ -266,7 +266,7 @@ def test_experience_maker_matches_local_engine(name, overrides, needs):
     """The maker on OpenRLHF-built micro-batches (seq-len balanced: rows out of prompt order)."""
     ml, mo = _local_method(name, overrides), _openrlhf_method(name, overrides)
     loc = _local_pure(ml)
-    pool = AnchorPool([AnchorRecord.from_json(a) for a in ANCHORS]) if mo.needs.anchor_batch else None
+    pool = AnchorSampler([AnchorRecord.from_json(a) for a in ANCHORS]) if mo.needs.anchor_batch else None
     maker = _maker(mo, pool=pool, dynamic=True)
     exps = maker.compute_advantages_and_returns(_openrlhf_rollout(maker))
     assert len(exps) > 1 and sorted(i for e in exps for i in e.index) == list(range(N))
@@ -304,7 +304,7 @@ def test_anchor_rows_survive_collation_with_fewer_anchors_than_micro_batches():
     from openrlhf_div.engines.contract import row_values
 
     recs = [AnchorRecord.from_json(a) for a in ANCHORS[:2]]
-    maker = _maker(get_method("dph_f"), pool=AnchorPool(recs, seed=0), micro=1, anchor_batch_size=2)
+    maker = _maker(get_method("dph_f"), pool=AnchorSampler(recs, seed=0), micro=1, anchor_batch_size=2)
     exps = maker.attach_anchors(maker.compute_advantages_and_returns(_openrlhf_rollout(maker)))
     assert len(exps) == N and sum(int(e.sequences.shape[0]) for e in exps) == N + 2
     items = [it for e in exps for it in remove_padding_in_sequences(split_experience_batch(e))]
@@ -459,7 +459,7 @@ def test_both_engines_ship_the_same_loss_inputs(name, overrides, needs, files, t
     anchors = tr.anchor_cursor.next(len(ANCHORS)) if tr.anchor_cursor is not None else []
     rows = list(range(len(exp)))
     tr.micro_step(exp, rows, anchors, float(exp.mask.sum()),
-                  float(sum(len(a["response_ids"]) for a in anchors)), float(len(rows)),
+                  float(sum(len(a.response_ids) for a in anchors)), float(len(rows)),
                   where=dict(epoch=0, mini_batch=0, micro_batch=0))
     (ev,) = events
     on_l, an_l = ev["online"], ev["anchor"]
@@ -468,7 +468,7 @@ def test_both_engines_ship_the_same_loss_inputs(name, overrides, needs, files, t
     mo = _openrlhf_method(name, overrides)
     div = argparse.Namespace(task=None, anchor_data=str(files / "d_pef.jsonl") if want_anchor else None)
     derived = derive_upstream_flags(mo, [], div)
-    pool = AnchorPool(read_pef(str(files)), seed=0) if mo.needs.anchor_batch else None
+    pool = AnchorSampler(read_pef(str(files)), seed=0) if mo.needs.anchor_batch else None
     maker = _maker(mo, pool=pool, micro=5, anchor_batch_size=len(ANCHORS), tokenizer=tr.tokenizer)
     exps = _openrlhf_rollout(maker)
     if derived.reference_actor and "--algo.kl.use_loss" in derived.argv:
@@ -540,10 +540,10 @@ def test_both_engines_ship_the_same_loss_inputs(name, overrides, needs, files, t
     # ---- DPH anchors: the same D_pef contents, stored base log-probs untouched
     if want_anchor:
         stored = {a["id"]: a for a in ANCHORS}
-        loc_ids = [a["id"] for a in anchors]
+        loc_ids = [a.id for a in anchors]
         anchor_ident = [i for i in ident if not isinstance(i, int)]
         assert sorted(loc_ids) == sorted(anchor_ident) == sorted(stored)  # one full pass: every record once
-        assert [(a["prompt_ids"], a["response_ids"], a["ref_log_probs"]) for a in tr.anchor_samples] == \
+        assert [(a.prompt_ids, a.response_ids, a.ref_log_probs) for a in tr.anchor_samples] == \
             [(r.prompt_ids, r.response_ids, r.ref_log_probs) for r in read_pef(str(files / "d_pef.jsonl"))]
         for k, aid in enumerate(loc_ids):
             b = anchor_ident.index(aid)
@@ -560,7 +560,7 @@ def test_both_engines_draw_the_same_number_of_anchors(files, tmp_path, monkeypat
     """B_pef = ceil(online rows / anchor_ratio) in both engines (the local engine per optimizer
     step, the OpenRLHF maker per rollout step; the same thing with one optimizer step). A ratio
     of 9 on 28 rows tells ceil (4) from round (3)."""
-    from openrlhf_div.engines.openrlhf.pef import anchor_count
+    from openrlhf_div.engines.anchor_data import anchor_count
 
     assert [anchor_count(n, None, 8.0) for n in (1, 4, 12, 20, 36, 2048)] == [1, 1, 2, 3, 5, 256]
     tr, events = _local_trainer("dph_f", {}, files, tmp_path, monkeypatch, extra=["optim.anchor_ratio=9"])
@@ -568,6 +568,6 @@ def test_both_engines_draw_the_same_number_of_anchors(files, tmp_path, monkeypat
     tr.optimise(exp)
     assert len(exp) == N and sum(len(e["anchors"]) for e in events) == math.ceil(N / 9) == 4
     mo = _openrlhf_method("dph_f", {})
-    maker = _maker(mo, pool=AnchorPool(read_pef(str(files)), seed=0), anchor_ratio=9.0, tokenizer=tr.tokenizer)
+    maker = _maker(mo, pool=AnchorSampler(read_pef(str(files)), seed=0), anchor_ratio=9.0, tokenizer=tr.tokenizer)
     maker.attach_anchors(maker.compute_advantages_and_returns(_openrlhf_rollout(maker)))
     assert maker.last_num_anchors == 4

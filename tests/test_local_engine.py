@@ -182,10 +182,10 @@ def test_applied_loss_equals_independent_recomputation(name, data_dir, presample
         assert an is None or name == "dph_js"
         assert (on.ref_log_probs is not None) == (name == "rkl")
         if an is not None:
-            stored = {tuple(a["response_ids"]): a["ref_log_probs"] for a in e["anchors"]}
+            stored = {tuple(a.response_ids): a.ref_log_probs for a in e["anchors"]}
             for i, a in enumerate(e["anchors"]):
-                n = len(a["response_ids"])
-                assert an.ref_log_probs[i, :n].tolist() == pytest.approx(stored[tuple(a["response_ids"])], abs=0)
+                n = len(a.response_ids)
+                assert an.ref_log_probs[i, :n].tolist() == pytest.approx(stored[tuple(a.response_ids)], abs=0)
         # same tensors through the registry, recomputed from scratch
         clone = lambda x: None if x is None else x.detach().clone()
         from openrlhf_div.algorithms import AnchorInputs, LossInputs

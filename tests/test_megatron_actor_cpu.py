@@ -295,7 +295,7 @@ def _presample_worker(rank, world, tmp):
     storing), then the stored rows as training anchors: the policy's step-0 forward on them."""
     from openrlhf_div.engines.megatron.actor import MegatronPolicyActor, MegatronReferenceActor
     from openrlhf_div.engines.openrlhf.anchors import anchor_experience
-    from openrlhf_div.engines.openrlhf.pef import AnchorRecord
+    from openrlhf_div.engines.anchor_data import AnchorRecord
     from openrlhf_div.engines.openrlhf.presample import base_log_prob_batches, store_base_log_probs
 
     args = make_args(tmp)

@@ -227,7 +227,7 @@ def _rollout(trainer, method, rewards, seed=0, prompt_len=3, resp_lens=(5, 3, 4,
 
 def _anchor_rows(trainer, n=2, seed=1):
     from openrlhf_div.engines.openrlhf.anchors import anchor_experience
-    from openrlhf_div.engines.openrlhf.pef import AnchorRecord
+    from openrlhf_div.engines.anchor_data import AnchorRecord
 
     g = torch.Generator().manual_seed(seed)
     recs = []

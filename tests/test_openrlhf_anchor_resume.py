@@ -12,7 +12,7 @@ install_flash_attn_standin()
 install_vllm_stub()  # this test must not start vLLM: it only needs the trainer class importable
 
 from openrlhf_div.engines.openrlhf import trainer as tr  # noqa: E402
-from openrlhf_div.engines.openrlhf.pef import AnchorPool, AnchorRecord  # noqa: E402
+from openrlhf_div.engines.anchor_data import AnchorRecord, AnchorSampler  # noqa: E402
 
 
 def _records(n=7):
@@ -27,13 +27,13 @@ def test_resumed_trainer_draws_the_next_anchors(monkeypatch):
     monkeypatch.setattr(base, "init_checkpoint_states", lambda self: dict(saved))
 
     first = object.__new__(tr._DivPPOTrainer)
-    first.experience_maker = SimpleNamespace(anchor_pool=AnchorPool(_records(), seed=3))
+    first.experience_maker = SimpleNamespace(anchor_pool=AnchorSampler(_records(), seed=3))
     drawn = [r.id for r in first.experience_maker.anchor_pool.draw(5)]  # step 1..k of the first job
     first.save_logs_and_checkpoints(2, {}, {"global_step": 2})
     expected = [r.id for r in first.experience_maker.anchor_pool.draw(6)]  # what an unbroken run draws next
 
     resumed = object.__new__(tr._DivPPOTrainer)
-    resumed.experience_maker = SimpleNamespace(anchor_pool=AnchorPool(_records(), seed=3))
+    resumed.experience_maker = SimpleNamespace(anchor_pool=AnchorSampler(_records(), seed=3))
     states = resumed.init_checkpoint_states()
     assert states["global_step"] == 2 and tr.ANCHOR_POOL_STATE in states
     assert [r.id for r in resumed.experience_maker.anchor_pool.draw(6)] == expected

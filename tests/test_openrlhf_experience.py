@@ -5,6 +5,7 @@ next to the local engine's tests once both engines are on one branch.)
 """
 from __future__ import annotations
 
+import json
 import types
 
 import pytest
@@ -26,7 +27,7 @@ from openrlhf.trainer.ppo_utils.experience import (  # noqa: E402
 from openrlhf_div.engines.openrlhf.advantages import rollout_advantages  # noqa: E402
 from openrlhf_div.engines.openrlhf.anchors import anchor_experience, append_rows, distribute  # noqa: E402
 from openrlhf_div.engines.contract import row_values  # noqa: E402
-from openrlhf_div.engines.openrlhf.pef import AnchorPool, AnchorRecord, anchor_count  # noqa: E402
+from openrlhf_div.engines.anchor_data import AnchorRecord, AnchorSampler, anchor_count  # noqa: E402
 
 NS = types.SimpleNamespace
 G = 4
@@ -208,13 +209,13 @@ def test_maker_attaches_the_configured_number_of_anchors_round_robin():
     method = get_method("dph_f")
     r, old, mask, lens = _fake_rollout(5, n_prompts=4)  # 16 online
     exps = _micro_batches(r, old, mask, lens, sizes=(4, 4, 4, 4))
-    mk = _maker(method, pool=AnchorPool(_records(5), seed=1))
+    mk = _maker(method, pool=AnchorSampler(_records(5), seed=1))
     exps = mk.compute_advantages_and_returns(exps)
     out = mk.attach_anchors(exps)
     assert mk.last_num_anchors == 2  # round(16 / 8)
     per = [int(row_values(e.info, "div_anchor", e.sequences.shape[0]).sum()) for e in out]
     assert per == [1, 1, 0, 0]
-    mk2 = _maker(method, pool=AnchorPool(_records(5), seed=1), anchor_batch_size=6)
+    mk2 = _maker(method, pool=AnchorSampler(_records(5), seed=1), anchor_batch_size=6)
     out2 = mk2.attach_anchors(mk2.compute_advantages_and_returns(
         _micro_batches(r, old, mask, lens, sizes=(4, 4, 4, 4))))
     assert [int(row_values(e.info, "div_anchor", e.sequences.shape[0]).sum()) for e in out2] == [2, 2, 1, 1]
@@ -231,16 +232,16 @@ def test_distribute_and_anchor_count():
         distribute([], _records(1), 0)
 
 
-def test_anchor_pool_epochs_without_replacement():
+def test_anchor_sampler_epochs_without_replacement():
     recs = _records(5)
-    pool = AnchorPool(recs, seed=3)
+    pool = AnchorSampler(recs, seed=3)
     first = [r.id for r in pool.draw(5)]
     assert sorted(first) == sorted(r.id for r in recs)  # a full pass before any repeat
-    again = AnchorPool(recs, seed=3)
+    again = AnchorSampler(recs, seed=3)
     assert [r.id for r in again.draw(3)] + [r.id for r in again.draw(2)] == first  # deterministic
     state = pool.state_dict()
     nxt = [r.id for r in pool.draw(4)]
-    restored = AnchorPool(recs, seed=0)
+    restored = AnchorSampler(recs, seed=0)
     restored.load_state_dict(state)
     assert [r.id for r in restored.draw(4)] == nxt
 
@@ -299,3 +300,31 @@ def test_rollout_stats_exclude_anchor_rows():
     assert stats["rollout/num_samples"] == 12.0 and stats["rollout/reward_mean"] == pytest.approx(0.5)
     assert stats["rollout/response_length_mean"] == pytest.approx(float(lens.mean()))
     assert stats["rollout/num_anchor_samples"] == 6.0
+
+
+def test_maker_reads_d_pef_through_the_shared_reader(tmp_path):
+    """The experience maker reads D_pef with the engine-neutral reader: an empty D_pef names the
+    pre-sampling histogram and --presample.tau, and base log-probs pre-sampled at another
+    temperature than --rollout.temperature are refused (the local engine's check, which the
+    OpenRLHF engine lacked before the anchor data had one home)."""
+    from openrlhf_div.engines.anchor_data import EmptyAnchorError
+    from openrlhf_div.engines.openrlhf.experience_maker import DivExperienceMaker
+
+    def maker(temperature):
+        args = NS(rollout=NS(n_samples_per_prompt=G, temperature=temperature), data=NS(max_len=64),
+                  train=NS(seed=0), algo=NS(advantage=NS(estimator="group_norm")),
+                  div=NS(method="dph_js", anchor_batch_size=None, anchor_ratio=8.0, anchor_seed=None,
+                         anchor_data=str(tmp_path)))
+        return DivExperienceMaker(None, None, None, None, None, NS(args=args), _Tok(), method=get_method("dph_js"))
+
+    (tmp_path / "summary.json").write_text(json.dumps({"temperature": 1.0, "n_prompts": 2, "n_pre": 2, "tau": 2,
+                                                       "correct_histogram": [1, 1, 0]}))
+    (tmp_path / "d_pef.jsonl").write_text("")
+    with pytest.raises(EmptyAnchorError, match=r"--presample.tau 1"):
+        maker(1.0)
+    rec = {"prompt_ids": [1, 2], "response_ids": [3], "ref_log_probs": [-0.5], "id": "a"}
+    (tmp_path / "d_pef.jsonl").write_text(json.dumps(rec) + "\n")
+    with pytest.raises(ValueError, match="temperature 1.0 but --rollout.temperature is 0.6"):
+        maker(0.6)
+    mk = maker(1.0)
+    assert [r.id for r in mk.anchor_pool.draw(2)] == ["a", "a"] and mk.anchor_pool.seed == 0

@@ -1,4 +1,4 @@
-"""The local engine's side of the one data layer, and seeded cursors over examples.
+"""The local engine's side of the one data layer.
 
 Training, pre-sampling and periodic evaluation read user data through
 :func:`openrlhf_div.tasks.datasets.load_examples` (the loader ``openrlhf-div eval`` uses):
@@ -7,42 +7,21 @@ JSONL / JSON / Parquet files and ``save_to_disk`` folders, the usual layouts det
 ``data`` section of the config, a missing label or a wrong field type an error naming file
 and line, duplicate ids an error naming both lines. :func:`prepare_prompts` then renders
 (``data.prompt_template`` / ``data.system_prompt``) and tokenizes every prompt once and
-refuses one longer than ``data.max_prompt_tokens``, again naming file and line.
+refuses one longer than ``data.max_prompt_tokens``, again naming file and line. The seeded
+stream over prompts is :class:`~openrlhf_div.engines.anchor_data.Cursor` (the anchor sampler).
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
+from openrlhf_div.engines.anchor_data import Cursor  # noqa: F401 (the seeded stream over prompts and anchors)
 from openrlhf_div.tasks.datasets import DatasetError, LoadSummary, load_examples as _load_examples, render_example
 
 # a token is rarely longer than this many characters: prompts longer than
 # max_prompt_tokens * _CHARS_PER_TOKEN_MAX are refused before tokenizing them
 _CHARS_PER_TOKEN_MAX = 64
-
-
-def _read_jsonl(path: str) -> List[Dict[str, Any]]:
-    """Our own JSONL files (D_pef): one object a line, ``_line`` added; errors name file:line."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"data file {path!r} does not exist")
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for ln, line in enumerate(f, 1):
-            s = line.strip()
-            if not s or s.startswith("#"):
-                continue
-            try:
-                obj = json.loads(s)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{ln}: not valid JSON ({e.msg}); each line must be one JSON object") from e
-            if not isinstance(obj, dict):
-                raise ValueError(f"{path}:{ln}: expected a JSON object, got {type(obj).__name__}")
-            obj["_line"] = ln
-            rows.append(obj)
-    return rows
 
 
 def load_task_examples(cfg, path: str, split: Optional[str] = None, normalized: bool = False,
@@ -133,60 +112,3 @@ def data_fingerprint(path: str) -> str:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
     return h.hexdigest()[:16]
-
-
-class Cursor:
-    """Endless seeded stream over ``items``: each epoch is a fresh permutation drawn from
-    ``numpy.random.default_rng((seed, epoch))``. The state is just ``(epoch, pos)``, so a
-    resumed run continues with exactly the same items."""
-
-    def __init__(self, items: Sequence[Any], seed: int, shuffle: bool = True):
-        if len(items) == 0:
-            raise ValueError("Cursor needs at least one item")
-        self.items = list(items)
-        self.seed = int(seed)
-        self.shuffle = shuffle
-        self.epoch, self.pos = 0, 0
-        self._perm = self._permutation(0)
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        if not self.shuffle:
-            return np.arange(len(self.items))
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.items))
-
-    def next(self, k: int) -> List[Any]:
-        out = []
-        for _ in range(int(k)):
-            if self.pos >= len(self.items):
-                self.epoch += 1
-                self.pos = 0
-                self._perm = self._permutation(self.epoch)
-            out.append(self.items[int(self._perm[self.pos])])
-            self.pos += 1
-        return out
-
-    def state_dict(self) -> Dict[str, int]:
-        return {"epoch": self.epoch, "pos": self.pos, "seed": self.seed, "n": len(self.items)}
-
-    def load_state_dict(self, st: Dict[str, int]) -> None:
-        if int(st.get("n", len(self.items))) != len(self.items):
-            raise ValueError(f"checkpoint cursor covers {st.get('n')} items but the dataset now has "
-                             f"{len(self.items)}; resume with the same data files")
-        self.seed = int(st["seed"])
-        self.epoch, self.pos = int(st["epoch"]), int(st["pos"])
-        self._perm = self._permutation(self.epoch)
-
-
-def load_anchor_samples(path: str) -> List[Dict[str, Any]]:
-    """D_pef rows written by `openrlhf-div presample`: each needs ``prompt_ids``,
-    ``response_ids`` and ``ref_log_probs`` (one per response token)."""
-    rows = _read_jsonl(path)
-    for r in rows:
-        ln = r.pop("_line")
-        for key in ("prompt_ids", "response_ids", "ref_log_probs"):
-            if key not in r:
-                raise ValueError(f"{path}:{ln}: anchor sample lacks {key!r}; regenerate it with `openrlhf-div presample`")
-        if len(r["ref_log_probs"]) != len(r["response_ids"]):
-            raise ValueError(f"{path}:{ln}: {len(r['ref_log_probs'])} ref_log_probs for "
-                             f"{len(r['response_ids'])} response tokens")
-    return rows

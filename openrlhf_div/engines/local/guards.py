@@ -2,7 +2,8 @@
 
 * An anchor method (DPH-RL) whose D_pef is empty trains exactly like GRPO: the trainer stops
   with the pre-sampling ``#correct`` histogram and the threshold to change
-  (:class:`EmptyAnchorError`).
+  (:class:`~openrlhf_div.engines.anchor_data.EmptyAnchorError`, raised by the engine-neutral
+  ``D_pef`` reader).
 * ``rollout.group_size < 2`` with a group advantage estimator gives zero advantages: a
   config error (:func:`check_group_size`).
 * A group whose rewards are all equal has zero advantage for every method's estimator; a
@@ -13,45 +14,17 @@
 """
 from __future__ import annotations
 
-import json
-import os
 from typing import Any, Dict, Optional
 
 import torch
 
+from openrlhf_div.engines.anchor_data import EmptyAnchorError  # noqa: F401 (raised by the D_pef reader)
+
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "passk", "pkpo")
-
-
-class EmptyAnchorError(ValueError):
-    """An anchor method was given an empty D_pef."""
 
 
 class DegenerateRunError(RuntimeError):
     """Too many consecutive steps without any learning signal."""
-
-
-def empty_anchor_message(method: str, anchor_path: str) -> str:
-    msg = (f"method {method!r} anchors on D_pef, but {anchor_path} holds no sample: with an empty D_pef it "
-           f"trains exactly like GRPO.")
-    summary = os.path.join(os.path.dirname(os.path.abspath(anchor_path)), "summary.json")
-    if os.path.exists(summary):
-        try:
-            with open(summary, encoding="utf-8") as f:
-                s = json.load(f)
-            hist = s.get("correct_histogram") or []
-            n_pre, tau = s.get("n_pre"), s.get("tau")
-            best = max((k for k, v in enumerate(hist) if v), default=0)
-            msg += (f" Pre-sampling: {s.get('n_prompts')} prompts x {n_pre} samples, near-perfect = #correct >= "
-                    f"{tau}; #correct histogram " + " ".join(f"{k}:{v}" for k, v in enumerate(hist)) + ".")
-            if best > 0:
-                n_at = sum(hist[best:])
-                msg += (f" Lower the threshold, e.g. `openrlhf-div presample ... --tau {best} --overwrite` "
-                        f"(presample.tau={best}: {n_at} prompt(s) would qualify),")
-            else:
-                msg += " No prompt was solved even once: the base model cannot anchor on this data;"
-        except (OSError, ValueError):
-            pass
-    return msg + " or train a method without an anchor (e.g. method.name=grpo)."
 
 
 def check_group_size(method, group_size: int) -> Optional[str]:

@@ -17,6 +17,10 @@ rollout temperature and score them with the task. A prompt is *near-perfect* whe
   ``D_exp`` either, as in the authors' split).
 * ``summary.json``: the split's counts, the ``#correct`` histogram and the settings.
 
+The split rule, the file format, the chunk store and the summary are the engine-neutral
+:mod:`openrlhf_div.engines.anchor_data` (the OpenRLHF engine's ``presample_ray`` uses the same);
+this module supplies the samples (:func:`~.generation.generate`) and the base log-probs.
+
 Resumable: prompts are processed in chunks of ``chunk_size``; each finished chunk is
 written atomically to ``shards/chunk_NNNNNN.json`` and skipped on restart (a chunk file that
 is truncated or unreadable is named in a warning and recomputed). Chunk ``c``
@@ -26,17 +30,16 @@ from the shards (in order) when every chunk is done.
 """
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import time
 from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
 
+from openrlhf_div.engines.anchor_data import Sample, ShardStore, format_summary, near_perfect, split_chunk  # noqa: F401
+
 from .config import TrainConfig
-from openrlhf_div.io import atomic_write_json, atomic_write_jsonl
 
 from .data import data_fingerprint, example_key, load_task_examples, max_prompt_tokens, prepare_prompts
 from .generation import generate, pack_sequences, sequence_log_probs
@@ -64,88 +67,53 @@ def _settings(cfg: TrainConfig, train_path: str, n_examples: int) -> Dict[str, A
             **({"resample_anchor_responses": True} if p.resample_anchor_responses else {})}
 
 
-_CHUNK_KEYS = ("chunk", "pef", "exp", "n_correct")
-
-
-def _read_chunk(path: str) -> Optional[Dict[str, Any]]:
-    """A finished chunk's contents, or None when it is absent. A chunk that is truncated or
-    unreadable (a kill or a full disk; chunks are written atomically, so only outside damage
-    does this) is named, deleted and recomputed."""
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            res = json.load(f)
-        if not isinstance(res, dict) or any(k not in res for k in _CHUNK_KEYS):
-            raise ValueError(f"missing keys (expected {', '.join(_CHUNK_KEYS)})")
-        return res
-    except (OSError, ValueError) as exc:
-        print(f"[openrlhf-div] warning: pre-sampling chunk {path} is truncated or unreadable "
-              f"({type(exc).__name__}: {exc}); recomputing it")
-        os.remove(path)
-        return None
-
-
 @torch.no_grad()
 def _process_chunk(model, tokenizer, task, examples: List[Dict[str, Any]], chunk: int, s: Dict[str, Any],
                    device, prompts: Dict[Any, List[int]], prompt_texts: Dict[Any, str]) -> Dict[str, Any]:
-    n_pre, tau = s["n_pre"], s["tau"]
+    """Sample, score and split one chunk (the rule: :func:`~openrlhf_div.engines.anchor_data.split_chunk`),
+    then add the kept responses' base log-probs from the training forward."""
+    n_pre = s["n_pre"]
     prompt_ids = [prompts[example_key(ex)] for ex in examples]
     texts = [prompt_texts[example_key(ex)] for ex in examples]
     gen = torch.Generator(device=device).manual_seed(chunk_seed(s["seed"], chunk))
     out = generate(model, tokenizer, prompt_ids, n_samples=n_pre, max_new_tokens=s["max_new_tokens"],
                    temperature=s["temperature"], top_p=s["top_p"], generator=gen)
-    pef, exp, n_correct_all = [], [], []
-    chosen = []  # (example index, sample row) of each near-perfect prompt's kept response
+    samples = []
     for i, ex in enumerate(examples):
         rows = range(i * n_pre, (i + 1) * n_pre)
-        correct = [bool(r.correct) for r in task.reward_results([out.texts[j] for j in rows],
-                                                                 [ex.get("label")] * len(rows))]
-        c = int(sum(correct))
-        n_correct_all.append(c)
-        if c >= tau and c > 0:
-            chosen.append((i, i * n_pre + correct.index(True), c))
-        elif not (s["drop_unsolved"] and c == 0):
-            exp.append({**ex, "n_correct": c, "n_pre": n_pre})
-    texts_of = out.texts
-    extra: Dict[str, Any] = {}
-    if chosen and s.get("resample_anchor_responses"):
-        n_near_perfect = len(chosen)
-        chosen, fresh_texts, fresh_ids = _resample_anchors(model, tokenizer, task, examples, prompt_ids, chosen,
-                                                           chunk, s, device)
-        texts_of = dict(zip((j for _, j, _ in chosen), fresh_texts))
-        r_ids = fresh_ids
-        extra["n_resample_failed"] = n_near_perfect - len(chosen)
-    else:
-        r_ids = [out.response_ids[j] for _, j, _ in chosen]
-    if chosen:
-        p_ids = [prompt_ids[i] for i, _, _ in chosen]
-        ids, attn, rmask = pack_sequences(p_ids, r_ids, tokenizer.pad_token_id, device)
+        res = task.reward_results([out.texts[j] for j in rows], [ex.get("label")] * len(rows))
+        samples.append([Sample(out.response_ids[j], out.texts[j], correct=bool(r.correct))
+                        for j, r in zip(rows, res)])
+    fresh = None
+    if s.get("resample_anchor_responses"):
+        fresh = _resample_anchors(model, tokenizer, task, examples, prompt_ids,
+                                  near_perfect(samples, s["tau"]), chunk, s, device)
+    pef, exp, n_correct = split_chunk(examples, texts, prompt_ids, samples, n_pre=n_pre, tau=s["tau"],
+                                      drop_unsolved=s["drop_unsolved"], fresh=fresh)
+    if pef:
+        ids, attn, rmask = pack_sequences([r["prompt_ids"] for r in pef], [r["response_ids"] for r in pef],
+                                          tokenizer.pad_token_id, device)
         ref = sequence_log_probs(model, ids, attn, rmask, temperature=s["temperature"]).float().cpu()
-        for k, (i, j, c) in enumerate(chosen):
-            n = len(r_ids[k])
-            pef.append({**examples[i], "prompt_text": texts[i], "response": texts_of[j],
-                        "prompt_ids": p_ids[k], "response_ids": r_ids[k],
-                        "ref_log_probs": [float(x) for x in ref[k, :n].tolist()],
-                        "n_correct": c, "n_pre": n_pre})
-    return {"chunk": chunk, "pef": pef, "exp": exp, "n_correct": n_correct_all, **extra}
+        for k, r in enumerate(pef):
+            r["ref_log_probs"] = [float(x) for x in ref[k, :len(r["response_ids"])].tolist()]
+    return {"pef": pef, "exp": exp, "n_correct": n_correct}
 
 
-def _resample_anchors(model, tokenizer, task, examples, prompt_ids, chosen, chunk: int, s: Dict[str, Any], device):
-    """One fresh sample per near-perfect prompt (seeded from ``(seed, chunk, 1)``), kept if correct.
-    Returns the kept ``chosen`` entries (``j`` re-indexed to the fresh draw), texts and ids."""
+def _resample_anchors(model, tokenizer, task, examples, prompt_ids, hot: List[int], chunk: int, s: Dict[str, Any],
+                      device) -> List[Optional[Sample]]:
+    """One fresh sample (seeded from ``(seed, chunk, 1)``) for each near-perfect prompt ``hot``;
+    ``None`` for the others."""
+    fresh: List[Optional[Sample]] = [None] * len(examples)
+    if not hot:
+        return fresh
     gen = torch.Generator(device=device).manual_seed(chunk_seed(s["seed"], chunk, stream=1))
-    fresh = generate(model, tokenizer, [prompt_ids[i] for i, _, _ in chosen], n_samples=1,
-                     max_new_tokens=s["max_new_tokens"], temperature=s["temperature"], top_p=s["top_p"],
-                     generator=gen)
-    ok = task.reward_results(fresh.texts, [examples[i].get("label") for i, _, _ in chosen])
-    kept, texts, ids = [], [], []
-    for k, ((i, _, c), res) in enumerate(zip(chosen, ok)):
-        if bool(res.correct):
-            kept.append((i, k, c))
-            texts.append(fresh.texts[k])
-            ids.append(fresh.response_ids[k])
-    return kept, texts, ids
+    out = generate(model, tokenizer, [prompt_ids[i] for i in hot], n_samples=1,
+                   max_new_tokens=s["max_new_tokens"], temperature=s["temperature"], top_p=s["top_p"],
+                   generator=gen)
+    ok = task.reward_results(out.texts, [examples[i].get("label") for i in hot])
+    for k, (i, res) in enumerate(zip(hot, ok)):
+        fresh[i] = Sample(out.response_ids[k], out.texts[k], correct=bool(res.correct))
+    return fresh
 
 
 def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: bool = False,
@@ -169,20 +137,8 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
                                                  "prompt_template", "system_prompt") if getattr(cfg.data, k)})
     if not 1 <= s["tau"] <= s["n_pre"]:
         raise ValueError(f"presample.tau must be in [1, n_pre={s['n_pre']}], got {s['tau']}")
-    shard_dir = os.path.join(out_dir, "shards")
-    if overwrite and os.path.isdir(out_dir):
-        shutil.rmtree(out_dir)
-    os.makedirs(shard_dir, exist_ok=True)
-    settings_path = os.path.join(shard_dir, "settings.json")
-    if os.path.exists(settings_path):
-        with open(settings_path) as f:
-            old = json.load(f)
-        if old != json.loads(json.dumps(s)):
-            diff = sorted(k for k in set(old) | set(s) if old.get(k) != json.loads(json.dumps(s)).get(k))
-            raise ValueError(f"{out_dir} holds a pre-sampling run with different settings ({', '.join(diff)}); "
-                             "use another output directory or --overwrite")
-    else:
-        atomic_write_json(settings_path, s, ensure_ascii=False, indent=1)
+    store = ShardStore(out_dir, s, len(examples), overwrite=overwrite, engine="local",
+                       hint="use another output directory or --overwrite")
 
     device = resolve_device(cfg.device)
     task = get_task(cfg.task, **(cfg.task_options or {}))
@@ -191,68 +147,23 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
     prompt_texts: Dict[Any, str] = {}
     prompts = prepare_prompts(task, tokenizer, examples, data_summary, cfg.data,
                               max_prompt_tokens(cfg, model, s["max_new_tokens"]), texts_out=prompt_texts)
-    C = s["chunk_size"]
-    n_chunks = (len(examples) + C - 1) // C
-    loaded: Dict[int, Dict[str, Any]] = {}
-    for c in range(n_chunks):
-        res = _read_chunk(os.path.join(shard_dir, f"chunk_{c:06d}.json"))
-        if res is not None:
-            loaded[c] = res
-    done = set(loaded)
-    todo = [c for c in range(n_chunks) if c not in done]
+    todo = store.todo()
+    n_done = store.n_chunks - len(todo)
+    initial = len(examples) - sum(store.bounds(c)[1] - store.bounds(c)[0] for c in todo)
     if max_new_chunks is not None:
         todo = todo[:max(0, int(max_new_chunks))]
     t0 = time.time()
-    bar = progress_bar(total=len(examples), initial=min(len(done) * C, len(examples)), desc="presample",
-                       unit="prompt", disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(total=len(examples), initial=initial, desc="presample", unit="prompt",
+                       disable=not progress, dynamic_ncols=True)
     for c in todo:
-        part = examples[c * C:(c + 1) * C]
-        res = _process_chunk(model, tokenizer, task, part, c, s, device, prompts, prompt_texts)
-        atomic_write_json(os.path.join(shard_dir, f"chunk_{c:06d}.json"), res, ensure_ascii=False, indent=1)
-        loaded[c] = json.loads(json.dumps(res))  # what a later reader of the file would see
-        done.add(c)
-        bar.update(len(part))
+        lo, hi = store.bounds(c)
+        res = _process_chunk(model, tokenizer, task, examples[lo:hi], c, s, device, prompts, prompt_texts)
+        store.write_chunk(c, res["pef"], res["exp"], res["n_correct"])
+        n_done += 1
+        bar.update(hi - lo)
     bar.close()
-    if len(done) < n_chunks:
-        return {"complete": False, "chunks_done": len(done), "chunks_total": n_chunks, "output_dir": out_dir}
-
-    pef, exp, hist = [], [], [0] * (s["n_pre"] + 1)
-    n_resample_failed = 0
-    for c in range(n_chunks):
-        res = loaded[c]
-        n_resample_failed += int(res.get("n_resample_failed", 0))
-        pef += res["pef"]
-        exp += res["exp"]
-        for k in res["n_correct"]:
-            hist[k] += 1
-    atomic_write_jsonl(os.path.join(out_dir, "d_pef.jsonl"), pef)
-    atomic_write_jsonl(os.path.join(out_dir, "d_exp.jsonl"), exp)
-    summary = {"complete": True, "n_prompts": len(examples), "n_pef": len(pef), "n_exp": len(exp),
-               "n_dropped_unsolved": hist[0] if s["drop_unsolved"] else 0,
-               **({"n_resample_failed": n_resample_failed} if s.get("resample_anchor_responses") else {}),
-               "correct_histogram": hist, "mean_correct_rate": float(
-                   sum(k * v for k, v in enumerate(hist)) / max(1, s["n_pre"] * len(examples))),
-               **{k: v for k, v in s.items() if k not in ("n_examples",)}, "output_dir": out_dir}
-    atomic_write_json(os.path.join(out_dir, "summary.json"), summary, ensure_ascii=False, indent=1)
+    if n_done < store.n_chunks:
+        return {"complete": False, "chunks_done": n_done, "chunks_total": store.n_chunks, "output_dir": out_dir}
+    summary = store.assemble()
     summary["seconds"] = time.time() - t0
     return summary
-
-
-def format_summary(s: Dict[str, Any]) -> str:
-    if not s.get("complete"):
-        return (f"pre-sampling paused: {s['chunks_done']}/{s['chunks_total']} chunks done in {s['output_dir']} "
-                "(run the same command again to continue)")
-    n = max(1, s["n_prompts"])
-    lines = [
-        f"pre-sampling done: {s['n_prompts']} prompts x {s['n_pre']} samples (T={s['temperature']}), "
-        f"near-perfect = #correct >= {s['tau']}",
-        f"  D_pef (anchor): {s['n_pef']:6d} prompts ({100 * s['n_pef'] / n:.1f}%)",
-        f"  D_exp (online): {s['n_exp']:6d} prompts ({100 * s['n_exp'] / n:.1f}%)"
-        + (f", {s['n_dropped_unsolved']} unsolved dropped" if s["drop_unsolved"] else ""),
-        "  #correct histogram: " + " ".join(f"{k}:{v}" for k, v in enumerate(s["correct_histogram"])),
-        f"  files: {s['output_dir']}/d_pef.jsonl, d_exp.jsonl, summary.json",
-    ]
-    if s.get("resample_anchor_responses"):
-        lines.insert(2, f"  anchor responses drawn afresh (n=1, kept if correct): {s['n_resample_failed']} "
-                        "near-perfect prompt(s) lost their anchor")
-    return "\n".join(lines)

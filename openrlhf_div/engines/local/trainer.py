@@ -45,7 +45,6 @@ Design choices (documented here, see also :mod:`.generation`):
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -61,7 +60,7 @@ from openrlhf_div.algorithms.heads import make_log_z_head
 from openrlhf_div.algorithms._utils import masked_mean
 
 from .config import TrainConfig, dump_config, load_config
-from .data import (Cursor, example_key, load_anchor_samples, load_task_examples, max_prompt_tokens, prepare_prompts,
+from .data import (Cursor, example_key, load_task_examples, max_prompt_tokens, prepare_prompts,
                    render_prompt)
 from .generation import (
     encode_prompts,
@@ -89,8 +88,8 @@ class NonFiniteLossError(RuntimeError):
 from .realmodel import (absolute_paths, apply_lora, is_lora_dir, load_lora_checkpoint,  # noqa: E402
                         lr_factor, merged_for_saving, resolve_num_threads)
 from .precision import MasterWeights  # noqa: E402
-from .guards import (DegenerateMonitor, DegenerateRunError, EmptyAnchorError,  # noqa: E402,F401 (CLI uses them)
-                     degenerate_stats, empty_anchor_message)
+from .guards import DegenerateMonitor, DegenerateRunError, EmptyAnchorError, degenerate_stats  # noqa: E402,F401
+from ..anchor_data import AnchorRecord, anchor_count, check_anchor_temperature, read_pef  # noqa: E402
 
 
 # =============================================================================== helpers
@@ -245,12 +244,10 @@ class Trainer:
             prepare_prompts(self.task, self.tokenizer, self.eval_examples, eval_summary, cfg.data, eval_tok)
         self.prompt_cursor = Cursor(self.train_examples, seed=cfg.seed)
         self.anchor_cursor = None
-        self.anchor_samples: List[Dict[str, Any]] = []
+        self.anchor_samples: List[AnchorRecord] = []
         if self.needs.anchor_batch:
-            self.anchor_samples = load_anchor_samples(anchor_path)
-            self._check_anchor_temperature(anchor_path)
-            if not self.anchor_samples:
-                raise EmptyAnchorError(empty_anchor_message(self.method.name, anchor_path))
+            self.anchor_samples = read_pef(anchor_path, method=self.method.name)  # EmptyAnchorError when empty
+            check_anchor_temperature(anchor_path, cfg.rollout.temperature)
             self.anchor_cursor = Cursor(self.anchor_samples, seed=cfg.seed + 1)
 
         # ---- random streams (all checkpointed)
@@ -281,15 +278,6 @@ class Trainer:
         if train is None:
             raise ValueError("data.train is required (a JSONL of {prompt, label, source, id} examples)")
         return train, anchor
-
-    def _check_anchor_temperature(self, anchor_path: str) -> None:
-        summary = os.path.join(os.path.dirname(anchor_path), "summary.json")
-        if os.path.exists(summary):
-            with open(summary) as f:
-                t = json.load(f).get("temperature")
-            if t is not None and abs(float(t) - float(self.cfg.rollout.temperature)) > 1e-9:
-                raise ValueError(f"D_pef base log-probs were computed at temperature {t} but rollout.temperature "
-                                 f"is {self.cfg.rollout.temperature}; re-run presample at the rollout temperature")
 
     def prompt_ids(self, example: Dict[str, Any]) -> List[int]:
         key = example_key(example)
@@ -396,9 +384,9 @@ class Trainer:
                     continue
                 anchors = []
                 if self.anchor_cursor is not None:
-                    anchors = self.anchor_cursor.next(math.ceil(len(rows) / o.anchor_ratio))
+                    anchors = self.anchor_cursor.next(anchor_count(len(rows), None, o.anchor_ratio))
                 n_on_tok = float(exp.mask[rows].sum())
-                n_anc_tok = float(sum(len(a["response_ids"]) for a in anchors))
+                n_anc_tok = float(sum(len(a.response_ids) for a in anchors))
                 n_micro = max(1, math.ceil(len(rows) / o.micro_batch_size))
                 anchor_parts = self._anchor_parts(anchors, n_micro)
                 self.optimizer.zero_grad(set_to_none=True)
@@ -427,7 +415,7 @@ class Trainer:
         out["lr"] = float(self._base_lrs[0] * lr_f)
         return out
 
-    def _anchor_parts(self, anchors: List[Dict[str, Any]], n_micro: int) -> List[List[Dict[str, Any]]]:
+    def _anchor_parts(self, anchors: List[AnchorRecord], n_micro: int) -> List[List[AnchorRecord]]:
         """The step's anchors per micro-batch: round-robin, or, for ``micro-batch-token-mean``,
         contiguous blocks of whole ``micro_batch_seqs`` groups (the authors' anchor micro-batches)."""
         if self.method.aggregation != "micro-batch-token-mean":
@@ -437,13 +425,13 @@ class Trainer:
         per = math.ceil(len(groups) / n_micro) if groups else 0
         return [[a for g in groups[j * per:(j + 1) * per] for a in g] for j in range(n_micro)]
 
-    def micro_step(self, exp: Experience, rows: List[int], anchors: List[Dict[str, Any]], num_online_tokens: float,
+    def micro_step(self, exp: Experience, rows: List[int], anchors: List[AnchorRecord], num_online_tokens: float,
                    num_anchor_tokens: float, num_online_seqs: float, where: Dict[str, int],
                    num_anchor_seqs: Optional[float] = None):
         """One forward over ``rows`` of ``exp`` and ``anchors``; returns ``method.loss(...)``."""
         n_on = len(rows)
-        prompt_ids = [exp.prompt_ids[i] for i in rows] + [a["prompt_ids"] for a in anchors]
-        response_ids = [exp.response_ids[i] for i in rows] + [a["response_ids"] for a in anchors]
+        prompt_ids = [exp.prompt_ids[i] for i in rows] + [a.prompt_ids for a in anchors]
+        response_ids = [exp.response_ids[i] for i in rows] + [a.response_ids for a in anchors]
         ids, attn, rmask = pack_sequences(prompt_ids, response_ids, self.tokenizer.pad_token_id, self.device)
         R = rmask.shape[1]
         entropy_mode = True if self.needs.entropy else ("detached" if self.cfg.logging.entropy else False)
@@ -462,7 +450,7 @@ class Trainer:
                 generator=self.train_rng)
         if anchors:
             anchor = AnchorInputs(log_probs=fo.log_probs[n_on:],
-                                  ref_log_probs=pad_lists([a["ref_log_probs"] for a in anchors], R, self.device),
+                                  ref_log_probs=pad_lists([a.ref_log_probs for a in anchors], R, self.device),
                                   mask=mask[n_on:])
         rng_state = self.train_rng.get_state() if self.hooks else None
         loss, metrics = self.method.loss(online=online, anchor=anchor, num_online_tokens=num_online_tokens,

@@ -1,13 +1,15 @@
 """Every registered method on OpenRLHF 0.11.2's Ray topology.
 
-Modules (import cost grows down the list; the first four need neither Ray, vLLM nor a GPU):
+Modules (import cost grows down the list; the first three need neither Ray, vLLM nor a GPU):
 
 * :mod:`.flags` — the ``--div.*`` flags, method -> OpenRLHF flags, unsupported combinations;
 * :mod:`.advantages` — the experience maker's advantage path as a pure function;
-* :mod:`.pef` — the ``D_pef`` / ``D_exp`` file format and the anchor sampler;
 * :mod:`.launch` — parser (OpenRLHF's own + ours), YAML configs, dry run, launch;
 * :mod:`.loss` — the actor loss through OpenRLHF's ``aggregate_loss`` (needs openrlhf);
 * :mod:`.anchors` — ``D_pef`` rows in OpenRLHF's ``Experience`` layout;
 * :mod:`.experience_maker`, :mod:`.actor`, :mod:`.trainer` — the Ray-side classes (import vLLM);
 * :mod:`.presample` — the DPH pre-sampling stage at scale.
+
+The ``D_pef`` / ``D_exp`` format, split rule and anchor sampler are engine-neutral:
+:mod:`openrlhf_div.engines.anchor_data`.
 """

@@ -34,13 +34,13 @@ from . import anchors as _anchors  # noqa: E402
 from .advantages import rollout_advantages  # noqa: E402
 from ..contract import mark_rollout_rows  # noqa: E402
 from .flags import div_namespace, method_from_args  # noqa: E402
-from .pef import AnchorPool, anchor_count, read_pef  # noqa: E402
+from ..anchor_data import AnchorSampler, anchor_count, check_anchor_temperature, read_pef  # noqa: E402
 
 
 class DivExperienceMaker(RemoteExperienceMaker):
     """See the module docstring. ``method`` defaults to the one in ``strategy.args.div``."""
 
-    def __init__(self, *args, method: Optional[Method] = None, anchor_pool: Optional[AnchorPool] = None,
+    def __init__(self, *args, method: Optional[Method] = None, anchor_pool: Optional[AnchorSampler] = None,
                  **kwargs):
         super().__init__(*args, **kwargs)
         self.method = method if method is not None else method_from_args(self.args)
@@ -53,7 +53,11 @@ class DivExperienceMaker(RemoteExperienceMaker):
             seed = getattr(div, "anchor_seed", None)
             if seed is None:
                 seed = getattr(getattr(self.args, "train", None), "seed", 0)
-            anchor_pool = AnchorPool(read_pef(div.anchor_data), seed=seed)
+            temperature = getattr(getattr(self.args, "rollout", None), "temperature", None)
+            if temperature is not None:
+                check_anchor_temperature(div.anchor_data, temperature, "--rollout.temperature")
+            anchor_pool = AnchorSampler(read_pef(div.anchor_data, method=self.method.name,
+                                                 tau_flag="--presample.tau"), seed=seed)
         self.anchor_pool = anchor_pool
         self.last_num_anchors = 0
 

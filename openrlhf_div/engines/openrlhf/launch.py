@@ -45,7 +45,7 @@ from .flags import (
     div_namespace,
     method_from_args,
 )
-from .pef import anchor_count
+from ..anchor_data import anchor_count
 
 PROG = "python -m openrlhf_div.cli.train_ppo_ray"
 _OUR_OPTIONS = ("config", "dry_run")

@@ -18,70 +18,18 @@ Prompts are rendered with OpenRLHF's own ``PromptDataset`` (same ``--data.*`` fl
 training), processed in chunks of ``--presample.chunk_size``; each finished chunk is written
 atomically to ``shards/chunk_NNNNNN.json`` and skipped when the command is rerun, so the stage
 can be interrupted and resumed. When all chunks are done, ``d_pef.jsonl``, ``d_exp.jsonl`` and
-``summary.json`` are assembled: the layout of the local engine's ``openrlhf-div presample``
-(see :mod:`.pef`), so either engine reads the other's output.
-
-The selection and file handling are pure functions (:func:`split_chunk`, :class:`ShardStore`),
-tested on CPU; :func:`run` is the Ray/vLLM driver.
+``summary.json`` are assembled: the layout of the local engine's ``openrlhf-div presample``,
+so either engine reads the other's output: the split rule, the record format, the chunk store
+and the summary are the engine-neutral :mod:`openrlhf_div.engines.anchor_data`, used by both.
+:func:`run` is the Ray/vLLM driver.
 """
 from __future__ import annotations
 
 import json
-import os
-import shutil
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from openrlhf_div.io import atomic_write_json, atomic_write_jsonl
-
-
-@dataclass
-class Sample:
-    """One sampled response: token ids, text and the task reward."""
-
-    response_ids: List[int]
-    text: str
-    reward: float
-
-
-def split_chunk(rows: Sequence[Dict[str, Any]], prompt_texts: Sequence[str], prompt_ids: Sequence[List[int]],
-                samples: Sequence[Sequence[Sample]], *, n_pre: int, tau: int, drop_unsolved: bool,
-                correct_threshold: float = 1.0, fresh: Optional[Sequence[Optional[Sample]]] = None,
-                ) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]], List[int]]:
-    """Split one chunk of prompts.
-
-    Returns ``(pef, exp, n_correct)``: ``pef`` rows (without ``ref_log_probs`` yet) for prompts
-    with ``#correct >= tau`` (and at least one correct), each keeping its *first* correct
-    sample; ``exp`` rows for the others (prompts with 0 correct left out when
-    ``drop_unsolved``); ``n_correct`` per prompt. ``correct = reward >= correct_threshold``.
-
-    ``fresh`` (``resample_anchor_responses``, the DPH-RL authors' ``generate_sft`` pass): one
-    freshly drawn sample per prompt (``None`` where none was drawn); a near-perfect prompt keeps
-    its fresh sample as the anchor if it is correct and gets no anchor otherwise (nor a place
-    in ``D_exp``, as in the authors' split).
-    """
-    if not 1 <= tau <= n_pre:
-        raise ValueError(f"tau must be in [1, n_pre={n_pre}], got {tau}")
-    pef, exp, counts = [], [], []
-    if fresh is not None and len(fresh) != len(samples):
-        raise ValueError(f"fresh has {len(fresh)} entries for {len(samples)} prompts")
-    for p, (row, text, pids, group) in enumerate(zip(rows, prompt_texts, prompt_ids, samples)):
-        if len(group) != n_pre:
-            raise ValueError(f"prompt {row.get('id', text[:40])!r}: {len(group)} samples, expected n_pre={n_pre}")
-        correct = [s.reward >= correct_threshold for s in group]
-        c = int(sum(correct))
-        counts.append(c)
-        if c >= tau and c > 0:
-            s = group[correct.index(True)]
-            if fresh is not None:
-                s = fresh[p]
-                if s is None or not s.reward >= correct_threshold:
-                    continue
-            pef.append({**row, "prompt_text": text, "response": s.text, "prompt_ids": list(pids),
-                        "response_ids": list(s.response_ids), "n_correct": c, "n_pre": n_pre})
-        elif not (drop_unsolved and c == 0):
-            exp.append({**row, "n_correct": c, "n_pre": n_pre})
-    return pef, exp, counts
+from openrlhf_div.engines.anchor_data import (Sample, ShardStore, format_summary, near_perfect,  # noqa: F401
+                                              split_chunk)
 
 
 def response_log_probs(action_log_probs: Sequence[float], prompt_len: int, response_len: int) -> List[float]:
@@ -95,75 +43,6 @@ def response_log_probs(action_log_probs: Sequence[float], prompt_len: int, respo
         raise ValueError(f"log-prob row of {len(action_log_probs)} values has no {response_len} response "
                          f"positions after a {prompt_len}-token prompt")
     return [float(x) for x in out]
-
-
-class ShardStore:
-    """Resumable chunk files under ``out_dir/shards`` and the final assembled files."""
-
-    def __init__(self, out_dir: str, settings: Dict[str, Any], n_prompts: int, overwrite: bool = False):
-        self.out_dir = os.path.abspath(out_dir)
-        self.shard_dir = os.path.join(self.out_dir, "shards")
-        self.settings = json.loads(json.dumps(settings))
-        self.n_prompts = int(n_prompts)
-        self.chunk_size = int(settings["chunk_size"])
-        if overwrite and os.path.isdir(self.out_dir):
-            shutil.rmtree(self.out_dir)
-        os.makedirs(self.shard_dir, exist_ok=True)
-        path = os.path.join(self.shard_dir, "settings.json")
-        if os.path.exists(path):
-            with open(path) as fh:
-                old = json.load(fh)
-            if old != self.settings:
-                diff = sorted(k for k in set(old) | set(self.settings) if old.get(k) != self.settings.get(k))
-                raise ValueError(f"{self.out_dir} holds a pre-sampling run with different settings "
-                                 f"({', '.join(diff)}); use another --presample.out or --presample.overwrite")
-        else:
-            atomic_write_json(path, self.settings, sort_keys=True, default=str)
-
-    @property
-    def n_chunks(self) -> int:
-        return (self.n_prompts + self.chunk_size - 1) // self.chunk_size
-
-    def chunk_path(self, c: int) -> str:
-        return os.path.join(self.shard_dir, f"chunk_{c:06d}.json")
-
-    def todo(self) -> List[int]:
-        return [c for c in range(self.n_chunks) if not os.path.exists(self.chunk_path(c))]
-
-    def bounds(self, c: int) -> Tuple[int, int]:
-        return c * self.chunk_size, min((c + 1) * self.chunk_size, self.n_prompts)
-
-    def write_chunk(self, c: int, pef: List[Dict], exp: List[Dict], n_correct: List[int]) -> None:
-        atomic_write_json(self.chunk_path(c), {"chunk": c, "pef": pef, "exp": exp, "n_correct": n_correct},
-                          sort_keys=True, default=str)
-
-    def assemble(self) -> Dict[str, Any]:
-        """Write ``d_pef.jsonl``, ``d_exp.jsonl`` and ``summary.json`` from all chunks (in order)."""
-        missing = self.todo()
-        if missing:
-            raise RuntimeError(f"{len(missing)} chunk(s) still to sample (first: {missing[0]}); rerun the command")
-        n_pre = int(self.settings["n_pre"])
-        pef, exp, hist = [], [], [0] * (n_pre + 1)
-        for c in range(self.n_chunks):
-            with open(self.chunk_path(c)) as fh:
-                res = json.load(fh)
-            pef += res["pef"]
-            exp += res["exp"]
-            for k in res["n_correct"]:
-                hist[int(k)] += 1
-        atomic_write_jsonl(os.path.join(self.out_dir, "d_pef.jsonl"), pef)
-        atomic_write_jsonl(os.path.join(self.out_dir, "d_exp.jsonl"), exp)
-        extra = {}
-        if self.settings.get("resample_anchor_responses"):
-            tau = int(self.settings["tau"])
-            extra["n_resample_failed"] = sum(hist[max(tau, 1):]) - len(pef)
-        summary = {"complete": True, "n_prompts": self.n_prompts, "n_pef": len(pef), "n_exp": len(exp), **extra,
-                   "n_dropped_unsolved": hist[0] if self.settings.get("drop_unsolved") else 0,
-                   "correct_histogram": hist,
-                   "mean_correct_rate": sum(k * v for k, v in enumerate(hist)) / max(1, n_pre * self.n_prompts),
-                   **self.settings, "output_dir": self.out_dir, "engine": "openrlhf"}
-        atomic_write_json(os.path.join(self.out_dir, "summary.json"), summary, sort_keys=True, default=str)
-        return summary
 
 
 def add_presample_arguments(parser) -> None:
@@ -194,18 +73,6 @@ def settings_from_args(args) -> Dict[str, Any]:
             "reward": list(args.reward.remote_url or []),
             # only when on, so runs started before the option existed still resume
             **({"resample_anchor_responses": True} if getattr(p, "resample_anchor_responses", False) else {})}
-
-
-def format_summary(s: Dict[str, Any]) -> str:
-    n = max(1, s["n_prompts"])
-    return "\n".join([
-        f"pre-sampling done: {s['n_prompts']} prompts x {s['n_pre']} samples (T={s['temperature']}), "
-        f"near-perfect = #correct >= {s['tau']}",
-        f"  D_pef (anchor): {s['n_pef']:6d} prompts ({100 * s['n_pef'] / n:.1f}%)",
-        f"  D_exp (online): {s['n_exp']:6d} prompts ({100 * s['n_exp'] / n:.1f}%)",
-        "  #correct histogram: " + " ".join(f"{k}:{v}" for k, v in enumerate(s["correct_histogram"])),
-        f"  files: {s['output_dir']}/d_pef.jsonl, d_exp.jsonl, summary.json",
-    ])
 
 
 # ------------------------------------------------------------------ Ray / vLLM driver
@@ -245,8 +112,7 @@ def _to_samples(responses, tokenizer) -> Tuple[List[int], List[Sample]]:
 
 def _fresh_anchor_samples(engines, prompts, labels, tokenizer, args, parsed, settings) -> List[Optional[Sample]]:
     """One new sample (n=1) for each near-perfect prompt of the chunk; ``None`` for the others."""
-    thr, tau = settings["correct_threshold"], settings["tau"]
-    hot = [i for i, (_, group) in enumerate(parsed) if sum(s.reward >= thr for s in group) >= max(tau, 1)]
+    hot = near_perfect([group for _, group in parsed], settings["tau"], settings["correct_threshold"])
     out: List[Optional[Sample]] = [None] * len(parsed)
     if hot:
         draws = _sample_chunk(engines, [prompts[i] for i in hot], [labels[i] for i in hot], tokenizer, args, 1)
@@ -337,7 +203,8 @@ def run(args) -> Dict[str, Any]:
     rows, data = _raw_rows(args, strategy)
     dataset = PromptDataset(data, tokenizer, strategy, input_template=args.data.input_template)
     settings = settings_from_args(args)
-    store = ShardStore(args.presample.out, settings, len(rows), overwrite=args.presample.overwrite)
+    store = ShardStore(args.presample.out, settings, len(rows), overwrite=args.presample.overwrite,
+                       engine="openrlhf", hint="use another --presample.out or --presample.overwrite")
     todo = store.todo()
     if todo:
         engines = create_vllm_engines(
