@@ -159,8 +159,9 @@ class RayHead:
             "TOKENIZERS_PARALLELISM": "false",
         })
         env.pop("RAY_ADDRESS", None)
-        for k in [k for k in env if k.startswith("OPENRLHF_DIV_") and k not in ("OPENRLHF_DIV_CPU_SEAMS",
-                                                                             "OPENRLHF_DIV_E2E_PROBE")]:
+        # OPENRLHF_DIV_FORCE_CPU_GEMM (cpu_seams): every vLLM process takes that CPU GEMM branch
+        keep = ("OPENRLHF_DIV_CPU_SEAMS", "OPENRLHF_DIV_E2E_PROBE", "OPENRLHF_DIV_FORCE_CPU_GEMM")
+        for k in [k for k in env if k.startswith("OPENRLHF_DIV_") and k not in keep]:
             env.pop(k)  # task variables must reach the workers through the job, not the raylet
         env.update(self.extra_env)
         return env

@@ -58,7 +58,15 @@ SEAMS: Dict[str, tuple] = {
     "WorkerWrap.update_weight receive buffer": (
         "trainer/ray/vllm_worker_wrap.py:40 (torch.empty(..., device='cuda'))",
         "the buffer on the vLLM worker's own device (cpu)"),
+    "WorkerWrap.update_weight load (vLLM CPU GEMM packing)": (
+        "trainer/ray/vllm_worker_wrap.py:48 (self.model_runner.model.load_weights([(name, weight)]))",
+        "openrlhf_div.compat.vllm_weights.update_vllm_weights: vLLM's layer-wise reload, so the "
+        "update also lands where the CPU dispatch packed the weights (oneDNN / sgl-kernel / zentorch)"),
 }
+
+#: set to onednn / sgl / zentorch / fallback: every vLLM process of the cluster takes that CPU GEMM
+#: branch (tests/vllm_cpu_gemm.py; stand-in kernels where this CPU lacks the real ones)
+FORCE_GEMM_ENV = "OPENRLHF_DIV_FORCE_CPU_GEMM"
 
 _PATCHED: set = set()
 
@@ -159,11 +167,15 @@ def _patch_worker_wrap(mod) -> None:
 
     cls = mod.WorkerWrap
 
+    from openrlhf_div.compat.vllm_weights import update_vllm_weights
+
     def update_weight(self, name, dtype, shape, empty_cache=False):
         assert dtype == self.model_config.dtype, f"mismatch dtype: src {dtype}, dst {self.model_config.dtype}"
         weight = torch.empty(shape, dtype=dtype, device=self.device)
         self._model_update_group.broadcast(weight, src=0, stream=None)
-        self.model_runner.model.load_weights(weights=[(name, weight)])
+        # upstream: self.model_runner.model.load_weights(weights=[(name, weight)]), which fails where
+        # vLLM's CPU GEMM dispatch packed the weights (oneDNN / sgl-kernel / zentorch, issue 21)
+        update_vllm_weights(self.model_runner.model, [(name, weight)], model_config=self.model_config)
         del weight
 
     cls.update_weight = update_weight
@@ -202,6 +214,20 @@ def _patch_megatron_engine(mod) -> None:
     mod.init_megatron_parallel = wrap(mod.init_megatron_parallel)
 
 
+def _force_cpu_gemm(mod) -> None:
+    """``OPENRLHF_DIV_FORCE_CPU_GEMM=<branch>``: vLLM's CPU GEMM dispatch takes that branch in this
+    process (the e2e run that proves the weight sync on a packing branch on any CPU)."""
+    branch = os.environ.get(FORCE_GEMM_ENV, "")
+    if not branch:
+        return
+    tests_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if tests_dir not in sys.path:
+        sys.path.insert(0, tests_dir)
+    import vllm_cpu_gemm
+
+    vllm_cpu_gemm.set_branch(branch)
+
+
 #: upstream module -> patch (applied right after the module is first imported)
 HOOKS: Dict[str, Callable] = {
     "openrlhf": lambda mod: _patch_torch(),
@@ -211,6 +237,7 @@ HOOKS: Dict[str, Callable] = {
     "openrlhf.trainer.ray.ppo_actor": _patch_ppo_actor,
     "openrlhf.trainer.ray.vllm_worker_wrap": _patch_worker_wrap,
     "openrlhf_div.engines.megatron.engine": _patch_megatron_engine,
+    "vllm.model_executor.layers.utils": _force_cpu_gemm,
 }
 
 #: extra post-import hooks (the e2e probe registers its own through :func:`add_hook`)
