@@ -312,6 +312,8 @@ class Method:
                     f"method {m.name!r} has no hyperparameter {k!r}.{hint} "
                     f"Valid: {', '.join(sorted(valid))}, aggregation, dynamic_sampling"
                 )
+            if isinstance(v, str) and v.strip().lower() in ("none", "null") and not isinstance(valid[k], str):
+                v = None  # an explicit none from a flag or a key=value override (YAML null arrives as None)
             m.hparams[k] = v
         m.validate()
         return m

@@ -38,11 +38,13 @@ from typing import Any, Dict, List, Optional, Sequence
 from openrlhf_div.config import expand_env, load_experiment
 
 from .flags import (
+    EXPLICIT_NONE,
     Derived,
     add_div_arguments,
     check_supported,
     derive_upstream_flags,
     div_namespace,
+    hparam_table,
     method_from_args,
 )
 from .pef import anchor_count
@@ -166,7 +168,11 @@ load_config = load_experiment
 def config_argv(cfg: Dict[str, Any]) -> List[str]:
     """The flags a config stands for: ``div:`` -> ``--div.*``, ``openrlhf:`` -> ``--<key>``."""
     argv: List[str] = []
+    hparams = hparam_table()
     for k, v in (cfg.get("div") or {}).items():
+        if v is None and k in hparams:  # `dual_clip: null`: the method gets None, not its default
+            argv += [f"--div.{k}", EXPLICIT_NONE]
+            continue
         argv += _flag_values("div.", k, v, bool_values=True)
     for k, v in (cfg.get("openrlhf") or {}).items():
         argv += _flag_values("", k, v)
