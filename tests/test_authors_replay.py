@@ -295,3 +295,15 @@ def test_layout_errors_name_the_fix():
         m.loss(anchor=an, micro_batch_coef=0.5)
     assert math.isfinite(float(get_method("dph_f", anchor_weighting="microbatch_share").loss(
         anchor=an, micro_batch_coef=0.5)[0]))
+
+
+def test_micro_batch_token_mean_has_no_clamp_on_the_step_count():
+    """OpenRLHF hands micro_batch_token_mean the step's sequence count / gas (e.g. 4/9 = 0.444):
+    the weight k / 0.444 is used as is (a max(n, 1) clamp made it k / 1)."""
+    from openrlhf_div.algorithms.authors import micro_batch_token_mean
+
+    loss = torch.tensor([[1.0, 3.0], [2.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]], dtype=torch.float64)
+    got = micro_batch_token_mean(loss, mask, micro_batch_seqs=2, num_seqs=4 / 9)
+    assert float(got) == pytest.approx((6.0 / 3.0) * 2 / (4 / 9), rel=1e-15)
+    assert float(micro_batch_token_mean(loss, mask, 2, num_seqs=0.0)) == 0.0

@@ -90,7 +90,9 @@ def micro_batch_token_mean(loss: torch.Tensor, mask: torch.Tensor, micro_batch_s
     g_sum, g_tok = seq_sum.view(-1, k).sum(1), seq_tok.view(-1, k).sum(1)
     per_group = g_sum / g_tok.clamp(min=1.0)
     n = float(B if num_seqs is None else num_seqs)
-    return per_group.sum() * (k / max(n, 1.0))
+    if n <= 0:
+        return per_group.sum() * 0.0  # no sequence in the step: nothing to weigh
+    return per_group.sum() * (k / n)  # no clamp: a count below 1 (OpenRLHF's step count / gas) is exact
 
 
 def micro_batch_token_weights(lengths: torch.Tensor, micro_batch_seqs: int = 2) -> torch.Tensor:
@@ -300,6 +302,12 @@ AUTHORS_OPTIONS = {
                     "[2] seamoke/DPH-RL dp_actor.py update_policy + core_algos.agg_loss('token-mean') per "
                     "micro-batch of ppo_micro_batch_size_per_gpu=2 (scripts/llama/forward_kl.sh)"),
     "micro_batch_seqs": (2, 2, "[2] scripts/llama/*.sh ppo_micro_batch_size_per_gpu=2"),
+    "step_layout": ("spread", "authors", "[1] seamoke/DPH-RL ray_trainer.py fit appends the anchors after the rollouts, "
+                                         "dp_actor.py update_policy batch.split(ppo_mini_batch_size): the anchors "
+                                         "form a trailing (quarter-size) optimiser step; engines only"),
+    "micro_batch_tokens": (None, 32384, "[1b] seamoke/DPH-RL verl/trainer/config/ppo_trainer.yaml use_dynamic_bsz: "
+                                        "true, ppo_max_token_len_per_gpu: 32384 (every scripts/llama/*.sh but "
+                                        "forward_kl.sh, which sets use_dynamic_bsz=False); engines only"),
     "js_def_clamp": (None, 10.0, "[3a] seamoke/DPH-RL verl/trainer/ppo/core_algos.py kl_penalty('low_var_kl'): "
                                  "k3 clamped to [-10, 10]"),
     "js_def_online": ("fixed", "stochastic", "[3b] seamoke/DPH-RL dp_actor.py update_policy: "
@@ -359,6 +367,8 @@ def authors_modes(method) -> dict:
         v = h[opt]
         follows = ("both" if _same(v, spec) and _same(v, auth) else "spec" if _same(v, spec)
                    else "authors" if _same(v, auth) else "other")
+        if opt == "micro_batch_tokens" and v is None:
+            follows = "both"  # forward_kl.sh runs without token budgets (use_dynamic_bsz=False)
         out[opt] = {"value": v, "spec": spec, "authors": auth, "follows": follows, "source": src}
     for opt, (auth, src) in AUTHORS_SCRIPT_VALUES.get(getattr(method, "name", ""), {}).items():
         if opt in h:

@@ -35,6 +35,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
+from openrlhf_div.algorithms.authors import MICRO_BATCH_TOKEN_MEAN
 from openrlhf_div.config import expand_env, load_experiment
 
 from .flags import (
@@ -289,6 +290,10 @@ def _check_batches(method, args) -> None:
     """With anchors, online + anchor rows per rollout step must fill whole optimizer steps
     (DeepSpeed only steps at gradient-accumulation boundaries)."""
     if not method.needs.anchor_batch:
+        return
+    if method.aggregation == MICRO_BATCH_TOKEN_MEAN:
+        # the authors' layout cuts its own steps (a short trailing anchor step is the point) and
+        # sets DeepSpeed's accumulation boundary itself (loss.authors_micro_batches)
         return
     online = args.rollout.batch_size * args.rollout.n_samples_per_prompt
     div = div_namespace(args)
