@@ -261,7 +261,9 @@ def test_presets_options_validation_and_modes():
     d = get_method("dph_js").describe()["authors_modes"]
     assert d["anchor_weighting"]["follows"] == "spec" and "seamoke/DPH-RL" in d["anchor_weighting"]["source"]
     auth = get_method("dph_js", anchor_eta=0.01, anchor_weighting="microbatch_share",
-                      aggregation="micro-batch-token-mean")
+                      aggregation="micro-batch-token-mean", step_layout="authors")
+    assert A.mode_summary(auth.with_overrides(step_layout="spread")).startswith("mixed: ")
+    assert d["step_layout"]["authors"] == "authors" and d["micro_batch_tokens"]["authors"] == 32384
     assert A.mode_summary(auth).startswith("the authors' code: ")
     assert A.mode_summary(get_method("dph_js")).startswith("the spec's clean form: ")
     cc = get_method("clip_cov", eps_low=1.0, eps_high=1.0, dual_clip=None).describe()["authors_modes"]

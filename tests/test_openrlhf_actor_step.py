@@ -472,44 +472,55 @@ def _window_registry_loss(method, window, n_on, n_an):
     return total
 
 
-def test_ppo_train_authors_mode_microbatch_share_and_micro_batch_token_mean(world):
-    """The DPH-RL authors' aggregation through OpenRLHF's own ppo_train loop (gas 2, micro 2):
-    per optimizer step, the applied losses add up to [sum over 2-row groups of each kind of their
-    token-means] x 2 / N_kind, the anchor part weighted eta x N_anchor / N_online (written out
-    here from the per-token losses, not through Method.loss)."""
+def test_ppo_train_authors_layout_steps_and_micro_batch_losses(world):
+    """The DPH-RL authors' layout through OpenRLHF's own ppo_train and a real DeepSpeed engine
+    (micro 2, train batch 4: gas 2; 4 rollout rows + 2 anchor rows, step_layout authors): two
+    optimiser steps -- the rollout rows, then the anchors alone in a step of ONE micro-batch,
+    whose end the layout sets as DeepSpeed's accumulation boundary -- and each micro-batch's
+    applied loss is gas x (1 / (4 // 2)) x its own token-mean (x eta for the anchor one), written
+    out here from the per-token losses, not through Method.loss."""
     from openrlhf_div.algorithms import get_method
     from openrlhf_div.algorithms.losses import dph_anchor_loss, ppo_clip_loss
+    from openrlhf_div.engines.openrlhf.anchors import append_rows
 
     eta = 0.3
     method = get_method("dph_f", anchor_eta=eta, anchor_weighting="microbatch_share",
-                        aggregation="micro-batch-token-mean", micro_batch_seqs=2)
-    seen = _ppo_train_gas2(world, method, seeds=(21, 22))
-    assert len(seen) == 4
+                        aggregation="micro-batch-token-mean", micro_batch_seqs=2, step_layout="authors")
     h = method.hparams
-    mixed = [w for w in (seen[:2], seen[2:]) if any((~_flag(e)).any() for e, *_ in w) and any(_flag(e).any() for e, *_ in w)]
-    assert mixed  # at least one optimizer step shares the anchor weight with online rows
-    for w in (seen[:2], seen[2:]):
-        n_on = sum(int((~_flag(e)).sum()) for e, *_ in w)
-        n_an = sum(int(_flag(e).sum()) for e, *_ in w)
-        expected = 0.0
-        for e, lp, _, _ in w:
-            a = _flag(e)
-            m = e.action_mask.float()
-            for rows, kind in ((~a, "online"), (a, "anchor")):
-                if not rows.any():
-                    continue
-                if kind == "online":
-                    per_tok = ppo_clip_loss(lp[rows], e.action_log_probs[rows].float(), e.advantages[rows].float(),
-                                            m[rows], h["eps_low"], h["eps_high"], h["dual_clip"])
-                else:
-                    per_tok = dph_anchor_loss(lp[rows], e.base_action_log_probs[rows].float(), m[rows], "forward_kl")
-                mm = m[rows]
-                idx = list(range(per_tok.shape[0]))
-                groups = [idx[i:i + 2] for i in range(0, len(idx), 2)]
-                tms = sum(float((per_tok[g] * mm[g]).sum() / mm[g].sum()) for g in groups)
-                if kind == "online":
-                    expected += tms * 2 / n_on
-                else:  # a window without online rows has nothing to share with: eta (authors.anchor_weight)
-                    expected += eta * (n_an / n_on if n_on else 1.0) * tms * 2 / n_an
-        applied = sum(loss for *_, loss in w) / 2  # DeepSpeed's 1/gas
+    mp = pytest.MonkeyPatch()
+    try:
+        tr = _build_trainer(world, mp, micro=2, train_batch=4, method=method)
+        exp = append_rows(_rollout(tr, method, [1.0, 0.0, 1.0, 1.0], seed=31, resp_lens=(4, 2, 5, 3)),
+                          _anchor_rows(tr, n=2, seed=32), pad_token_id=0)
+        tr.replay_buffer.append(exp)
+        seen = []
+        real_step = type(tr).training_step
+        engine = tr.actor.model
+
+        def spy(self, experience, kl_ctl, step, loss_batch_info=None):
+            lp = _plain_log_probs(self, experience.sequences, experience.attention_mask,
+                                  experience.action_mask.shape[1])
+            before = engine.global_steps
+            out = real_step(self, experience, kl_ctl, step, loss_batch_info)
+            seen.append((experience, lp, float(self.last_loss), engine.global_steps - before))
+            return out
+
+        mp.setattr(type(tr), "training_step", spy)
+        mp.setattr(torch.cuda, "current_device", lambda: "cpu")
+        tr.ppo_train(0.0)
+    finally:
+        mp.undo()
+    assert [int(_flag(e).all()) for e, *_ in seen] == [0, 0, 1]  # rollouts, rollouts | anchors
+    assert [int(_flag(e).any()) for e, *_ in seen] == [0, 0, 1]  # never mixed
+    assert [n for *_, n in seen] == [0, 1, 1]  # optimizer steps after micro-batches 2 and 3
+    for e, lp, applied, _ in seen:
+        m = e.action_mask.float()
+        if _flag(e).any():
+            per_tok = dph_anchor_loss(lp, e.base_action_log_probs.float(), m, "forward_kl")
+            weight = eta
+        else:
+            per_tok = ppo_clip_loss(lp, e.action_log_probs.float(), e.advantages.float(), m, h["eps_low"],
+                                    h["eps_high"], h["dual_clip"])
+            weight = 1.0
+        expected = 2 * 0.5 * weight * float((per_tok * m).sum() / m.sum())
         assert applied == pytest.approx(expected, rel=1e-5, abs=1e-7)

@@ -17,11 +17,23 @@ the presets say which one they use and why (``openrlhf-div methods NAME``):
   on every micro-batch.
 * :func:`clamp_k3` -- ``js_def_clamp``: verl's ``kl_penalty(low_var_kl)`` clamps the k3 value to
   ``[-10, 10]`` (zero gradient beyond).
+* :func:`plan_micro_batches` -- the engines' micro-batch layout under aggregation
+  ``micro-batch-token-mean`` (seamoke/DPH-RL ``update_policy``): rollouts first, anchors after
+  them; mini-batches of ``mini_batch_rows`` rows, each an optimiser step; micro-batches of
+  ``micro_batch_seqs`` rows (or token-budget partitions with ``micro_batch_tokens``), anchors and
+  rollouts never in the same one; each micro-batch's token-mean weighted ``1 / (M // k)``
+  (``1 / gradient_accumulation``) or ``rows / M`` (token budgets), anchor ones also ``eta``.
+  ``step_layout``: ``authors`` (anchors in trailing steps of their own, the authors' third,
+  quarter-size step) or ``spread`` (anchors shared out over the rollout steps).
+* :func:`balanced_partitions` -- Karmarkar-Karp partitions by token count (the token-budget
+  micro-batches, as verl's ``get_seqlen_balanced_partitions``).
 * :class:`AuthorsLogZHead` -- FlowRL ``log_z_head: authors``.
 """
 from __future__ import annotations
 
-from typing import Optional
+import heapq
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,6 +43,7 @@ ANCHOR_WEIGHTINGS = ("token_mean", "microbatch_share")
 JS_DEF_ONLINE_MODES = ("fixed", "stochastic")
 LOG_Z_HEADS = ("small_detached", "authors")
 MICRO_BATCH_TOKEN_MEAN = "micro-batch-token-mean"
+STEP_LAYOUTS = ("authors", "spread")
 
 
 def anchor_weight(eta: float, mode: str = "token_mean", *, num_online_seqs: Optional[float] = None,
@@ -77,7 +90,9 @@ def micro_batch_token_mean(loss: torch.Tensor, mask: torch.Tensor, micro_batch_s
     g_sum, g_tok = seq_sum.view(-1, k).sum(1), seq_tok.view(-1, k).sum(1)
     per_group = g_sum / g_tok.clamp(min=1.0)
     n = float(B if num_seqs is None else num_seqs)
-    return per_group.sum() * (k / max(n, 1.0))
+    if n <= 0:
+        return per_group.sum() * 0.0  # no sequence in the step: nothing to weigh
+    return per_group.sum() * (k / n)  # no clamp: a count below 1 (OpenRLHF's step count / gas) is exact
 
 
 def micro_batch_token_weights(lengths: torch.Tensor, micro_batch_seqs: int = 2) -> torch.Tensor:
@@ -88,6 +103,159 @@ def micro_batch_token_weights(lengths: torch.Tensor, micro_batch_seqs: int = 2) 
     k = int(micro_batch_seqs)
     group_tok = torch.stack([L[i:i + k].sum() for i in range(0, L.numel(), k)])
     return (k / L.numel()) / group_tok.repeat_interleave(k)[:L.numel()]
+
+
+# ------------------------------------------------------------------ the authors' micro-batch layout
+@dataclass(frozen=True)
+class PlannedMicroBatch:
+    """One micro-batch of :func:`plan_micro_batches`: row indices (into the rows planned), whether
+    it holds anchor rows (it holds one kind only) and its accumulation factor ``coef`` -- its loss
+    is ``coef x token_mean(micro-batch) (x eta for anchors)``."""
+
+    rows: Tuple[int, ...]
+    anchor: bool
+    coef: float
+
+
+def balanced_partitions(tokens: Sequence[int], k: int) -> List[List[int]]:
+    """``k`` non-empty groups of indices with near-equal token sums by Karmarkar-Karp largest
+    differencing, with the tie-breaking of verl's ``get_seqlen_balanced_partitions``
+    (``equal_size=False``): groups ordered by token sum (largest first), indices sorted inside.
+
+    Start: one partial solution per item (sorted by (tokens, index)), the item in its first
+    group. Repeatedly take the two partial solutions with the largest spread (max - min group
+    sum; ties: the larger top group first), join the first's largest group with the second's
+    smallest and so on, re-sort the groups, and put the result back."""
+    k = int(k)
+    n = len(tokens)
+    if not 1 <= k <= n:
+        raise ValueError(f"cannot split {n} rows into {k} token-balanced micro-batches")
+
+    def make(groups):
+        groups = sorted(groups, key=_group_key, reverse=True)
+        return _KKState(groups[0][0] - groups[-1][0], groups)
+
+    heap = []
+    for t, i in sorted((int(t), i) for i, t in enumerate(tokens)):
+        heapq.heappush(heap, make([(t, [(i, t)])] + [(0, []) for _ in range(k - 1)]))
+    while len(heap) > 1:
+        a, b = heapq.heappop(heap), heapq.heappop(heap)
+        joined = [(ga[0] + gb[0], ga[1] + gb[1]) for ga, gb in zip(a.groups, reversed(b.groups))]
+        heapq.heappush(heap, make(joined))
+    parts = [sorted(i for i, _ in g[1]) for g in heap[0].groups]
+    if any(not p for p in parts):
+        raise ValueError(f"token-balanced split of {n} rows into {k} left an empty micro-batch")
+    return parts
+
+
+def _group_key(g):
+    """The order of one group of a partial solution: (token sum, size, items)."""
+    return (g[0], len(g[1]), g[1])
+
+
+class _KKState:
+    """A partial solution; ``heapq`` pops the largest spread first (ties: the larger top group)."""
+
+    __slots__ = ("spread", "groups")
+
+    def __init__(self, spread, groups):
+        self.spread, self.groups = spread, groups
+
+    def __lt__(self, other):
+        if self.spread != other.spread:
+            return self.spread > other.spread
+        return _group_key(self.groups[0]) > _group_key(other.groups[0])
+
+
+def _segment_micro_batches(rows: List[int], anchor: bool, tokens: Optional[Sequence[int]], mini_batch_rows: int,
+                           micro_batch_seqs: int, micro_batch_tokens: Optional[int],
+                           sync: Optional[Callable[[int], int]]) -> List[PlannedMicroBatch]:
+    if not rows:
+        return []
+    M = int(mini_batch_rows)
+    if micro_batch_tokens is None:
+        k = int(micro_batch_seqs)
+        ga = M // k  # the authors' gradient_accumulation = ppo_mini_batch_size // micro (an int)
+        return [PlannedMicroBatch(tuple(rows[i:i + k]), anchor, 1.0 / ga) for i in range(0, len(rows), k)]
+    seg_tokens = [int(tokens[i]) for i in rows]
+    budget = int(micro_batch_tokens)
+    if max(seg_tokens) > budget:
+        raise ValueError(f"a row of {max(seg_tokens)} tokens exceeds micro_batch_tokens={budget} (the authors' "
+                         "ppo_max_token_len_per_gpu must hold the longest sequence); raise micro_batch_tokens")
+    n = min(len(rows), -(-sum(seg_tokens) // budget))
+    if sync is not None:  # the same count on every data-parallel rank (verl all-reduces the max)
+        n = min(len(rows), int(sync(n)))
+    parts = balanced_partitions(seg_tokens, n)
+    return [PlannedMicroBatch(tuple(rows[j] for j in p), anchor, len(p) / M) for p in parts]
+
+
+def plan_micro_batches(is_anchor: Sequence[bool], tokens: Optional[Sequence[int]] = None, *,
+                       mini_batch_rows: int, micro_batch_seqs: int = 2,
+                       micro_batch_tokens: Optional[int] = None, step_layout: str = "authors",
+                       sync: Optional[Callable[[int], int]] = None) -> List[List[PlannedMicroBatch]]:
+    """The optimiser steps of one rollout step on one data-parallel rank, as seamoke/DPH-RL's
+    ``DataParallelPPOActor.update_policy`` lays them out (docs/ALGORITHMS.md section 9, rows 1, 1b, 2).
+
+    ``is_anchor[i]`` / ``tokens[i]`` (prompt + response tokens, for token budgets) describe this
+    rank's rows in rollout order. Rollout rows come first and anchor rows after them (the
+    authors' trainer appends the anchors to the rollout batch). ``mini_batch_rows`` ``M`` is the
+    authors' ``ppo_mini_batch_size`` on one rank (rows per optimiser step).
+
+    * ``step_layout="authors"``: consecutive mini-batches of ``M`` rows of that order, one
+      optimiser step each; with 2048 rollouts and 256 anchors at ``M`` 1024: two rollout steps
+      and a third, quarter-size step of anchors. ``"spread"``: the rollout mini-batches, each with
+      an equal consecutive share of the anchors (every step holds both kinds).
+    * Inside a mini-batch, rollout rows and anchor rows form separate micro-batches: consecutive
+      groups of ``micro_batch_seqs`` rows, each weighted ``coef = 1 / (M // micro_batch_seqs)``
+      (the authors' ``loss / gradient_accumulation``, also for a short trailing mini-batch); or,
+      with ``micro_batch_tokens`` (the authors' ``use_dynamic_bsz`` with
+      ``ppo_max_token_len_per_gpu``), ``ceil(tokens / budget)`` token-balanced partitions
+      (:func:`balanced_partitions`), each weighted ``coef = rows / M`` (the authors'
+      ``loss * len(micro-batch) / ppo_mini_batch_size``). ``sync(n)`` makes the partition count
+      the same on every rank (the maximum, as verl does).
+
+    Where the authors' code would put both kinds in one micro-batch (a mini-batch boundary
+    inside it, or a token-budget partition across the rollout/anchor border) and give every row
+    the first row's loss, this layout keeps them apart (docs/ALGORITHMS.md section 9, row 1b).
+    """
+    if step_layout not in STEP_LAYOUTS:
+        raise unknown_name_error("step_layout", step_layout, STEP_LAYOUTS)
+    M, k = int(mini_batch_rows), int(micro_batch_seqs)
+    if micro_batch_tokens is None and not 1 <= k <= M:
+        raise ValueError(f"the authors' layout needs 1 <= micro_batch_seqs ({k}) <= mini-batch rows ({M}); "
+                         "raise train.batch_size or lower micro_batch_seqs")
+    if micro_batch_tokens is not None and tokens is None:
+        raise ValueError("micro_batch_tokens needs the rows' token counts")
+    flags = [bool(a) for a in is_anchor]
+    online = [i for i, a in enumerate(flags) if not a]
+    anchors = [i for i, a in enumerate(flags) if a]
+    if step_layout == "authors":
+        order = online + anchors
+        minis = [order[s:s + M] for s in range(0, len(order), M)]
+    else:
+        n_steps = max(1, -(-len(online) // M))
+        cuts = [round(j * len(anchors) / n_steps) for j in range(n_steps + 1)]
+        minis = [online[j * M:(j + 1) * M] + anchors[cuts[j]:cuts[j + 1]] for j in range(n_steps)]
+    steps = []
+    for mb in minis:
+        seg_on = [i for i in mb if not flags[i]]
+        seg_an = [i for i in mb if flags[i]]
+        step = (_segment_micro_batches(seg_on, False, tokens, M, k, micro_batch_tokens, sync)
+                + _segment_micro_batches(seg_an, True, tokens, M, k, micro_batch_tokens, sync))
+        if step:
+            steps.append(step)
+    return steps
+
+
+def micro_batch_loss(loss: torch.Tensor, mask: torch.Tensor, coef: float) -> torch.Tensor:
+    """``coef x`` the token-mean of one micro-batch (verl's ``agg_loss('token-mean')`` over the
+    micro-batch's own tokens, then the accumulation factor). No clamp on the factor; a
+    micro-batch without a valid token gives 0."""
+    check_same_shape("loss", loss, mask=mask)
+    m = mask.to(loss.dtype)
+    tok = m.sum()
+    total = fill_masked(loss, mask).sum()
+    return total * (float(coef) / tok) if float(tok) > 0 else total * 0.0
 
 
 def js_def_online_gate(generator: torch.Generator, js_ratio: int = 1) -> bool:
@@ -134,6 +302,12 @@ AUTHORS_OPTIONS = {
                     "[2] seamoke/DPH-RL dp_actor.py update_policy + core_algos.agg_loss('token-mean') per "
                     "micro-batch of ppo_micro_batch_size_per_gpu=2 (scripts/llama/forward_kl.sh)"),
     "micro_batch_seqs": (2, 2, "[2] scripts/llama/*.sh ppo_micro_batch_size_per_gpu=2"),
+    "step_layout": ("spread", "authors", "[1] seamoke/DPH-RL ray_trainer.py fit appends the anchors after the rollouts, "
+                                         "dp_actor.py update_policy batch.split(ppo_mini_batch_size): the anchors "
+                                         "form a trailing (quarter-size) optimiser step; engines only"),
+    "micro_batch_tokens": (None, 32384, "[1b] seamoke/DPH-RL verl/trainer/config/ppo_trainer.yaml use_dynamic_bsz: "
+                                        "true, ppo_max_token_len_per_gpu: 32384 (every scripts/llama/*.sh but "
+                                        "forward_kl.sh, which sets use_dynamic_bsz=False); engines only"),
     "js_def_clamp": (None, 10.0, "[3a] seamoke/DPH-RL verl/trainer/ppo/core_algos.py kl_penalty('low_var_kl'): "
                                  "k3 clamped to [-10, 10]"),
     "js_def_online": ("fixed", "stochastic", "[3b] seamoke/DPH-RL dp_actor.py update_policy: "
@@ -193,6 +367,8 @@ def authors_modes(method) -> dict:
         v = h[opt]
         follows = ("both" if _same(v, spec) and _same(v, auth) else "spec" if _same(v, spec)
                    else "authors" if _same(v, auth) else "other")
+        if opt == "micro_batch_tokens" and v is None:
+            follows = "both"  # forward_kl.sh runs without token budgets (use_dynamic_bsz=False)
         out[opt] = {"value": v, "spec": spec, "authors": auth, "follows": follows, "source": src}
     for opt, (auth, src) in AUTHORS_SCRIPT_VALUES.get(getattr(method, "name", ""), {}).items():
         if opt in h:

@@ -54,7 +54,8 @@ import torch
 
 from ._utils import broadcast_seq, check_same_shape, fill_masked, masked_mean, unknown_name_error
 from .advantages import dynamic_sampling_mask, overlong_penalty
-from .authors import ANCHOR_WEIGHTINGS, MICRO_BATCH_TOKEN_MEAN, anchor_weight, authors_modes
+from .authors import (ANCHOR_WEIGHTINGS, MICRO_BATCH_TOKEN_MEAN, STEP_LAYOUTS, anchor_weight, authors_modes,
+                      micro_batch_loss)
 from .losses import AGGREGATIONS, aggregate_loss, ppo_clip_mask
 
 
@@ -129,6 +130,10 @@ COMMON_HPARAMS: Dict[str, Any] = {
     "overlong_max_len": None,   # DAPO overlong shaping L_max (None: off)
     "overlong_cache_len": None,  # DAPO overlong shaping L_c
     "micro_batch_seqs": 2,      # sequences per group of aggregation "micro-batch-token-mean"
+    # engines (OpenRLHF, Megatron) under "micro-batch-token-mean": the authors' micro-batch layout
+    # (authors.plan_micro_batches, docs/ALGORITHMS.md section 9 rows 1, 1b, 2)
+    "step_layout": "spread",    # "authors": anchors in trailing optimiser steps of their own
+    "micro_batch_tokens": None,  # token budget per micro-batch (the authors' use_dynamic_bsz); None: rows
 }
 ESTIMATORS: Dict[str, Component] = {}
 REWARD_SHAPING: Dict[str, Component] = {}
@@ -312,6 +317,8 @@ class Method:
                     f"method {m.name!r} has no hyperparameter {k!r}.{hint} "
                     f"Valid: {', '.join(sorted(valid))}, aggregation, dynamic_sampling"
                 )
+            if isinstance(v, str) and v.strip().lower() in ("none", "null") and not isinstance(valid[k], str):
+                v = None  # an explicit none from a flag or a key=value override (YAML null arrives as None)
             m.hparams[k] = v
         m.validate()
         return m
@@ -321,6 +328,11 @@ class Method:
             raise unknown_name_error("loss aggregation", self.aggregation, AGGREGATIONS)
         if int(self.hparams.get("micro_batch_seqs", 2)) < 1:
             raise ValueError(f"micro_batch_seqs must be >= 1, got {self.hparams['micro_batch_seqs']}")
+        if self.hparams.get("step_layout", "spread") not in STEP_LAYOUTS:
+            raise unknown_name_error("step_layout", self.hparams["step_layout"], STEP_LAYOUTS)
+        mbt = self.hparams.get("micro_batch_tokens")
+        if mbt is not None and int(mbt) < 1:
+            raise ValueError(f"micro_batch_tokens must be >= 1 or null (micro-batches of micro_batch_seqs rows), got {mbt}")
         for c in self.components():
             if c.check is not None:
                 c.check(self.hparams)
@@ -459,6 +471,7 @@ class Method:
         num_anchor_tokens: Optional[float] = None,
         num_online_seqs: Optional[float] = None,
         num_anchor_seqs: Optional[float] = None,
+        micro_batch_coef: Optional[float] = None,
     ) -> Tuple[torch.Tensor, Dict[str, float]]:
         """Scalar ``L = L_exp + eta * L_pef`` for one micro-batch (either part may be absent).
 
@@ -468,7 +481,15 @@ class Method:
         num_online_seqs`` (both default to this micro-batch's rows); with aggregation
         ``micro-batch-token-mean`` both parts are means of ``micro_batch_seqs``-sequence
         token-means (docs/ALGORITHMS.md section 9).
+
+        ``micro_batch_coef`` ``c``: this micro-batch is one of the authors' (engines under
+        ``micro-batch-token-mean``, :func:`~.authors.plan_micro_batches`): it holds one kind of
+        row, and ``L = c x token_mean(online loss)`` or ``c x eta x token_mean(anchor loss)`` over
+        its own tokens (the ``num_*`` counts are not used). The anchor share of the step then
+        comes from the layout (``anchor_weighting: microbatch_share``, which it requires).
         """
+        if micro_batch_coef is not None:
+            return self._micro_batch_loss(online, anchor, float(micro_batch_coef))
         if num_online_seqs is None and online is not None:
             num_online_seqs = float(online.log_probs.shape[0])
         if num_anchor_seqs is None and anchor is not None:
@@ -491,6 +512,32 @@ class Method:
             weighted = self.effective_anchor_weight(num_online_seqs, num_anchor_seqs) * l_pef
             total = weighted if total is None else total + weighted
         if total is None:
+            raise ValueError("Method.loss needs online inputs, anchor inputs, or both")
+        parts["loss"] = total.detach()
+        metrics.update(zip(parts, torch.stack([p.double() for p in parts.values()]).tolist()))
+        return total, metrics
+
+    def _micro_batch_loss(self, online, anchor, coef: float) -> Tuple[torch.Tensor, Dict[str, float]]:
+        """Method.loss with ``micro_batch_coef`` (see there)."""
+        if online is not None and anchor is not None:
+            raise ValueError("a micro-batch of the authors' layout holds rollout rows or anchor rows, not both "
+                             "(authors.plan_micro_batches keeps them apart); got both")
+        metrics: Dict[str, float] = {}
+        parts: Dict[str, torch.Tensor] = {}
+        if online is not None:
+            per_tok, metrics = self.online_loss(online)
+            total = micro_batch_loss(per_tok, online.mask, coef)
+            parts["loss_exp"] = total.detach()
+        elif anchor is not None:
+            if self.hparams.get("anchor_weighting", "token_mean") != "microbatch_share":
+                raise ValueError(
+                    f"method {self.name!r}: the authors' micro-batch layout (aggregation micro-batch-token-mean on an "
+                    "engine) weights each anchor micro-batch eta like the authors' code, which is anchor_weighting: "
+                    "microbatch_share; set it (or use aggregation token-mean for the spec's L_exp + eta L_pef)")
+            l_pef = micro_batch_loss(self.anchor_loss(anchor), anchor.mask, coef)
+            parts["loss_pef"] = l_pef.detach()
+            total = self.anchor_weight * l_pef
+        else:
             raise ValueError("Method.loss needs online inputs, anchor inputs, or both")
         parts["loss"] = total.detach()
         metrics.update(zip(parts, torch.stack([p.double() for p in parts.values()]).tolist()))

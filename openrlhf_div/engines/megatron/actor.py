@@ -37,6 +37,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from openrlhf_div.algorithms.authors import MICRO_BATCH_TOKEN_MEAN, plan_micro_batches
 from openrlhf_div.algorithms.registry import Method, get_method
 from openrlhf_div.compat.flash_attn_standin import install as _install_flash_attn_standin
 
@@ -104,6 +105,33 @@ def collate_rows(rows: List[Dict[str, torch.Tensor]], pad_token_id: int = 0) -> 
     if any("is_anchor" in r for r in rows):
         kw["is_anchor"] = torch.stack([r.get("is_anchor", torch.tensor(False)) for r in rows])
     return MicroBatch(**kw)
+
+
+def uses_authors_layout(method: Method) -> bool:
+    """Aggregation ``micro-batch-token-mean``: the DPH-RL authors' micro-batch layout."""
+    return method.aggregation == MICRO_BATCH_TOKEN_MEAN
+
+
+def authors_steps(rows: List[Dict[str, torch.Tensor]], method: Method, mini_batch_rows: int, pad_token_id: int = 0,
+                  sync=None) -> List[List[MicroBatch]]:
+    """One replica's optimiser steps in the authors' layout
+    (:func:`openrlhf_div.algorithms.authors.plan_micro_batches`; rows in replay order, rollouts
+    before anchors, no shuffle), each micro-batch carrying its ``authors_coef``."""
+    h = method.hparams
+    plan = plan_micro_batches([bool(r.get("is_anchor", False)) for r in rows],
+                              [int(r["attention_mask"].sum()) for r in rows],
+                              mini_batch_rows=int(mini_batch_rows), micro_batch_seqs=int(h["micro_batch_seqs"]),
+                              micro_batch_tokens=h.get("micro_batch_tokens"),
+                              step_layout=h.get("step_layout", "spread"), sync=sync)
+    steps = []
+    for step in plan:
+        batches = []
+        for pmb in step:
+            mb = collate_rows([rows[i] for i in pmb.rows], pad_token_id)
+            mb.authors_coef = pmb.coef
+            batches.append(mb)
+        steps.append(batches)
+    return steps
 
 
 # ---------------------------------------------------------------------- actors
@@ -230,11 +258,22 @@ class MegatronPolicyActor(_DistributedActor):
         rows = [r for exp in self.replay for r in rows_from_experience(exp, self.method)]
         if not rows:
             return []
+        dp = self.engine.dp_size
+        if uses_authors_layout(self.method):
+            group = self.engine.dp_group if dp > 1 else None
+
+            def sync(n: int) -> int:
+                if group is None:
+                    return n
+                t = torch.tensor([n], dtype=torch.long, device=self.engine.device)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+                return int(t)
+
+            return authors_steps(rows, self.method, int(self.args.train.batch_size) // dp, self.pad_token_id, sync)
         g = torch.Generator().manual_seed(int(getattr(self.args.train, "seed", 42)) + self._fits)
         order = torch.randperm(len(rows), generator=g).tolist()
         rows = [rows[i] for i in order]
         mbs = int(self.args.train.micro_batch_size)
-        dp = self.engine.dp_size
         per_step = max(mbs, int(self.args.train.batch_size) // dp)
         steps = []
         for s in range(0, len(rows), per_step):

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from openrlhf_div.algorithms.registry import Method
 
 from .config import MegatronConfig
-from .loss import ADDITIVE_METRICS, MicroBatch, StepCounts, registry_loss, step_counts
+from .loss import ADDITIVE_METRICS, MicroBatch, StepCounts, loss_scale, registry_loss, step_counts
 from .vocab_parallel import output_layer_returns_hidden, output_weight, vocab_parallel_log_probs_from_hidden
 from .weights import GPTLayout, hf_to_megatron_param, megatron_param_to_hf, merge_tp_shards
 from openrlhf_div.io import atomic_write_text
@@ -404,7 +404,7 @@ class MegatronEngine:
         if not batches:
             raise ValueError("train_step got no micro-batches")
         need_entropy = self.method.needs.entropy
-        scale = float(len(batches) * self.dp_size)
+        scale = loss_scale(batches, self.dp_size)
         if counts is None:
             counts = step_counts(batches, self.dp_group if self.dp_size > 1 else None)
 

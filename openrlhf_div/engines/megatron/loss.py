@@ -20,6 +20,14 @@ routed by a per-row flag) with ``A`` action positions:
    semantics as OpenRLHF's DeepSpeed path (``iter_grad_accum_global_norm`` +
    ``aggregate_loss``), where DeepSpeed's ``1/gas`` and DP averaging are compensated the same way.
 
+Aggregation ``micro-batch-token-mean`` (the DPH-RL authors' update loop, docs/ALGORITHMS.md
+section 9 rows 1, 1b, 2): the actor lays a step's micro-batches out with
+:func:`openrlhf_div.algorithms.authors.plan_micro_batches` and sets :class:`MicroBatch`
+``authors_coef``; step 2 is then ``method.loss(..., micro_batch_coef=authors_coef)`` (the
+micro-batch's own token-mean times the authors' accumulation factor, ``x eta`` for anchors) and
+step 3 multiplies by ``num_microbatches`` only (:func:`loss_scale`): the data-parallel average
+stays, as the authors' FSDP averages over ranks.
+
 Rows are routed by :class:`MicroBatch` ``is_anchor``; an anchor row uses its stored base
 log-probs ``anchor_ref_log_probs`` (from the pre-sampling stage), never an online reference.
 """
@@ -37,7 +45,7 @@ from .vocab_parallel import vocab_parallel_log_probs_from_hidden
 
 ADDITIVE_METRICS = ("loss", "loss_exp", "loss_pef")
 
-__all__ = ["MicroBatch", "StepCounts", "token_log_probs_entropy", "registry_loss", "step_counts"]
+__all__ = ["MicroBatch", "StepCounts", "token_log_probs_entropy", "registry_loss", "step_counts", "loss_scale"]
 
 
 @dataclass
@@ -53,6 +61,7 @@ class MicroBatch:
     correct: Optional[torch.Tensor] = None       # [B] bool
     is_anchor: Optional[torch.Tensor] = None     # [B] bool: D_pef anchor row
     anchor_ref_log_probs: Optional[torch.Tensor] = None  # [B, A] stored base log-probs (anchor rows)
+    authors_coef: Optional[float] = None         # the authors' accumulation factor (micro-batch-token-mean)
     extra: Dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -99,6 +108,19 @@ def step_counts(batches, dp_group=None) -> StepCounts:
     return StepCounts(float(t[0]), float(t[1]), float(t[2]), float(t[3]))
 
 
+def loss_scale(batches, dp_size: int) -> float:
+    """The factor :meth:`MegatronEngine.train_step` multiplies each micro-batch loss by:
+    ``num_microbatches x dp_size`` (undoes Megatron's ``1 / num_microbatches`` and the DDP
+    average: the step's global token-mean), or ``num_microbatches`` for the authors' layout
+    (micro-batches with ``authors_coef``; the DDP average is the authors' FSDP average)."""
+    n = float(len(batches))
+    if any(getattr(mb, "authors_coef", None) is not None for mb in batches):
+        if not all(getattr(mb, "authors_coef", None) is not None for mb in batches):
+            raise ValueError("a step mixes micro-batches of the authors' layout with others")
+        return n
+    return n * float(dp_size)
+
+
 def token_log_probs_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, sequences: torch.Tensor, num_actions: int, *, vocab_start: int = 0,
     vocab_size: Optional[int] = None, temperature: float = 1.0, group=None, need_entropy: bool = False,
@@ -136,9 +158,12 @@ def registry_loss(method: Method, log_probs: torch.Tensor, entropy: Optional[tor
         method, log_probs=log_probs, mask=mask, is_anchor=anchor, old_log_probs=mb.old_log_probs,
         advantages=mb.advantages, ref_log_probs=mb.ref_log_probs, anchor_ref_log_probs=mb.anchor_ref_log_probs,
         correct=mb.correct, entropy=entropy, generator=generator)
-    loss, metrics = method.loss(online=on_inputs, anchor=an_inputs, num_online_tokens=counts.online_tokens,
-                                num_anchor_tokens=counts.anchor_tokens, num_online_seqs=counts.online_seqs,
-                                num_anchor_seqs=counts.anchor_seqs or None)
+    if mb.authors_coef is not None:
+        loss, metrics = method.loss(online=on_inputs, anchor=an_inputs, micro_batch_coef=float(mb.authors_coef))
+    else:
+        loss, metrics = method.loss(online=on_inputs, anchor=an_inputs, num_online_tokens=counts.online_tokens,
+                                    num_anchor_tokens=counts.anchor_tokens, num_online_seqs=counts.online_seqs,
+                                    num_anchor_seqs=counts.anchor_seqs or None)
     n_on = float(mask[online].sum()) if on_inputs is not None else 0.0
     n_an = float(mask[anchor].sum()) if an_inputs is not None else 0.0
     weights = {k: (None if k in ADDITIVE_METRICS else n_on) for k in metrics}

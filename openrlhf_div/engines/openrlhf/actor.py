@@ -37,7 +37,9 @@ from openrlhf.utils.vlm_utils import merge_mm_train_inputs  # noqa: E402
 
 from ..contract import anchor_rows, correct_rows, row_values  # noqa: E402
 from .flags import check_supported, method_from_args  # noqa: E402
-from .loss import div_actor_loss, split_masks, split_window_norms  # noqa: E402
+from .flags import ANCHOR_FLAG  # noqa: E402
+from .loss import (AUTHORS_KEY, authors_micro_batches, div_actor_loss, split_masks,  # noqa: E402
+                   split_window_norms, uses_authors_layout)
 
 
 @contextlib.contextmanager
@@ -89,15 +91,60 @@ class DivActorPPOTrainer(ActorPPOTrainer):
         self.log_z_optim = torch.optim.AdamW(self.log_z_head.parameters(), lr=float(lr))
 
     def ppo_train(self, kl_ctl: float):
-        """OpenRLHF's epoch loop, with online and anchor tokens normalised separately."""
+        """OpenRLHF's epoch loop, with online and anchor tokens normalised separately; under
+        aggregation ``micro-batch-token-mean`` its micro-batches are the authors' layout
+        (:func:`~.loss.authors_micro_batches`) instead of its shuffled, gas-sized windows."""
 
         def per_step_norms(data_iter, strategy, accumulated_gradient, mask_fn):
+            if uses_authors_layout(self.div_method):
+                return self._authors_micro_batches(strategy)
             return split_window_norms(
                 data_iter, strategy, accumulated_gradient, mask_fn,
                 lambda e: anchor_rows(e.info, e.action_mask.shape[0], e.action_mask.device))
 
         with _swapped(_ppo_actor, "iter_grad_accum_global_norm", per_step_norms):
             return super().ppo_train(kl_ctl)
+
+    def _authors_micro_batches(self, strategy):
+        """One epoch of the authors' layout over this replica's rows (OpenRLHF's shuffled
+        DataLoader is not read). Every rank must plan the same number of micro-batches per step
+        (DeepSpeed's collectives): a mismatch is an error, not a hang."""
+        import torch.distributed as dist
+
+        items = list(self.replay_buffer.items)
+        dp = 1
+        group = None
+        if dist.is_available() and dist.is_initialized():
+            group = strategy.ds_device_mesh["dp"].get_group() if hasattr(strategy, "ds_device_mesh") else None
+            dp = dist.get_world_size(group=group)
+
+        def sync(n: int) -> int:
+            if dp <= 1:
+                return n
+            t = torch.tensor([n], dtype=torch.long, device=torch.cuda.current_device()
+                             if torch.cuda.is_available() else "cpu")
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            return int(t)
+
+        gas = int(self.actor.model.gradient_accumulation_steps()) if hasattr(
+            self.actor.model, "gradient_accumulation_steps") else int(strategy.accumulated_gradient)
+        plan = list(authors_micro_batches(
+            items, self.div_method, mini_batch_rows=int(self.args.train.batch_size) // dp, gas=gas,
+            collate=self.replay_buffer.collate_fn,
+            anchor_fn=lambda it: float(torch.as_tensor(it.info.get(ANCHOR_FLAG, 0.0)).reshape(-1)[0]) > 0.5,
+            tokens_fn=lambda it: int(it.attention_mask.sum()), sync=sync))
+        if dp > 1:
+            shape = torch.tensor([len(plan), sum(1 for _, i in plan if i[AUTHORS_KEY]["boundary"])], dtype=torch.long)
+            lo, hi = shape.clone(), shape.clone()
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+            if not torch.equal(lo, hi):
+                raise RuntimeError(
+                    f"the authors' micro-batch layout differs across data-parallel ranks ({shape.tolist()} "
+                    f"micro-batches / steps here, {lo.tolist()}..{hi.tolist()} overall): the replicas got "
+                    "unequal rollout or anchor rows; make --rollout.batch_size x n_samples_per_prompt and "
+                    "--div.anchor_batch_size multiples of the data-parallel size")
+        return iter(plan)
 
     def training_step(self, experience: Experience, kl_ctl: float, step: int,
                       loss_batch_info: Optional[Dict] = None) -> Dict:
@@ -145,6 +192,11 @@ class DivActorPPOTrainer(ActorPPOTrainer):
             loss = loss + aux
         self.last_loss = loss.detach()
 
+        authors = (loss_batch_info or {}).get(AUTHORS_KEY)
+        if authors is not None and hasattr(self.actor.model, "set_gradient_accumulation_boundary"):
+            # the authors' steps have as many micro-batches as the layout gives (a quarter-size
+            # anchor step, token budgets): the step ends where the layout says, not every gas
+            self.actor.model.set_gradient_accumulation_boundary(bool(authors["boundary"]))
         self.strategy.backward(loss, self.actor, self.actor_optim)
         optimizer_step = (not self.args.train.dynamic_batch_enable
                           or self.replay_buffer.dynamic_optimizer_step[step])

@@ -60,7 +60,7 @@ TOKEN_LEVEL = {"token-mean": True, "seq-mean-token-mean": False,
                "micro-batch-token-mean": None}
 
 # Hyperparameters whose registry default is None need an explicit type.
-_NONE_DEFAULT_TYPES = {"overlong_max_len": int, "overlong_cache_len": int}
+_NONE_DEFAULT_TYPES = {"overlong_max_len": int, "overlong_cache_len": int, "micro_batch_tokens": int}
 
 
 def hparam_table() -> Dict[str, Tuple[Any, str]]:
@@ -80,10 +80,17 @@ def hparam_table() -> Dict[str, Tuple[Any, str]]:
     return table
 
 
+#: what an explicit ``none`` / ``null`` parses to: the string ``"none"``, not ``None`` (argparse's
+#: "flag not given"), so the override reaches the method, which reads it as ``None``
+#: (:meth:`Method.with_overrides`). A plain string keeps the namespace picklable and JSON-safe.
+EXPLICIT_NONE = "none"
+NONE_WORDS = ("none", "null", "off")
+
+
 def _none_or(conv):
     def parse(s: str):
-        if str(s).lower() in ("none", "null", "off"):
-            return None
+        if str(s).lower() in NONE_WORDS:
+            return EXPLICIT_NONE
         return conv(s)
     parse.__name__ = getattr(conv, "__name__", "value")
     return parse
@@ -131,8 +138,10 @@ def add_div_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
         shown = "none" if default is None else default
         kw: Dict[str, Any] = {"default": None, "metavar": "V",
                               "help": f"{owner} hyperparameter (unset: the method's default, e.g. {shown})"}
+        if not isinstance(default, (bool, str)):
+            kw["help"] += "; none or null: no value (None)"
         if name == "lad_clip":
-            kw.update(type=float, nargs=2, metavar=("LOW", "HIGH"))
+            kw.update(type=_none_or(float), nargs="+", metavar="LOW HIGH|none")
         elif default is None:
             kw.update(type=_none_or(_NONE_DEFAULT_TYPES.get(name, float)))
         elif isinstance(default, bool):
@@ -162,8 +171,16 @@ def method_from_args(args) -> Method:
     overrides: Dict[str, Any] = {}
     for name in hparam_table():
         v = getattr(div, name, None)
-        if v is not None:
-            overrides[name] = tuple(v) if isinstance(v, list) else v
+        if v is None:  # not given: the method's default
+            continue
+        if isinstance(v, (list, tuple)):
+            if len(v) == 1 and v[0] == EXPLICIT_NONE:
+                v = EXPLICIT_NONE
+            elif len(v) == 2 and EXPLICIT_NONE not in v:
+                v = tuple(v)
+            else:
+                raise ValueError(f"--div.{name} takes two numbers (LOW HIGH) or none, got {' '.join(map(str, v))}")
+        overrides[name] = v  # an explicit none reaches the method as None (Method.with_overrides)
     if getattr(div, "aggregation", None) is not None:
         overrides["aggregation"] = div.aggregation
     if getattr(div, "dynamic_sampling", None) is not None:

@@ -35,14 +35,17 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
+from openrlhf_div.algorithms.authors import MICRO_BATCH_TOKEN_MEAN
 from openrlhf_div.config import expand_env, load_experiment
 
 from .flags import (
+    EXPLICIT_NONE,
     Derived,
     add_div_arguments,
     check_supported,
     derive_upstream_flags,
     div_namespace,
+    hparam_table,
     method_from_args,
 )
 from ..anchor_data import anchor_count
@@ -166,7 +169,11 @@ load_config = load_experiment
 def config_argv(cfg: Dict[str, Any]) -> List[str]:
     """The flags a config stands for: ``div:`` -> ``--div.*``, ``openrlhf:`` -> ``--<key>``."""
     argv: List[str] = []
+    hparams = hparam_table()
     for k, v in (cfg.get("div") or {}).items():
+        if v is None and k in hparams:  # `dual_clip: null`: the method gets None, not its default
+            argv += [f"--div.{k}", EXPLICIT_NONE]
+            continue
         argv += _flag_values("div.", k, v, bool_values=True)
     for k, v in (cfg.get("openrlhf") or {}).items():
         argv += _flag_values("", k, v)
@@ -283,6 +290,10 @@ def _check_batches(method, args) -> None:
     """With anchors, online + anchor rows per rollout step must fill whole optimizer steps
     (DeepSpeed only steps at gradient-accumulation boundaries)."""
     if not method.needs.anchor_batch:
+        return
+    if method.aggregation == MICRO_BATCH_TOKEN_MEAN:
+        # the authors' layout cuts its own steps (a short trailing anchor step is the point) and
+        # sets DeepSpeed's accumulation boundary itself (loss.authors_micro_batches)
         return
     online = args.rollout.batch_size * args.rollout.n_samples_per_prompt
     div = div_namespace(args)

@@ -15,6 +15,16 @@ part. OpenRLHF's own normaliser (``iter_grad_accum_global_norm``) produces both:
 :func:`split_window_norms` runs it once over the online masks and once over the anchor masks of the
 same window, so after DeepSpeed's ``1 / gas`` scaling and data-parallel averaging the micro-batch
 losses of one step add up to ``L_exp + eta * L_pef`` with each part a token mean over its own tokens.
+
+Aggregation ``micro-batch-token-mean`` (the DPH-RL authors' update loop, docs/ALGORITHMS.md
+section 9 rows 1, 1b, 2): :func:`authors_micro_batches` replaces OpenRLHF's shuffled micro-batches
+and gas windows with :func:`openrlhf_div.algorithms.authors.plan_micro_batches` over the replica's
+rows (rollouts, then anchors; optimiser steps of ``train.batch_size / dp`` rows; anchors and
+rollouts in separate micro-batches of ``micro_batch_seqs`` rows or token budgets), and each
+micro-batch's ``loss_batch_info`` carries ``{"authors": {"coef", "gas", "boundary"}}``:
+:func:`div_actor_loss` returns ``gas x Method.loss(..., micro_batch_coef=coef)`` -- DeepSpeed's
+``1 / gas`` undone, its data-parallel average kept (the authors' FSDP averages over ranks too) --
+and the policy actor sets DeepSpeed's accumulation boundary at the last micro-batch of each step.
 """
 from __future__ import annotations
 
@@ -22,6 +32,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
+from openrlhf_div.algorithms.authors import MICRO_BATCH_TOKEN_MEAN, plan_micro_batches
 from openrlhf_div.algorithms.registry import LossInputs, Method
 from openrlhf_div.compat.flash_attn_standin import install as _install_flash_attn_standin
 
@@ -32,6 +43,7 @@ from openrlhf.utils import loss_utils as _loss_utils  # noqa: E402
 from ..contract import loss_inputs  # noqa: E402
 
 ANCHOR_NORM_KEY = "anchor"    # loss_batch_info[ANCHOR_NORM_KEY]: the anchor tokens' normaliser
+AUTHORS_KEY = "authors"       # loss_batch_info[AUTHORS_KEY]: one micro-batch of the authors' layout
 
 
 def split_masks(action_mask: torch.Tensor, is_anchor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -76,6 +88,30 @@ def split_window_norms(data_iter: Iterable, strategy, accumulated_gradient: int,
 
 
 _UPSTREAM_ITER = _loss_utils.iter_grad_accum_global_norm
+
+
+def uses_authors_layout(method: Method) -> bool:
+    """Whether the engine lays micro-batches out as the DPH-RL authors' update loop does."""
+    return method.aggregation == MICRO_BATCH_TOKEN_MEAN
+
+
+def authors_micro_batches(items: List, method: Method, *, mini_batch_rows: int, gas: int, collate: Callable,
+                          anchor_fn: Callable, tokens_fn: Callable,
+                          sync: Optional[Callable[[int], int]] = None) -> Iterator[Tuple[object, Dict]]:
+    """``(micro-batch, loss_batch_info)`` for one epoch over this replica's single-row ``items``
+    in the authors' layout (module docstring). ``anchor_fn(item)`` / ``tokens_fn(item)``: whether
+    the row is a ``D_pef`` anchor, and its prompt + response tokens (token budgets);
+    ``collate(list of items)`` makes a micro-batch (OpenRLHF's ``make_experience_batch``)."""
+    h = method.hparams
+    steps = plan_micro_batches([bool(anchor_fn(it)) for it in items], [int(tokens_fn(it)) for it in items],
+                               mini_batch_rows=int(mini_batch_rows), micro_batch_seqs=int(h["micro_batch_seqs"]),
+                               micro_batch_tokens=h.get("micro_batch_tokens"),
+                               step_layout=h.get("step_layout", "spread"), sync=sync)
+    for step in steps:
+        for j, mb in enumerate(step):
+            info = {AUTHORS_KEY: {"coef": mb.coef, "gas": float(gas), "boundary": j == len(step) - 1,
+                                  "anchor": mb.anchor}}
+            yield collate([items[i] for i in mb.rows]), info
 
 
 def metric_keys(method: Method) -> List[str]:
@@ -128,8 +164,9 @@ def div_actor_loss(
     """
     is_anchor = is_anchor.to(log_probs.device).bool()
     info = dict(loss_batch_info or {})
+    authors = info.pop(AUTHORS_KEY, None)
     anchor_info = info.pop(ANCHOR_NORM_KEY, None)
-    if loss_batch_info is not None and anchor_info is None and bool(is_anchor.any()):
+    if authors is None and loss_batch_info is not None and anchor_info is None and bool(is_anchor.any()):
         raise ValueError(
             "anchor rows need the anchor-token normaliser (loss_batch_info['anchor']); "
             "DivActorPPOTrainer.ppo_train provides it (dynamic batching does not)"
@@ -138,11 +175,15 @@ def div_actor_loss(
         method, log_probs=log_probs, mask=action_mask.float(), is_anchor=is_anchor, old_log_probs=old_log_probs,
         advantages=advantages, ref_log_probs=ref_log_probs, anchor_ref_log_probs=ref_log_probs, correct=correct,
         entropy=entropy, log_z=log_z, generator=generator)
-    none = action_mask.new_zeros((0, action_mask.shape[-1]), dtype=torch.float32)  # a part with no rows here
-    n_on, s_on = _counts(info, online.mask if online is not None else none)  # (the step's counts all the same)
-    n_an, s_an = _counts(anchor_info, anchor.mask if anchor is not None else none)
-    loss, m = method.loss(online=online, anchor=anchor, num_online_tokens=n_on, num_anchor_tokens=n_an,
-                          num_online_seqs=s_on, num_anchor_seqs=s_an)
+    if authors is not None:  # one micro-batch of the authors' layout; gas undoes DeepSpeed's 1/gas
+        loss, m = method.loss(online=online, anchor=anchor, micro_batch_coef=float(authors["coef"]))
+        loss = loss * float(authors["gas"])
+    else:
+        none = action_mask.new_zeros((0, action_mask.shape[-1]), dtype=torch.float32)  # a part with no rows here
+        n_on, s_on = _counts(info, online.mask if online is not None else none)  # (the step's counts all the same)
+        n_an, s_an = _counts(anchor_info, anchor.mask if anchor is not None else none)
+        loss, m = method.loss(online=online, anchor=anchor, num_online_tokens=n_on, num_anchor_tokens=n_an,
+                              num_online_seqs=s_on, num_anchor_seqs=s_an)
     total = loss + log_probs.sum() * 0.0  # keeps every row in the graph (DeepSpeed's hooks)
     metrics = {f"div/{k}": v for k, v in m.items()}
     metrics["div/loss"] = float(total.detach())
