@@ -59,6 +59,7 @@ KIT: Dict[str, str] = {
     "typing-inspection": "pydantic",
     "hjson": "DeepSpeed's config reader",
     "torchdata": "OpenRLHF's StatefulDataLoader (imported by openrlhf.utils)",
+    "pylatexenc": "openrlhf.utils.math_utils (imported by openrlhf.utils at import time)",
     "megatron-core": "the Megatron actor (cp312 manylinux wheel; no Transformer Engine: local layer spec)",
 }
 BUILT_FROM_SOURCE = ("deepspeed",)
@@ -321,7 +322,7 @@ def _record_imports(path: str, view: str, owner: Dict[str, str]) -> None:
         f = getattr(mod, "__file__", None) or ""
         paths = list(getattr(mod, "__path__", []) or [])
         where = f or (paths[0] if paths else "")
-        if top in std and not where.startswith(view):
+        if (top in std or top.startswith("_sysconfigdata")) and not where.startswith(view):
             src = "stdlib"
         elif where.startswith(view + os.sep):
             entry = os.path.relpath(where, view).split(os.sep)[0]
