@@ -10,7 +10,10 @@ method registry.
   extended to count online and anchor tokens separately (:func:`split_window_norms`).
 * :data:`DivPolicyModelActor` is ``ray.remote`` of a subclass of
   ``PolicyModelActor.__ray_actor_class__`` (Ray refuses to subclass an actor class directly)
-  that builds :class:`DivActorPPOTrainer` instead of ``ActorPPOTrainer``.
+  that builds :class:`DivActorPPOTrainer` instead of ``ActorPPOTrainer``. Both are built on first
+  access (module ``__getattr__``), so this module itself never imports ``ray``
+  (``openrlhf.trainer.ray.ppo_actor`` still does: without Ray, one-process runs such as the GPU
+  bench install :mod:`openrlhf_div.compat.ray_stub` first).
 
 OpenRLHF hard-codes both classes by module-level name; we swap each name only for the
 duration of one call *inside the actor's own process* (:func:`_swapped`), so nothing leaks
@@ -28,7 +31,6 @@ from openrlhf_div.compat.flash_attn_standin import install as _install_flash_att
 
 _install_flash_attn_standin()
 
-import ray  # noqa: E402
 from openrlhf.trainer.ppo_utils.experience import Experience  # noqa: E402
 from openrlhf.trainer.ray import ppo_actor as _ppo_actor  # noqa: E402
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer, PolicyModelActor  # noqa: E402
@@ -264,16 +266,29 @@ class DivActorPPOTrainer(ActorPPOTrainer):
         }
 
 
-class _DivPolicyModelActor(PolicyModelActor.__ray_actor_class__):
-    """``PolicyModelActor`` that trains with :class:`DivActorPPOTrainer`; its model (and EMA model)
-    is a :class:`~.logprob_actor.HiddenLogProbActor` (log-probs without ``[tokens, V]`` logits)."""
+def _build_ray_actor_classes():
+    import ray
 
-    def init_model_from_pretrained(self, *args, **kwargs):
-        from .logprob_actor import HiddenLogProbActor
+    class _DivPolicyModelActor(PolicyModelActor.__ray_actor_class__):
+        """``PolicyModelActor`` that trains with :class:`DivActorPPOTrainer`; its model (and EMA model)
+        is a :class:`~.logprob_actor.HiddenLogProbActor` (log-probs without ``[tokens, V]`` logits)."""
 
-        with _swapped(_ppo_actor, "ActorPPOTrainer", DivActorPPOTrainer), \
-                _swapped(_ppo_actor, "Actor", HiddenLogProbActor):
-            return super().init_model_from_pretrained(*args, **kwargs)
+        def init_model_from_pretrained(self, *args, **kwargs):
+            from .logprob_actor import HiddenLogProbActor
+
+            with _swapped(_ppo_actor, "ActorPPOTrainer", DivActorPPOTrainer), \
+                    _swapped(_ppo_actor, "Actor", HiddenLogProbActor):
+                return super().init_model_from_pretrained(*args, **kwargs)
+
+    _DivPolicyModelActor.__module__ = __name__
+    _DivPolicyModelActor.__qualname__ = "_DivPolicyModelActor"
+    return {"_DivPolicyModelActor": _DivPolicyModelActor,
+            "DivPolicyModelActor": ray.remote(num_gpus=1)(_DivPolicyModelActor)}
 
 
-DivPolicyModelActor = ray.remote(num_gpus=1)(_DivPolicyModelActor)
+def __getattr__(name: str):
+    """``_DivPolicyModelActor`` / ``DivPolicyModelActor``, built (and ``ray`` imported) on first use."""
+    if name in ("_DivPolicyModelActor", "DivPolicyModelActor"):
+        globals().update(_build_ray_actor_classes())
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
