@@ -112,6 +112,44 @@ def row1_anchor_weight() -> None:
               f"= eta x {share:.4f}; {mixed} mixed micro-batches, {wrong} rows given the other kind's loss")
 
 
+def row1_engine_layout() -> None:
+    print("## row 1 on the engines: authors.plan_micro_batches (the OpenRLHF / Megatron layout under "
+          "micro-batch-token-mean) vs the transcription above")
+    g = torch.Generator().manual_seed(8)
+    n_on, n_an = 2048, 256
+    resp = torch.randint(20, 800, (n_on + n_an,), generator=g).double()
+    for micro in (2, 4):
+        rows = [(1, 100)] * n_on + [(2, 100)] * n_an
+        theirs = verl_micro_batches(rows, 1, 64 * 16, micro=micro)
+        w_theirs = torch.zeros(len(theirs), n_on + n_an, dtype=torch.float64)
+        for s_i, st in enumerate(theirs):
+            for kind, c, m in st:
+                for i in m:
+                    w_theirs[s_i, i] += c * (1.0 if kind == 1 else 0.2) / float(resp[m].sum())
+        ours = A.plan_micro_batches([i >= n_on for i in range(n_on + n_an)], mini_batch_rows=64 * 16,
+                                    micro_batch_seqs=micro, step_layout="authors")
+        w_ours = torch.zeros(len(ours), n_on + n_an, dtype=torch.float64)
+        for s_i, st in enumerate(ours):
+            for mb in st:
+                idx = list(mb.rows)
+                for i in idx:
+                    w_ours[s_i, i] += mb.coef * (0.2 if mb.anchor else 1.0) / float(resp[idx].sum())
+        rel = float(((w_ours - w_theirs).abs() / w_theirs.abs().clamp(min=1e-300)).max())
+        print(f"  world 1, micro-batches of {micro}: {len(ours)} optimizer steps (authors {len(theirs)}); "
+              f"max relative per-token weight difference {rel:.1e}")
+    # world > 1: each replica lays out its own rollout rows and its share of the anchors (the
+    # library's round-robin anchors); the authors' ranks take contiguous chunks of [rollouts; anchors]
+    for world in (8, 32):
+        share, per = anchor_share(verl_micro_batches([(1, 100)] * n_on + [(2, 100)] * n_an, world, 64 * 16))
+        steps = A.plan_micro_batches([i >= n_on // world for i in range((n_on + n_an) // world)],
+                                     mini_batch_rows=64 * 16 // world, micro_batch_seqs=2, step_layout="authors")
+        ours = [(sum(mb.coef for mb in st if not mb.anchor), sum(mb.coef for mb in st if mb.anchor)) for st in steps]
+        fmt = lambda ps: ", ".join(f"{a:.3f}" for _, a in ps)  # noqa: E731
+        print(f"  world {world}: anchor mass per optimizer step (eta x): authors [{fmt(per)}], library per replica "
+              f"[{fmt(ours)}]; over the rollout step both eta x {share:.4f} / eta x "
+              f"{sum(a for _, a in ours) / sum(o for o, _ in ours):.4f}")
+
+
 def row2_token_weights() -> None:
     print("## row 2: per-micro-batch token-mean vs the step's token-mean (token weight ratio authors/ours)")
     g = torch.Generator().manual_seed(1)
@@ -251,7 +289,7 @@ def row9_small() -> None:
 def main(argv=None) -> int:
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     torch.set_num_threads(1)
-    for f in (row1_anchor_weight, row2_token_weights, row3_js_def, row4_presample, row5_clip_cov, row6_lad,
+    for f in (row1_anchor_weight, row1_engine_layout, row2_token_weights, row3_js_def, row4_presample, row5_clip_cov, row6_lad,
               row7_flowrl, row8_ds, row9_small):
         f()
     return 0

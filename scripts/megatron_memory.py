@@ -172,9 +172,9 @@ def largest_tensor_bytes(L: GPTLayout, tp: int, divisor: int = 128) -> float:
 
 
 def node_plan(L: GPTLayout, m: MegatronConfig, *, dp: int, seq_len: int, gpus_per_node: int, gpu_gib: float,
-              vllm_tp: int, vllm_util: float, precision_aware: bool = True) -> Dict[str, float]:
+              vllm_tp: int, vllm_util: float, precision_aware: bool = True, micro_batch: float = 1) -> Dict[str, float]:
     """Per-GPU GiB in each phase of a colocated step and per-node host GiB (module docstring)."""
-    mem = estimate_memory(L, m, dp, seq_len, precision_aware=precision_aware)
+    mem = estimate_memory(L, m, dp, seq_len, micro_batch=micro_batch, precision_aware=precision_aware)
     engines_per_node = gpus_per_node / vllm_tp
     fit = mem.total
     generate = vllm_util * gpu_gib * GiB + mem.weights + ACTOR_CONTEXT_GIB * GiB
@@ -204,6 +204,18 @@ CONFIG_KEYS = {"plan_gpu_fit_gib": ("gpu_fit_gib", 1), "plan_gpu_peak_gib": ("gp
                "plan_pinned_host_gib_per_node": ("pinned_host_per_node_gib", 0)}
 
 
+def config_micro_batch(cfg: dict) -> float:
+    """Sequences of ``data.max_len`` tokens per training micro-batch: ``train.micro_batch_size``,
+    or under the authors' layout (``div.aggregation: micro-batch-token-mean``) its token budget
+    ``micro_batch_tokens / data.max_len`` (a micro-batch of that many tokens in all) or
+    ``micro_batch_seqs`` rows."""
+    div, flags = cfg.get("div") or {}, cfg["openrlhf"]
+    if div.get("aggregation") == "micro-batch-token-mean":
+        tokens = div.get("micro_batch_tokens")
+        return float(tokens) / float(flags["data.max_len"]) if tokens else float(div.get("micro_batch_seqs", 2))
+    return float(flags.get("train.micro_batch_size", 1))
+
+
 def config_plan(cfg: dict) -> Dict[str, float]:
     """:func:`node_plan` of a parsed ``configs/megatron/*.yaml``."""
     flags, cluster = cfg["openrlhf"], cfg["cluster"]
@@ -212,7 +224,7 @@ def config_plan(cfg: dict) -> Dict[str, float]:
     return node_plan(QWEN25_32B, mcfg, dp=gpus // mcfg.model_parallel_size, seq_len=int(flags["data.max_len"]),
                      gpus_per_node=int(flags["actor.num_gpus_per_node"]), gpu_gib=float(cluster["gpu_mem_gb"]) * 1e9 / GiB,
                      vllm_tp=int(flags["vllm.tensor_parallel_size"]),
-                     vllm_util=float(flags["vllm.gpu_memory_utilization"]))
+                     vllm_util=float(flags["vllm.gpu_memory_utilization"]), micro_batch=config_micro_batch(cfg))
 
 
 def config_figures(cfg: dict) -> Dict[str, float]:

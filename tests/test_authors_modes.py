@@ -295,5 +295,8 @@ def test_measurement_script_reproduces_the_documented_figures(capsys):
     # (as the script prints it, as the table quotes it)
     for printed, quoted in (("3.267", "3.267"), ("23.47", "23.47"), ("38.161%", "38.2 %"), ("2.0000", "2.0000"),
                             ("25,715,201", "25,715,201"), ("229,505", "229,505"), ("0.51x", "0.51x"),
-                            ("12.69x", "12.7x"), ("eta x 0.0746", "eta x 0.075")):
+                            ("12.69x", "12.7x"), ("eta x 0.0746", "eta x 0.075"),
+                            ("max relative per-token weight difference 0.0e+00", "max relative difference 0.0e+00"),
+                            ("authors [0.094, 0.125, 0.031], library per replica [0.000, 0.000, 0.250]",
+                             "authors `eta x [0.094, 0.125, 0.031]`, ours per replica `eta x [0, 0, 0.250]`")):
         assert printed in out and quoted in doc, (printed, quoted)

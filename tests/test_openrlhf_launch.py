@@ -159,8 +159,11 @@ def test_every_config_maps_to_a_valid_command(parser, path, monkeypatch):
     authors_sql = name.startswith("llama8b_bird_") and not name.endswith("_spec")  # scripts/llama/*.sh
     if m.name in ("dph_f", "dph_alpha"):
         assert h["anchor_eta"] == 0.01 and h["eps_high"] == 0.28
-    if m.name == "dph_js":  # js_kl.sh sft_loss_coeff 0.01; the paper's Table 5 (and the spec config) 0.2
-        assert h["anchor_eta"] == (0.01 if authors_sql else 0.2) and h["eps_high"] == 0.28
+    if m.name in ("dph_js", "dph_js_def"):  # one config per eta of the paper's Llama-SQL table / js_kl.sh
+        want = {"eta001": 0.01, "eta005": 0.05, "eta02": 0.2}.get(name.rsplit("_", 1)[-1])
+        if want is None:  # js_kl.sh's default sft_loss_coeff 0.01; the paper's Table 5 (and the spec config) 0.2
+            want = 0.01 if authors_sql else 0.2
+        assert h["anchor_eta"] == want and h["eps_high"] == 0.28
     if m.needs.anchor_batch and not name.startswith("tiny_cpu_"):  # tiny_cpu_*: the CPU e2e test's
         # the effective anchor weight of the authors' trainer: eta x 256 / 2048 (docs/ALGORITHMS.md row 1)
         from openrlhf_div.algorithms.authors import anchor_weight
@@ -168,13 +171,16 @@ def test_every_config_maps_to_a_valid_command(parser, path, monkeypatch):
         assert h["anchor_weighting"] == mode
         assert anchor_weight(h["anchor_eta"], mode, num_online_seqs=2048, num_anchor_seqs=256) == pytest.approx(
             h["anchor_eta"] / (8 if mode == "microbatch_share" else 1))
-    if authors_sql:  # two optimizer steps per rollout (ppo_mini_batch_size 64 of 128 prompts), top-p 0.9
-        n_rows = 2048 + (256 if m.needs.anchor_batch else 0)
-        assert a.train.batch_size * 2 == n_rows and a.rollout.top_p == 0.9
-        if name == "llama8b_bird_dph_f":  # forward_kl.sh: fixed micro-batches of 2
-            assert m.aggregation == "micro-batch-token-mean" and h["micro_batch_seqs"] == 2
-        else:  # dynamic token-budget micro-batches: the step's token-mean is the closest form
-            assert m.aggregation == "token-mean"
+    if authors_sql:  # the authors' update loop: mini-batches of 64 x 16 rows (ppo_mini_batch_size 64 of 128
+        # prompts: two rollout steps, anchors in a third), per-micro-batch token-mean, top-p 0.9
+        assert a.train.batch_size == 1024 and a.rollout.top_p == 0.9
+        assert m.aggregation == "micro-batch-token-mean" and h["step_layout"] == "authors"
+        if name == "llama8b_bird_dph_f":  # forward_kl.sh: use_dynamic_bsz=False, fixed micro-batches of 2
+            assert h["micro_batch_tokens"] is None and h["micro_batch_seqs"] == 2
+        else:  # ppo_trainer.yaml: use_dynamic_bsz true, ppo_max_token_len_per_gpu 32384
+            assert h["micro_batch_tokens"] == 32384
+    if name.endswith("_spec"):
+        assert m.aggregation == "token-mean"
     if m.name == "rkl":
         assert h["kl_coef"] == 0.01 and a.algo.kl.init_coef > 0
     if m.name == "ds_grpo":

@@ -25,7 +25,11 @@ Rows and the method registry. ``fit`` flattens the appended experiences into row
 with a seed shared by the replica's ranks, and cuts optimiser steps of ``--train.batch_size /
 dp`` rows made of micro-batches of ``--train.micro_batch_size`` rows. A row is a ``D_pef``
 anchor row when the experience marks it (:mod:`openrlhf_div.engines.contract`); every loss comes from
-the registry method through :func:`.loss.registry_loss`, with the step's global token counts.
+the registry method through :func:`.loss.registry_loss`, with the step's global token counts. Under
+aggregation ``micro-batch-token-mean`` (the DPH-RL authors' update loop) the rows are not shuffled:
+:func:`authors_steps` lays them out with :func:`openrlhf_div.algorithms.authors.plan_micro_batches`
+(rollouts, then anchors; steps of ``--train.batch_size / dp`` rows; ``micro_batch_seqs`` rows or
+``micro_batch_tokens`` budgets per micro-batch, each with its ``authors_coef``).
 """
 from __future__ import annotations
 
