@@ -93,7 +93,8 @@ CASES = ("methods", "logprobs", "actor_step", "megatron", "largest")
 #: has its own process, so that a crash or an out-of-memory error costs that case only
 DRY_RUN_GROUPS = (("methods", "logprobs", "largest"), ("actor_step",), ("megatron",))
 #: rough H100 seconds per case, set-up included (the budget check; not a measurement)
-ESTIMATE_S = {"methods": 240, "logprobs": 60, "actor_step": 150, "megatron": 90, "largest": 150}
+#: (7 methods x (model load + 3 steps of ~4 s); FusedAdam's JIT build ~60-90 s; a 3B model written and read)
+ESTIMATE_S = {"methods": 180, "logprobs": 45, "actor_step": 150, "megatron": 75, "largest": 90}
 
 
 def plan(dry_run: bool) -> Dict[str, Dict[str, Any]]:
