@@ -229,3 +229,11 @@ def test_report_refuses_a_dry_run_and_writes_a_gpu_result(dry_run, bench, tmp_pa
     text = docs.read_text()
     assert "before" in text and "after" in text and "\nold\n" not in text
     assert text.count(bench.BEGIN) == 1 and "| grpo | " in text and "Dry run" not in text
+
+
+def test_docs_hold_one_replaceable_section(bench):
+    text = open(bench.DOCS).read()
+    assert text.count(bench.BEGIN) == 1 and text.count(bench.END) == 1
+    section = text[text.index(bench.BEGIN):text.index(bench.END)]
+    if "| grpo | " not in section:   # no GPU result yet: the page must say so
+        assert "Not run on a GPU yet" in section and "No GPU has run this yet" in text
