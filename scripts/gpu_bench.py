@@ -89,8 +89,12 @@ SHAPES: Dict[str, Dict[str, Any]] = {
 }
 METHODS = ("grpo", "rkl", "dph_js", "dph_f", "ds_grpo", "lad_js", "clip_cov")
 CASES = ("methods", "logprobs", "actor_step", "megatron", "largest")
+#: cases sharing one process in a dry run (saves interpreter start-ups on the CPU); on a GPU each case
+#: has its own process, so that a crash or an out-of-memory error costs that case only
+DRY_RUN_GROUPS = (("methods", "logprobs", "largest"), ("actor_step",), ("megatron",))
 #: rough H100 seconds per case, set-up included (the budget check; not a measurement)
-ESTIMATE_S = {"methods": 240, "logprobs": 60, "actor_step": 150, "megatron": 90, "largest": 150}
+#: (7 methods x (model load + 3 steps of ~4 s); FusedAdam's JIT build ~60-90 s; a 3B model written and read)
+ESTIMATE_S = {"methods": 180, "logprobs": 45, "actor_step": 150, "megatron": 75, "largest": 90}
 
 
 def plan(dry_run: bool) -> Dict[str, Dict[str, Any]]:
@@ -98,11 +102,11 @@ def plan(dry_run: bool) -> Dict[str, Dict[str, Any]]:
     if dry_run:
         return {
             "methods": dict(shape="toy", methods=list(METHODS), prompts=2, group=4, prompt_len=8, new_tokens=6,
-                            micro=8, warmup=1, steps=1),
+                            micro=8, warmup=0, steps=1),
             "logprobs": dict(vocab=2048, hidden=64, tokens=[64, 256], repeats=1),
             "actor_step": dict(shape="toy", methods=["grpo", "dph_js"], micro=2, batch=4, seq=48, prompt=16,
                                warmup=1, steps=1, zero_stage=2),
-            "megatron": dict(shape="toy", micro=2, n_micro=2, seq=48, prompt=16, warmup=1, steps=1),
+            "megatron": dict(shape="toy", micro=2, n_micro=2, seq=48, prompt=16, warmup=0, steps=1),
             "largest": dict(shapes=["toy-l", "toy"], prompts=2, group=4, prompt_len=8, new_tokens=6, micro=8),
         }
     return {
@@ -558,6 +562,56 @@ def _synthetic_experience(n, T, P, V, method, seed, device):
                       info={ANCHOR_FLAG: anchor, CORRECT_FLAG: torch.ones(n, **f)})
 
 
+def _one_actor_step(ctx: Ctx, p: Dict[str, Any], shape, path: str, method, torch_adam: bool) -> Dict[str, Any]:
+    import torch
+    from openrlhf.utils.deepspeed import DeepspeedStrategy
+
+    from openrlhf_div.engines.openrlhf.actor import DivActorPPOTrainer
+    from openrlhf_div.engines.openrlhf.logprob_actor import HiddenLogProbActor
+
+    micro, batch, T, P = p["micro"], p["batch"], p["seq"], p["prompt"]
+    strategy = DeepspeedStrategy(seed=0, micro_train_batch_size=micro, train_batch_size=batch,
+                                 zero_stage=p["zero_stage"], args=_ds_args(method.name, micro, batch, p["zero_stage"]))
+    if torch_adam:  # the fallback when FusedAdam's JIT build failed
+        upstream = strategy.get_ds_train_config
+
+        def ds_config(*a, **k):
+            cfg = upstream(*a, **k)
+            if "optimizer" in cfg:
+                cfg["optimizer"].setdefault("params", {})["torch_adam"] = True
+            return cfg
+
+        strategy.get_ds_train_config = ds_config
+    strategy.setup_distributed()  # CUDA: set_device, NCCL, the "cuda" device mesh
+    actor = HiddenLogProbActor(path, attn_implementation="sdpa", param_dtype="bf16",
+                               ds_config=strategy.get_ds_train_config())
+    cfg = dict(optim="adam", adam=dict(lr=1e-6, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0),
+               lr_scheduler="constant", lr_warmup_ratio=0.0, min_lr_ratio=0.1, max_norm=1.0, scheduler_steps=100)
+    actor, optim, sched = strategy.prepare((actor, cfg))
+    trainer = DivActorPPOTrainer(strategy, actor, ema_model=None, actor_optim=optim, actor_scheduler=sched,
+                                 micro_train_batch_size=micro, tokenizer=None, vllm_engines=None, method=method)
+    dev = torch.cuda.current_device() if ctx.cuda else "cpu"
+    for i in range(batch // micro):
+        trainer.replay_buffer.append(_synthetic_experience(micro, T, P, shape["vocab_size"], method, i, dev))
+    times, status = [], None
+    for k in range(p["warmup"] + p["steps"]):
+        if k == p["warmup"]:
+            ctx.reset_peak()
+        ctx.sync()
+        t0 = time.perf_counter()
+        status = trainer.ppo_train(0.0)
+        ctx.sync()
+        if k >= p["warmup"]:
+            times.append(time.perf_counter() - t0)
+    dt = _median(times)
+    flops = train_flops(shape, [T] * batch)
+    out = dict(step_ms=1e3 * dt, steps=len(times), tokens_per_s=batch * T / dt, mfu=ctx.mfu(flops, dt),
+               peak_gib=ctx.peak_gib(), optimizer=type(getattr(optim, "optimizer", optim)).__name__,
+               policy_loss=float(status.get("policy_loss", float("nan"))) if isinstance(status, dict) else None)
+    del trainer, actor, optim, sched
+    return out
+
+
 def case_actor_step(ctx: Ctx, p: Dict[str, Any]) -> Dict[str, Any]:
     from openrlhf_div.compat import install_flash_attn_standin, install_ray_stub, install_vllm_stub
 
@@ -569,13 +623,7 @@ def case_actor_step(ctx: Ctx, p: Dict[str, Any]) -> Dict[str, Any]:
 
         cpu_seams.install_import_hooks()
     _dist_env()
-    import torch
-
-    from openrlhf.utils.deepspeed import DeepspeedStrategy
-
     from openrlhf_div.algorithms import get_method
-    from openrlhf_div.engines.openrlhf.actor import DivActorPPOTrainer
-    from openrlhf_div.engines.openrlhf.logprob_actor import HiddenLogProbActor
 
     shape = SHAPES[p["shape"]]
     path = model_dir(ctx, p["shape"])
@@ -583,52 +631,34 @@ def case_actor_step(ctx: Ctx, p: Dict[str, Any]) -> Dict[str, Any]:
     res: Dict[str, Any] = {"shape": p["shape"], "params": n_params(shape), "zero_stage": p["zero_stage"],
                            "micro": micro, "batch": batch, "seq": T, "prompt": P, "stubs": stubs,
                            "per_method": {}}
-    strategy = None
+    fused_error = None
     for name in p["methods"]:
         ctx.free()
         method = get_method(name)
         r: Dict[str, Any] = {}
-        try:
-            args = _ds_args(name, micro, batch, p["zero_stage"])
-            strategy = DeepspeedStrategy(seed=0, micro_train_batch_size=micro, train_batch_size=batch,
-                                         zero_stage=p["zero_stage"], args=args)
-            strategy.setup_distributed()  # CUDA: set_device, NCCL, the "cuda" device mesh
-            actor = HiddenLogProbActor(path, attn_implementation="sdpa", param_dtype="bf16",
-                                       ds_config=strategy.get_ds_train_config())
-            cfg = dict(optim="adam", adam=dict(lr=1e-6, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0),
-                       lr_scheduler="constant", lr_warmup_ratio=0.0, min_lr_ratio=0.1, max_norm=1.0,
-                       scheduler_steps=100)
-            actor, optim, sched = strategy.prepare((actor, cfg))
-            trainer = DivActorPPOTrainer(strategy, actor, ema_model=None, actor_optim=optim, actor_scheduler=sched,
-                                         micro_train_batch_size=micro, tokenizer=None, vllm_engines=None,
-                                         method=method)
-            dev = torch.cuda.current_device() if ctx.cuda else "cpu"
-            for i in range(batch // micro):
-                trainer.replay_buffer.append(_synthetic_experience(micro, T, P, shape["vocab_size"], method, i, dev))
-            times, status = [], None
-            for k in range(p["warmup"] + p["steps"]):
-                if k == p["warmup"]:
-                    ctx.reset_peak()
-                ctx.sync()
-                t0 = time.perf_counter()
-                status = trainer.ppo_train(0.0)
-                ctx.sync()
-                if k >= p["warmup"]:
-                    times.append(time.perf_counter() - t0)
-            dt = _median(times)
-            flops = train_flops(shape, [T] * batch)
-            r.update(step_ms=1e3 * dt, steps=len(times), tokens_per_s=batch * T / dt, mfu=ctx.mfu(flops, dt),
-                     peak_gib=ctx.peak_gib(), policy_loss=float(status.get("policy_loss", float("nan")))
-                     if isinstance(status, dict) else None,
-                     optimizer=type(getattr(optim, "optimizer", optim)).__name__)
-            del trainer, actor, optim, sched
-        except Exception as exc:  # noqa: BLE001
-            import traceback
+        for torch_adam in ((False, True) if ctx.cuda else (False,)):
+            if torch_adam and fused_error is None:
+                break
+            try:
+                r = _one_actor_step(ctx, p, shape, path, method, torch_adam or fused_error is not None)
+                if fused_error is not None:
+                    r["fused_adam_error"] = fused_error
+                break
+            except Exception as exc:  # noqa: BLE001
+                import traceback
 
-            r = {"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()[-3000:],
-                 "oom": ctx.is_oom(exc)}
+                tb = traceback.format_exc()
+                r = {"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": tb[-3000:], "oom": ctx.is_oom(exc)}
+                # FusedAdam is JIT-compiled on first use: if that build fails, measure with torch's AdamW
+                if ctx.cuda and fused_error is None and any(k in tb for k in ("fused_adam", "op_builder", "ninja",
+                                                                                "nvcc", "cpp_extension")):
+                    fused_error = r["error"][:500]
+                    ctx.free()
+                    continue
+                break
         res["per_method"][name] = r
-        print(f"[gpu_bench] actor_step/{name}: {json.dumps(r)[:400]}", flush=True)
+        print(f"[gpu_bench] actor_step/{name}: {json.dumps({k: v for k, v in r.items() if k != 'traceback'})[:400]}",
+              flush=True)
     res["ok"] = all("error" not in r for r in res["per_method"].values())
     return res
 
@@ -758,33 +788,37 @@ RUNNERS = {"methods": case_methods, "logprobs": case_logprobs, "actor_step": cas
 
 
 # ------------------------------------------------------------------ one case (child process)
-def run_case(name: str, dry_run: bool, out: str, peak_tflops: Optional[float]) -> int:
+def run_case(names: List[str], dry_run: bool, out: str, peak_tflops: Optional[float]) -> int:
+    """Run ``names`` one after the other in this process; ``out`` gets ``{case: result}``."""
     import torch
 
-    with tempfile.TemporaryDirectory(prefix=f"gpu_bench_{name}_") as work:
-        ctx = Ctx(dry_run, work, peak_tflops)
-        if not dry_run and not ctx.cuda:
-            print("[gpu_bench] no CUDA device: run with --dry-run on a CPU", file=sys.stderr)
-            return 2
-        t0 = time.perf_counter()
-        try:
-            res = RUNNERS[name](ctx, plan(dry_run)[name])
-        except Exception as exc:  # noqa: BLE001
-            import traceback
+    results: Dict[str, Any] = {}
+    for name in names:
+        with tempfile.TemporaryDirectory(prefix=f"gpu_bench_{name}_") as work:
+            ctx = Ctx(dry_run, work, peak_tflops)
+            if not dry_run and not ctx.cuda:
+                print("[gpu_bench] no CUDA device: run with --dry-run on a CPU", file=sys.stderr)
+                return 2
+            t0 = time.perf_counter()
+            try:
+                res = RUNNERS[name](ctx, plan(dry_run)[name])
+            except Exception as exc:  # noqa: BLE001
+                import traceback
 
-            res = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000],
-                   "traceback": traceback.format_exc()[-4000:], "oom": ctx.is_oom(exc)}
-        res["case_s"] = time.perf_counter() - t0
-        res["peak_tflops"] = ctx.peak_tflops
-        res["device"] = torch.cuda.get_device_name(0) if ctx.cuda else "cpu (dry run)"
-    with open(out, "w") as fh:
-        json.dump(res, fh, indent=1, default=float)
-    return 0 if res.get("ok") else 1
+                res = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000],
+                       "traceback": traceback.format_exc()[-4000:], "oom": ctx.is_oom(exc)}
+            res["case_s"] = time.perf_counter() - t0
+            res["peak_tflops"] = ctx.peak_tflops
+            res["device"] = torch.cuda.get_device_name(0) if ctx.cuda else "cpu (dry run)"
+        results[name] = res
+        with open(out, "w") as fh:
+            json.dump(results, fh, indent=1, default=float)
+    return 0 if all(r.get("ok") for r in results.values()) else 1
 
 
 # ------------------------------------------------------------------ the driver
-def _child_cmd(name: str, dry_run: bool, out: str, peak: Optional[float], record: Optional[str]) -> List[str]:
-    argv = [os.path.abspath(__file__), "--case", name, "--case-out", out]
+def _child_cmd(names: List[str], dry_run: bool, out: str, peak: Optional[float], record: Optional[str]) -> List[str]:
+    argv = [os.path.abspath(__file__), "--case", ",".join(names), "--case-out", out]
     if dry_run:
         argv.append("--dry-run")
     if peak:
@@ -830,31 +864,39 @@ def drive(a) -> int:
     res: Dict[str, Any] = {"dry_run": dry, "environment": environment(), "plan": {n: plan(dry)[n] for n in names},
                            "command": " ".join(["scripts/gpu_bench.sh", *a.argv_for_record]), "cases": {}}
     t_start = time.perf_counter()
-    for name in names:
+    groups = ([[n for n in g if n in names] for g in DRY_RUN_GROUPS] if dry else [[n] for n in names])
+    for group in [g for g in groups if g]:
         left = a.budget_s - (time.perf_counter() - t_start)
-        need = 0 if dry else ESTIMATE_S[name]
+        need = 0 if dry else sum(ESTIMATE_S[n] for n in group)
+        label = "+".join(group)
         if left < need:
-            res["cases"][name] = {"ok": False, "not_run": f"budget: {left:.0f} s left of --budget-s {a.budget_s:.0f}, "
-                                                          f"the case needs ~{need} s; run it with --cases {name}"}
-            print(f"[gpu_bench] {name}: not run ({res['cases'][name]['not_run']})", flush=True)
+            for n in group:
+                res["cases"][n] = {"ok": False, "not_run": f"budget: {left:.0f} s left of --budget-s {a.budget_s:.0f}, "
+                                                          f"the case needs ~{need} s; run it with --cases {n}"}
+            print(f"[gpu_bench] {label}: not run ({res['cases'][group[0]]['not_run']})", flush=True)
             continue
-        case_out = os.path.join(a.results, f".case_{name}.json")
-        record = os.path.join(a.results, f"imports_{name}.json") if a.record_imports else None
-        cmd = _child_cmd(name, dry, case_out, a.peak_tflops, record)
-        timeout = min(a.case_timeout_s, max(left, 30.0))
-        print(f"[gpu_bench] {name}: running (timeout {timeout:.0f} s)", flush=True)
+        case_out = os.path.join(a.results, f".case_{label}.json")
+        record = os.path.join(a.results, f"imports_{label}.json") if a.record_imports else None
+        cmd = _child_cmd(group, dry, case_out, a.peak_tflops, record)
+        timeout = min(a.case_timeout_s * len(group), max(left, 30.0))
+        print(f"[gpu_bench] {label}: running (timeout {timeout:.0f} s)", flush=True)
         t0 = time.perf_counter()
         try:
             rc = subprocess.run(cmd, timeout=timeout).returncode
-            try:
-                with open(case_out) as fh:
-                    r = json.load(fh)
-            except (OSError, ValueError):
-                r = {"ok": False, "error": f"the case process exited {rc} without writing its result"}
+            err = f"the case process exited {rc} without writing its result"
         except subprocess.TimeoutExpired:
-            r = {"ok": False, "error": f"timed out after {timeout:.0f} s"}
-        r["wall_s"] = time.perf_counter() - t0
-        res["cases"][name] = r
+            err = f"timed out after {timeout:.0f} s"
+        try:
+            with open(case_out) as fh:
+                got = json.load(fh)
+        except (OSError, ValueError):
+            got = {}
+        wall = time.perf_counter() - t0
+        for n in group:
+            r = got.get(n) or {"ok": False, "error": err}
+            r["wall_s"] = wall if len(group) == 1 else r.get("case_s", wall)
+            res["cases"][n] = r
+            print(f"[gpu_bench] {n}: {'ok' if r.get('ok') else 'FAILED'} in {r['wall_s']:.0f} s", flush=True)
         if os.path.exists(case_out):
             os.remove(case_out)
         res["total_s"] = time.perf_counter() - t_start
@@ -865,7 +907,6 @@ def drive(a) -> int:
             fh.write(md)
         if not dry and not a.no_docs:
             write_docs(md, a.docs)
-        print(f"[gpu_bench] {name}: {'ok' if r.get('ok') else 'FAILED'} in {r['wall_s']:.0f} s", flush=True)
     print(f"[gpu_bench] wrote {out_json}" + ("" if dry or a.no_docs else f" and the section of {a.docs}"))
     return 0 if all(r.get("ok") for r in res["cases"].values()) else 1
 
@@ -926,7 +967,9 @@ def render(results: List[Dict[str, Any]]) -> str:
                     L.append(f"| {name} | failed: {r['error'][:160]} | | | | |")
                 else:
                     L.append(f"| {name} | {_f(r.get('step_ms'), '{:.0f}')} | {_f(r.get('tokens_per_s'), '{:,.0f}')} | "
-                             f"{_f(r.get('mfu'), '{:.1%}')} | {_f(r.get('peak_gib'))} | {r.get('optimizer')} |")
+                             f"{_f(r.get('mfu'), '{:.1%}')} | {_f(r.get('peak_gib'))} | {r.get('optimizer')}"
+                             + (f" (FusedAdam failed: {r['fused_adam_error'][:100]})" if r.get("fused_adam_error")
+                                else "") + " |")
         else:
             L.append(f"failed: {a.get('error') or a.get('not_run')}")
         L.append("")
@@ -1024,7 +1067,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--case-out", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.case:
-        return run_case(a.case, a.dry_run, a.case_out, a.peak_tflops)
+        return run_case(a.case.split(","), a.dry_run, a.case_out, a.peak_tflops)
     if a.report:
         results = []
         for f in a.report:

@@ -27,6 +27,8 @@ with ``pip install --no-index --no-deps --target``; at most 64 MiB travel with t
   setuptools' shim, as on the device, whose setuptools installs ``distutils-precedence.pth``). ``--record`` writes which
   top-level modules were imported and from where. What it cannot show: the device's *versions*
   (torch 2.11, transformers 5.17 there; this environment's torch / transformers here).
+  ``GPU_KIT_OVERLAY=DIR[:DIR]`` puts folders of unpacked wheels first (a way to try e.g. the
+  device's transformers; a record then shows their modules as ``elsewhere``).
 """
 from __future__ import annotations
 
@@ -350,7 +352,10 @@ def _exec_in_view(view: str, record: Optional[str], argv: List[str]) -> None:
         owner = json.load(fh)
     stdlib = [p for p in sys.path if p and "site-packages" not in p and not p.startswith(ROOT)]
     script_dir = os.path.dirname(os.path.abspath(argv[0]))
-    sys.path[:] = [script_dir, ROOT, view] + stdlib
+    # GPU_KIT_OVERLAY: folders of unpacked wheels put before the view, to try the device's versions
+    # of pure-Python packages (e.g. transformers 5.17 with its tokenizers); not used by default
+    overlay = [p for p in os.environ.get("GPU_KIT_OVERLAY", "").split(os.pathsep) if p]
+    sys.path[:] = [script_dir, ROOT, *overlay, view] + stdlib
     sys.meta_path.insert(0, _Removed312())
     # Python 3.12 has no distutils; setuptools' distutils-precedence.pth (processed at start-up on the
     # device, where setuptools is installed) maps `import distutils` to setuptools._distutils.

@@ -52,17 +52,15 @@ def setup(tmp_path_factory):
 
 
 def _batch(B=4, L=64):
-    """The GPU smoke script's batch (scripts/gpu_smoke_megatron.py)."""
-    import importlib.util
-    import sys
-
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                        "scripts", "gpu_smoke_megatron.py")
-    spec = importlib.util.spec_from_file_location("gpu_smoke_megatron", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_smoke_megatron"] = mod
-    spec.loader.exec_module(mod)
-    return mod._batch(V, B=B, L=L)
+    """Token ids, attention mask (one row ends in padding) and response mask (from position 32)."""
+    g = torch.Generator().manual_seed(3)
+    seq = torch.randint(0, V, (B, L), generator=g)
+    am = torch.ones(B, L, dtype=torch.long)
+    am[1, L - 9:] = 0
+    act = torch.zeros(B, L - 1)
+    act[:, 32:] = 1
+    act[1, L - 10:] = 0
+    return seq, am, act
 
 
 def test_logprobs_match_hf_bf16(setup):
