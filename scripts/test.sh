@@ -7,5 +7,11 @@ bash "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
 # the real-model tests may not skip here: setup_env.sh installed their GGUF file
 export OPENRLHF_DIV_REQUIRE_REAL_MODEL=1
+# text files are UTF-8 whatever the locale (a non-UTF-8 LANG would change open()'s default encoding
+# in the tests and in every process they start)
+export PYTHONUTF8=1
+# one line about this machine (CPU model and flag families, cores, Python, torch, vLLM), so that a
+# failure report carries it (scripts/machine_info.py: standard library only)
+"$ROOT/.venv/bin/python" "$ROOT/scripts/machine_info.py" || true
 # two workers, a test file at a time each (tests/conftest.py); `-n 0` runs in one process
 exec "$ROOT/.venv/bin/python" -m pytest -n 2 --dist loadfile "$@"

@@ -15,3 +15,30 @@ if _HERE not in sys.path:
 # spin-waiting threads each on a 2-core machine are many times slower than one thread each.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+# ------------------------------------------------------------------ a home directory that is not writable
+# The stack caches under $HOME (~/.cache/openrlhf_div for de-quantized GGUF files, ~/.cache/vllm,
+# ~/.triton, ~/.config/matplotlib, Ray and Hugging Face state). Where $HOME cannot be written (a
+# read-only or missing home in CI containers), every process of the suite -- and the subprocesses,
+# Ray workers and vLLM engines it starts, which inherit the environment -- gets a private writable
+# home in the temp directory instead. A writable $HOME is left alone.
+def _writable_home(home: str) -> bool:
+    import tempfile
+
+    try:
+        cache = os.path.join(home, ".cache")
+        os.makedirs(cache, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=cache):
+            return True
+    except OSError:
+        return False
+
+
+if not _writable_home(os.path.expanduser("~")):
+    import tempfile
+
+    _home = os.path.join(tempfile.gettempdir(), f"openrlhf-div-home-{os.getuid()}")
+    os.makedirs(os.path.join(_home, ".cache"), exist_ok=True)
+    os.environ["OPENRLHF_DIV_TEST_REAL_HOME"] = os.path.expanduser("~")
+    os.environ["HOME"] = _home

@@ -162,6 +162,22 @@ def _patch_ppo_actor(mod) -> None:
     mod.stateless_init_process_group = stateless_init_process_group
 
 
+def _note_sync_route(model) -> None:
+    """One line per vLLM worker at its first weight sync (in the job's logs): which module loads the
+    weights and which CPU GEMM the layers took (the evidence that a forced branch was in effect)."""
+    from collections import Counter
+
+    import openrlhf_div.compat.vllm_weights as vw
+
+    _tests_on_path()
+    from vllm_cpu_gemm import branch_of
+
+    kinds = Counter(branch_of(m) for m in model.modules() if hasattr(m, "cpu_linear"))
+    print(f"[cpu_seams] pid {os.getpid()}: weight sync through {vw.__file__}; CPU GEMM of the layers: "
+          f"{dict(kinds)}; packed (layer-wise reload): {vw.holds_packed_weights(model)}", file=sys.stderr,
+          flush=True)
+
+
 def _patch_worker_wrap(mod) -> None:
     import torch
 
@@ -175,6 +191,9 @@ def _patch_worker_wrap(mod) -> None:
         self._model_update_group.broadcast(weight, src=0, stream=None)
         # upstream: self.model_runner.model.load_weights(weights=[(name, weight)]), which fails where
         # vLLM's CPU GEMM dispatch packed the weights (oneDNN / sgl-kernel / zentorch, issue 21)
+        if not getattr(self, "_openrlhf_div_sync_noted", False):
+            _note_sync_route(self.model_runner.model)
+            self._openrlhf_div_sync_noted = True
         update_vllm_weights(self.model_runner.model, [(name, weight)], model_config=self.model_config)
         del weight
 
@@ -187,9 +206,7 @@ def _patch_megatron_engine(mod) -> None:
     shim the gloo tests of the engine use; the engine itself is unchanged."""
     import functools
 
-    tests_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    if tests_dir not in sys.path:
-        sys.path.insert(0, tests_dir)
+    _tests_on_path()
     from mcore_cpu import megatron_cpu_compat
 
     def wrap(fn):
@@ -214,18 +231,25 @@ def _patch_megatron_engine(mod) -> None:
     mod.init_megatron_parallel = wrap(mod.init_megatron_parallel)
 
 
+def _tests_on_path() -> None:
+    """``tests/`` (its helper modules: mcore_cpu, vllm_cpu_gemm) importable."""
+    tests_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if tests_dir not in sys.path:
+        sys.path.insert(0, tests_dir)
+
+
 def _force_cpu_gemm(mod) -> None:
     """``OPENRLHF_DIV_FORCE_CPU_GEMM=<branch>``: vLLM's CPU GEMM dispatch takes that branch in this
     process (the e2e run that proves the weight sync on a packing branch on any CPU)."""
     branch = os.environ.get(FORCE_GEMM_ENV, "")
     if not branch:
         return
-    tests_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    if tests_dir not in sys.path:
-        sys.path.insert(0, tests_dir)
+    _tests_on_path()
     import vllm_cpu_gemm
 
     vllm_cpu_gemm.set_branch(branch)
+    print(f"[cpu_seams] pid {os.getpid()}: vLLM's CPU GEMM dispatch forced to {branch} ({FORCE_GEMM_ENV})",
+          file=sys.stderr, flush=True)
 
 
 #: upstream module -> patch (applied right after the module is first imported)
