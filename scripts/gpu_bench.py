@@ -348,7 +348,9 @@ class _PhaseTimer:
     def _hook(self, info):
         exp = info["experience"]
         self.seqlens += [int(x) for x in exp.attention_mask[info["rows"]].sum(-1).tolist()]
-        self.seqlens += [len(a["prompt_ids"]) + len(a["response_ids"]) for a in info["anchors"]]
+        for a in info["anchors"]:  # D_pef records (engines.anchor_data.AnchorRecord; dicts before it)
+            get = a.get if isinstance(a, dict) else lambda k, a=a: getattr(a, k)
+            self.seqlens.append(len(get("prompt_ids")) + len(get("response_ids")))
 
     def step(self) -> Dict[str, Any]:
         self.t, self.seqlens, self.gen_tokens = {}, [], 0
