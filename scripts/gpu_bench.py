@@ -348,7 +348,9 @@ class _PhaseTimer:
     def _hook(self, info):
         exp = info["experience"]
         self.seqlens += [int(x) for x in exp.attention_mask[info["rows"]].sum(-1).tolist()]
-        self.seqlens += [len(a["prompt_ids"]) + len(a["response_ids"]) for a in info["anchors"]]
+        for a in info["anchors"]:  # D_pef records (engines.anchor_data.AnchorRecord; dicts before it)
+            get = a.get if isinstance(a, dict) else lambda k, a=a: getattr(a, k)
+            self.seqlens.append(len(get("prompt_ids")) + len(get("response_ids")))
 
     def step(self) -> Dict[str, Any]:
         self.t, self.seqlens, self.gen_tokens = {}, [], 0
@@ -836,8 +838,14 @@ def environment() -> Dict[str, Any]:
     import torch
 
     info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
+            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "device": "cpu"}
+    try:  # not torch.cuda.get_device_name: the driver must not hold a CUDA context while the cases run
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        if smi.returncode == 0 and smi.stdout.strip():
+            info["device"] = smi.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
     try:
         import transformers
 

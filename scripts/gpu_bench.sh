@@ -11,7 +11,7 @@
 #   bash scripts/gpu_bench.sh --report A.json [B.json]   # write the docs section from results brought back
 #
 # On a lent GPU (device tool, no network, 10 minutes a command): carry [".whl"] and run
-#   bash scripts/gpu_bench.sh --results "$OUT"        (timeout_s 590; ~9 minutes)
+#   bash scripts/gpu_bench.sh --results "$OUT"        (timeout_s 590; ~9 minutes by estimate, not yet measured)
 # then here: bash scripts/gpu_bench.sh --report <files_at>/gpu_bench.json
 # Extra arguments go to scripts/gpu_bench.py (--help lists them).
 set -euo pipefail
