@@ -130,6 +130,9 @@ def add_div_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
                    help="seed of the anchor sampler (default: --train.seed)")
     g.add_argument("--div.log_z_lr", type=float, default=None, metavar="LR",
                    help="FlowRL's log Z head learning rate (default: --actor.adam.lr)")
+    g.add_argument("--div.eval_top_p", type=float, default=None, metavar="P",
+                   help="top-p of `python -m openrlhf_div.engines.openrlhf.evaluate --config` (default: "
+                        "--rollout.top_p); the DPH-RL authors train at 0.9 and evaluate at 0.95")
     g.add_argument("--div.aggregation", default=None, choices=sorted(TOKEN_LEVEL),
                    help="override the method's loss aggregation")
     g.add_argument("--div.dynamic_sampling", type=_bool, default=None, metavar="BOOL",
