@@ -340,3 +340,24 @@ def test_fresh_anchor_draws_use_anchor_top_p(monkeypatch):
         actor=types.SimpleNamespace(model_name_or_path="m"), reward=types.SimpleNamespace(remote_url=None))
     s = P.settings_from_args(args)
     assert s["top_p"] == 0.95 and s["anchor_top_p"] == 0.9
+
+
+def test_engines_refuse_what_the_layout_cannot_do():
+    import argparse
+    import types
+
+    from openrlhf_div.engines.local.config import ConfigError, config_from_dict
+    from openrlhf_div.engines.openrlhf.flags import add_div_arguments, check_supported, method_from_args
+
+    p = argparse.ArgumentParser()
+    add_div_arguments(p)
+    m = method_from_args(p.parse_args(["--div.method", "dph_f", "--div.aggregation", "micro-batch-token-mean"]))
+    args = types.SimpleNamespace(div=types.SimpleNamespace(anchor_data="x"),
+                                 train=types.SimpleNamespace(dynamic_batch_enable=False, async_enable=False))
+    with pytest.raises(ValueError, match="anchor_weighting microbatch_share"):
+        check_supported(m, args)
+    args.train.dynamic_batch_enable = True
+    with pytest.raises(NotImplementedError, match="micro_batch_tokens"):
+        check_supported(m.with_overrides(anchor_weighting="microbatch_share"), args)
+    with pytest.raises(ConfigError, match="engines only|OpenRLHF and Megatron engines only"):
+        config_from_dict({"task": "demo", "method": {"name": "grpo", "step_layout": "authors"}}).build_method()
