@@ -307,3 +307,57 @@ def test_micro_batch_token_mean_has_no_clamp_on_the_step_count():
     got = micro_batch_token_mean(loss, mask, micro_batch_seqs=2, num_seqs=4 / 9)
     assert float(got) == pytest.approx((6.0 / 3.0) * 2 / (4 / 9), rel=1e-15)
     assert float(micro_batch_token_mean(loss, mask, 2, num_seqs=0.0)) == 0.0
+
+
+def test_fresh_anchor_draws_use_anchor_top_p(monkeypatch):
+    """presample_ray's fresh anchor draws (resample_anchor_responses) sample at
+    --presample.anchor_top_p (the authors' generate_sft: the rollout's 0.9), the pre-sampling
+    responses at --rollout.top_p (offline_sampling.sh: 0.95)."""
+    import types
+
+    from openrlhf_div.engines.anchor_data import Sample
+    from openrlhf_div.engines.openrlhf import presample as P
+
+    calls = []
+
+    def fake_sample_chunk(engines, prompts, labels, tokenizer, args, n, top_p=None):
+        calls.append((n, top_p))
+        return [[None] for _ in prompts]
+
+    monkeypatch.setattr(P, "_sample_chunk", fake_sample_chunk)
+    monkeypatch.setattr(P, "_to_samples", lambda d, tok: ([1], [Sample([2], "y", 1.0)]))
+    parsed = [([1], [Sample([2], "y", 1.0)] * 2), ([1], [Sample([2], "n", 0.0)] * 2)]
+    out = P._fresh_anchor_samples(None, ["a", "b"], ["l", "l"], None, types.SimpleNamespace(),
+                                  parsed, {"tau": 2, "correct_threshold": 1.0, "anchor_top_p": 0.9})
+    assert calls == [(1, 0.9)] and out[1] is None and out[0] is not None
+    args = types.SimpleNamespace(
+        presample=types.SimpleNamespace(n_pre=4, tau=4, drop_unsolved=False, chunk_size=8, correct_threshold=1.0,
+                                        resample_anchor_responses=True, anchor_top_p=0.9),
+        train=types.SimpleNamespace(seed=0), rollout=types.SimpleNamespace(temperature=1.0, top_p=0.95,
+                                                                           max_new_tokens=8),
+        data=types.SimpleNamespace(max_len=16, prompt_dataset="d", input_key="p", label_key="l",
+                                   apply_chat_template=False, input_template=None),
+        actor=types.SimpleNamespace(model_name_or_path="m"), reward=types.SimpleNamespace(remote_url=None))
+    s = P.settings_from_args(args)
+    assert s["top_p"] == 0.95 and s["anchor_top_p"] == 0.9
+
+
+def test_engines_refuse_what_the_layout_cannot_do():
+    import argparse
+    import types
+
+    from openrlhf_div.engines.local.config import ConfigError, config_from_dict
+    from openrlhf_div.engines.openrlhf.flags import add_div_arguments, check_supported, method_from_args
+
+    p = argparse.ArgumentParser()
+    add_div_arguments(p)
+    m = method_from_args(p.parse_args(["--div.method", "dph_f", "--div.aggregation", "micro-batch-token-mean"]))
+    args = types.SimpleNamespace(div=types.SimpleNamespace(anchor_data="x"),
+                                 train=types.SimpleNamespace(dynamic_batch_enable=False, async_enable=False))
+    with pytest.raises(ValueError, match="anchor_weighting microbatch_share"):
+        check_supported(m, args)
+    args.train.dynamic_batch_enable = True
+    with pytest.raises(NotImplementedError, match="micro_batch_tokens"):
+        check_supported(m.with_overrides(anchor_weighting="microbatch_share"), args)
+    with pytest.raises(ConfigError, match="engines only|OpenRLHF and Megatron engines only"):
+        config_from_dict({"task": "demo", "method": {"name": "grpo", "step_layout": "authors"}}).build_method()

@@ -174,6 +174,8 @@ def test_every_config_maps_to_a_valid_command(parser, path, monkeypatch):
     if authors_sql:  # the authors' update loop: mini-batches of 64 x 16 rows (ppo_mini_batch_size 64 of 128
         # prompts: two rollout steps, anchors in a third), per-micro-batch token-mean, top-p 0.9
         assert a.train.batch_size == 1024 and a.rollout.top_p == 0.9
+        from openrlhf_div.engines.openrlhf.evaluate import defaults_from_config
+        assert defaults_from_config(path)["top_p"] == 0.95  # evaluated as the paper / offline_sampling.sh
         assert m.aggregation == "micro-batch-token-mean" and h["step_layout"] == "authors"
         if name == "llama8b_bird_dph_f":  # forward_kl.sh: use_dynamic_bsz=False, fixed micro-batches of 2
             assert h["micro_batch_tokens"] is None and h["micro_batch_seqs"] == 2
@@ -208,6 +210,8 @@ def test_presample_sections_parse(capsys, monkeypatch):
             # data/sql/process_data/exact_correct_id.py (4 of 4) + generate_sft's fresh anchor draw
             assert '"n_pre": 4' in out and '"tau": 4' in out and '"resample_anchor_responses": true' in out
             assert '"drop_unsolved": false' in out
+            # offline_sampling.sh val_kwargs.top_p 0.95; generate_sft's anchor draw at the rollout's 0.9
+            assert '"top_p": 0.95' in out and '"anchor_top_p": 0.9' in out
         elif name.startswith("tiny_cpu_"):  # the CPU e2e test's experiment (tests/e2e)
             assert '"n_pre": 4' in out and '"tau": 2' in out
         else:

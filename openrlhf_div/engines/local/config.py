@@ -190,9 +190,16 @@ class TrainConfig:
         if not name:
             raise ConfigError("method.name is required (see `openrlhf-div methods`)")
         try:
-            return get_method(str(name), **opts)
+            method = get_method(str(name), **opts)
         except ValueError as e:  # name the config section the bad key came from
             raise ConfigError(f"config section `method`: {e}") from e
+        h = method.hparams
+        if h.get("step_layout", "spread") != "spread" or h.get("micro_batch_tokens") is not None:
+            raise ConfigError(
+                "config section `method`: step_layout / micro_batch_tokens lay micro-batches out as the DPH-RL "
+                "authors' update loop on the OpenRLHF and Megatron engines only; the local engine uses "
+                "optim.micro_batch_size and optim.mini_batches (drop them here)")
+        return method
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)

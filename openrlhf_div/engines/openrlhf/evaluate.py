@@ -98,7 +98,7 @@ def defaults_from_config(path: str) -> Dict[str, Any]:
     val = lambda k, default=None: expand_env(str(o[k])) if o.get(k) is not None else default  # noqa: E731
     out = {"task": d.get("task"), "data": val("eval.dataset"), "model": val("actor.model_name_or_path"),
            "n": int(val("eval.n_samples_per_prompt", 16)), "temperature": float(val("eval.temperature", 1.0)),
-           "top_p": float(val("rollout.top_p", 1.0)), "max_new_tokens": int(val("rollout.max_new_tokens", 2048)),
+           "top_p": float(d["eval_top_p"] if d.get("eval_top_p") is not None else val("rollout.top_p", 1.0)), "max_new_tokens": int(val("rollout.max_new_tokens", 2048)),
            "tp": int(val("vllm.tensor_parallel_size", 1)), "input_key": val("data.input_key", "prompt"),
            "label_key": val("data.label_key", "label"),
            "no_chat_template": not bool(o.get("data.apply_chat_template", False))}

@@ -130,6 +130,9 @@ def add_div_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
                    help="seed of the anchor sampler (default: --train.seed)")
     g.add_argument("--div.log_z_lr", type=float, default=None, metavar="LR",
                    help="FlowRL's log Z head learning rate (default: --actor.adam.lr)")
+    g.add_argument("--div.eval_top_p", type=float, default=None, metavar="P",
+                   help="top-p of `python -m openrlhf_div.engines.openrlhf.evaluate --config` (default: "
+                        "--rollout.top_p); the DPH-RL authors train at 0.9 and evaluate at 0.95")
     g.add_argument("--div.aggregation", default=None, choices=sorted(TOKEN_LEVEL),
                    help="override the method's loss aggregation")
     g.add_argument("--div.dynamic_sampling", type=_bool, default=None, metavar="BOOL",
@@ -337,6 +340,16 @@ def check_supported(method: Method, args, need_data: bool = True) -> None:
             "--train.async_enable is not supported by openrlhf-div yet (OpenRLHF's async trainer "
             "builds its own training actor); run synchronously"
         )
+    if method.aggregation == "micro-batch-token-mean":  # the authors' layout (loss.authors_micro_batches)
+        if train is not None and getattr(train, "dynamic_batch_enable", False):
+            raise NotImplementedError(
+                "--train.dynamic_batch_enable with aggregation micro-batch-token-mean is not supported: the "
+                "authors' layout makes its own micro-batches; for token budgets set --div.micro_batch_tokens N")
+        if method.needs.anchor_batch and method.hparams.get("anchor_weighting") != "microbatch_share":
+            raise ValueError(
+                f"method {method.name!r} with aggregation micro-batch-token-mean weights each anchor micro-batch "
+                "eta, as the authors' code does: that is --div.anchor_weighting microbatch_share (set it), or use "
+                "--div.aggregation token-mean for the spec's L_exp + eta L_pef")
     if method.needs.anchor_batch:
         if need_data and not getattr(div, "anchor_data", None):
             raise ValueError(

@@ -54,6 +54,11 @@ def add_presample_arguments(parser) -> None:
                    help="leave prompts with 0 correct out of D_exp (DPH-RL does for math)")
     g.add_argument("--presample.resample_anchor_responses", action="store_true",
                    help="draw each anchor response afresh (n=1, kept if correct), as the DPH-RL authors' code does")
+    g.add_argument("--presample.anchor_top_p", type=float, default=None, metavar="P",
+                   help="top-p of the fresh anchor draws of --presample.resample_anchor_responses (default: "
+                        "--rollout.top_p, the pre-sampling's). The DPH-RL authors pre-sample at 0.95 "
+                        "(offline_sampling.sh val_kwargs.top_p) and draw anchors with the rollout's 0.9 "
+                        "(generate_sft; ppo_trainer.yaml rollout.top_p)")
     g.add_argument("--presample.chunk_size", type=int, default=256, help="prompts per resumable chunk")
     g.add_argument("--presample.correct_threshold", type=float, default=1.0,
                    help="a sample is correct when its reward >= this")
@@ -72,7 +77,8 @@ def settings_from_args(args) -> Dict[str, Any]:
             "apply_chat_template": bool(args.data.apply_chat_template), "input_template": args.data.input_template,
             "reward": list(args.reward.remote_url or []),
             # only when on, so runs started before the option existed still resume
-            **({"resample_anchor_responses": True} if getattr(p, "resample_anchor_responses", False) else {})}
+            **({"resample_anchor_responses": True} if getattr(p, "resample_anchor_responses", False) else {}),
+            **({"anchor_top_p": float(p.anchor_top_p)} if getattr(p, "anchor_top_p", None) is not None else {})}
 
 
 # ------------------------------------------------------------------ Ray / vLLM driver
@@ -85,11 +91,11 @@ def _raw_rows(args, strategy) -> List[Dict[str, Any]]:
     return [dict(r) for r in data], data
 
 
-def _sample_chunk(engines, prompts, labels, tokenizer, args, n_pre) -> List[List[Any]]:
+def _sample_chunk(engines, prompts, labels, tokenizer, args, n_pre, top_p: Optional[float] = None) -> List[List[Any]]:
     import ray
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=args.rollout.temperature, top_p=args.rollout.top_p,
+    params = SamplingParams(temperature=args.rollout.temperature, top_p=args.rollout.top_p if top_p is None else top_p,
                             max_tokens=args.rollout.max_new_tokens, min_tokens=1, skip_special_tokens=False)
     refs = [engines[i % len(engines)].generate_responses.remote(
         prompt=p, label=lab, sampling_params=params, max_length=args.data.max_len, hf_tokenizer=tokenizer,
@@ -115,7 +121,8 @@ def _fresh_anchor_samples(engines, prompts, labels, tokenizer, args, parsed, set
     hot = near_perfect([group for _, group in parsed], settings["tau"], settings["correct_threshold"])
     out: List[Optional[Sample]] = [None] * len(parsed)
     if hot:
-        draws = _sample_chunk(engines, [prompts[i] for i in hot], [labels[i] for i in hot], tokenizer, args, 1)
+        draws = _sample_chunk(engines, [prompts[i] for i in hot], [labels[i] for i in hot], tokenizer, args, 1,
+                              top_p=settings.get("anchor_top_p"))
         for i, d in zip(hot, draws):
             out[i] = _to_samples(d, tokenizer)[1][0]
     return out
