@@ -325,15 +325,16 @@ class Trainer:
         kept: List[Dict[str, Any]] = []
         n_groups, tries = 0, 0
         all_rewards, all_task_correct, all_lengths, all_finished = [], [], [], []
-        t_gen = 0.0
+        t_gen = c_gen = 0.0
         while True:
             examples = self.prompt_cursor.next(B - n_groups)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             self.model.eval()
             gen = self.sample([self.prompt_ids(ex) for ex in examples], n_samples=G, max_new_tokens=r.max_new_tokens,
                               temperature=r.temperature, top_p=r.top_p, generator=self.gen_rng,
                               batch_size=r.generation_batch_size)
             t_gen += time.perf_counter() - t0
+            c_gen += time.process_time() - c0
             mask = gen.response_mask.float()
             old = (self._no_grad_log_probs(self.model, gen.input_ids, gen.attention_mask, gen.response_mask)
                    if r.recompute_old_log_probs else gen.log_probs)
@@ -362,7 +363,8 @@ class Trainer:
                  "pass_rate": float(np.mean(all_task_correct)),
                  "response_length": float(torch.cat(all_lengths).mean()),
                  "truncated_frac": 1.0 - float(torch.cat(all_finished).mean()),
-                 "kept_groups": float(len(kept)), "generation_rounds": float(tries), "time_generate": t_gen}
+                 "kept_groups": float(len(kept)), "generation_rounds": float(tries), "time_generate": t_gen,
+                 "cpu_time_generate": c_gen}
         stats.update(degenerate_stats(rewards_all, torch.cat(all_finished), G))
         if not kept:
             return None, stats
@@ -504,7 +506,7 @@ class Trainer:
         """One RL step: :meth:`make_experience` then :meth:`optimise`; returns its metrics."""
         t0, c0 = time.perf_counter(), time.process_time()
         exp, stats = self.make_experience()
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         self._weights_changed = False
         if self.sampler is not None:
             self.sampler.sleep()  # GPU: free vLLM's memory while the trainer runs
@@ -520,6 +522,7 @@ class Trainer:
         t2 = time.perf_counter()
         n = self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
         stats.update(step=self.step, time_experience=t1 - t0, time_train=t2 - t1, time_step=t2 - t0,
+                     cpu_time_train=time.process_time() - c1,
                      cpu_time_step=time.process_time() - c0, samples_per_s=n / max(t2 - t0, 1e-9))
         return stats
 
