@@ -263,11 +263,7 @@ class Trainer:
         self.log = RunLog(self.run_dir, tensorboard=cfg.logging.tensorboard, run_name=self.method.name,
                           config={"method": self.method.describe(), "seed": cfg.seed})
         if ckpt:
-            self._load_checkpoint(ckpt)
-            if self.sampler is not None and self.master is not None:
-                self.master.master_to_model()
-        if self.sampler is not None:
-            self.sampler.sync(self.model)  # the weights this run starts from (master copies, checkpoint)
+            self._load_checkpoint(ckpt)  # the policy's weights came from the checkpoint: the sampler has them
         # reference for the exploding-weights check after every optimizer step
         self._start_weight_norm = weight_norm(self._checked_params())
         self.interrupt = GracefulInterrupt()

@@ -183,9 +183,6 @@ class VLLMSampler:
     def _worker_call(self, fn, *args):
         return self.llm.collective_rpc(fn, args=args)[0]
 
-    def vllm_model(self) -> torch.nn.Module:
-        return self._worker_call(lambda w: w.model_runner.model)
-
     def sync(self, model) -> None:
         """Push ``model``'s current weights into the engine (after every optimizer step)."""
         t0 = time.perf_counter()
