@@ -9,9 +9,8 @@ verl's hybrid engine use.
   (``load_format="dummy"``, ``skip_tokenizer_init=True``: prompts go in as token ids, responses
   are decoded by the trainer's tokenizer) and gets the trainer's weights pushed right away.
 * **Weights after every optimizer step** go through :func:`push_weights`, the one place that
-  writes into vLLM: :func:`openrlhf_div.compat.vllm_weights.update_vllm_weights` when that module
-  exists (vLLM's layer-wise reload, which re-packs the CPU GEMM weights under every dispatch),
-  else the worker's ``reload_weights``.
+  writes into vLLM: :func:`openrlhf_div.compat.vllm_weights.update_vllm_weights` (vLLM's
+  layer-wise reload, which re-packs the CPU GEMM weights under every dispatch).
 * **Memory.** On a GPU the engine takes ``rollout.vllm_gpu_memory_utilization`` of the card and
   sleeps between rollouts (``enable_sleep_mode``; level 2: KV cache and weights dropped, the
   weights come back with the next push); on a CPU the KV cache is ``rollout.vllm_kv_cache_gb``.
@@ -105,20 +104,14 @@ def select_backend(requested: str, model, device, *, log=print) -> str:
 
 
 # ------------------------------------------------------------------------------------ weights
-def push_weights(vllm_model: torch.nn.Module, weights: Iterable[Tuple[str, torch.Tensor]], worker=None) -> None:
-    """Write HF-named ``weights`` into vLLM's model in place. The one weight path into vLLM of
-    the local engine: :func:`openrlhf_div.compat.vllm_weights.update_vllm_weights` where the
-    package has it, else the worker's own ``reload_weights`` (vLLM's layer-wise reload)."""
-    try:
-        from openrlhf_div.compat.vllm_weights import update_vllm_weights
-    except ImportError:
-        update_vllm_weights = None
-    if update_vllm_weights is not None:
-        update_vllm_weights(vllm_model, weights)
-    elif worker is not None and hasattr(worker, "reload_weights"):
-        worker.reload_weights(weights_iterator=list(weights))
-    else:
-        vllm_model.load_weights(weights)
+def push_weights(vllm_model: torch.nn.Module, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:
+    """Write HF-named ``weights`` into vLLM's model in place: the one weight path into vLLM of the
+    local engine, :func:`openrlhf_div.compat.vllm_weights.update_vllm_weights` (vLLM's layer-wise
+    reload; re-packs the CPU GEMM weights under every dispatch and the tied ``lm_head``; a plain
+    ``load_weights`` on this AVX2 machine's oneDNN dispatch fails or leaves the tied head stale)."""
+    from openrlhf_div.compat.vllm_weights import update_vllm_weights
+
+    update_vllm_weights(vllm_model, weights)
 
 
 def _hf_weights(model) -> List[Tuple[str, torch.Tensor]]:
@@ -189,7 +182,7 @@ class VLLMSampler:
         if self.sleeps and not self.awake:
             self.llm.wake_up(tags=["weights"])
         weights = _hf_weights(model)
-        self._worker_call(lambda w, ws: push_weights(w.model_runner.model, ws, worker=w.model_runner), weights)
+        self._worker_call(lambda w, ws: push_weights(w.model_runner.model, ws), weights)
         self.llm.reset_prefix_cache()  # cached prompt KV was computed by the old weights
         if self.sleeps and not self.awake:
             self.llm.wake_up(tags=["kv_cache"])
