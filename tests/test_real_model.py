@@ -90,7 +90,11 @@ def _cfg(out, train, extra=()):
         "optim.learning_rate=1e-5", "eval.at_start=false", "logging.tensorboard=false", "logging.progress=false",
         "checkpoint.every=0", "presample.n_pre=4", "presample.tau=1", "presample.chunk_size=8",
         # one thread: with 2 threads on a busy 2-core machine OpenMP's spin-waiting made sampling ~15x slower
-        "num_threads=1", *extra])
+        "num_threads=1",
+        # the hf sampler: auto would start vLLM here (SmolLM2 is supported), ~30 s more per run; the vLLM
+        # sampler is tested on a tiny model (tests/test_vllm_sampler.py) and timed on this model by
+        # scripts/bench_engine.py --backends
+        "rollout.backend=hf", *extra])
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -39,6 +39,9 @@ def main(argv=None) -> int:
     p.add_argument("--methods", nargs="+", default=["grpo", "dph_js"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tau", type=int, default=2, help="near-perfect threshold of the pre-sampling (#correct >= tau)")
+    p.add_argument("--backend", default="hf", choices=["hf", "vllm", "auto"],
+                   help="rollout.backend (hf: the sampler docs/real_model.md's figures were measured with; vllm: the "
+                        "in-process vLLM engine, faster generation, see docs/benchmarks.md)")
     p.add_argument("--num-threads", type=int, default=1,
                    help="torch threads (1: on a shared machine OpenMP's spin-waiting makes 2+ threads much slower)")
     a = p.parse_args(argv)
@@ -60,6 +63,7 @@ def main(argv=None) -> int:
         "eval.at_start=true", "eval.every=0", f"eval.n_samples={a.n_samples}", f"eval.k={ks}",
         "eval.max_prompts=null", "checkpoint.every=0", "checkpoint.keep=1", "logging.tensorboard=false",
         "presample.n_pre=4", f"presample.tau={a.tau}", f"num_threads={a.num_threads}",
+        f"rollout.backend={a.backend}",
     ]
     results = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, de-quantized to float32)", "settings": vars(a),
                "methods": {}}

@@ -39,11 +39,16 @@ def vllm_available() -> bool:
 
 def generate_local(model, tokenizer, prompts: Sequence[str], n: int = 1, temperature: float = 1.0,
                    top_p: float = 1.0, max_new_tokens: int = 512, greedy: bool = False, batch_size: int = 8,
-                   generator=None) -> List[List[str]]:
+                   generator=None, sampler=None) -> List[List[str]]:
     """The local engine's KV-cache sampler (:func:`openrlhf_div.engines.local.generation.generate`,
-    the one training uses) with the :func:`generate` contract. ``batch_size`` counts prompts per
-    call; greedy decodes once per prompt and repeats it ``n`` times."""
-    from openrlhf_div.engines.local.generation import generate as engine_generate
+    the one training uses), or its in-process vLLM sampler when ``sampler`` (a
+    :class:`~openrlhf_div.engines.local.vllm_sampler.VLLMSampler`) is given, with the
+    :func:`generate` contract. ``batch_size`` counts prompts per call; greedy decodes once per
+    prompt and repeats it ``n`` times."""
+    from openrlhf_div.engines.local.generation import generate as hf_generate
+
+    engine_generate = (lambda model, tokenizer, prompts, **kw: sampler.generate(prompts, **kw)) if sampler is not None \
+        else hf_generate
 
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
@@ -62,14 +67,15 @@ def generate_local(model, tokenizer, prompts: Sequence[str], n: int = 1, tempera
     return out
 
 
-def local_generate_fn(model, tokenizer, generator=None, batch_size: Optional[int] = None) -> GenerateFn:
+def local_generate_fn(model, tokenizer, generator=None, batch_size: Optional[int] = None,
+                      sampler=None) -> GenerateFn:
     """``generate_fn`` over an in-memory model with the local engine's sampler
-    (:func:`generate_local`), drawing from ``generator``; ``batch_size`` prompts per call
-    (default: all prompts of a call in one batch)."""
+    (:func:`generate_local`; its vLLM sampler when ``sampler`` is given), drawing from
+    ``generator``; ``batch_size`` prompts per call (default: all prompts of a call in one batch)."""
     def fn(prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=512, greedy=False):
         return generate_local(model, tokenizer, prompts, n=n, temperature=temperature, top_p=top_p,
                               max_new_tokens=max_new_tokens, greedy=greedy,
-                              batch_size=batch_size or max(1, len(prompts)), generator=generator)
+                              batch_size=batch_size or max(1, len(prompts)), generator=generator, sampler=sampler)
 
     return fn
 

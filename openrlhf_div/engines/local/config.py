@@ -89,9 +89,25 @@ class RolloutConfig:
     dynamic_sampling_max_tries: int = _f(4, "Methods with dynamic sampling refill the batch with new prompts at "
                                             "most this many generation rounds per step.")
     recompute_old_log_probs: bool = _f(True, "Old (behaviour) log-probs from the training forward under no_grad "
-                                             "(true) or the sampler's own log-probs (false; equal up to float "
-                                             "rounding in this engine).")
-    generation_batch_size: Optional[int] = _f(None, "Rows per generation call (null: all B*G at once).")
+                                             "(true) or the sampler's own log-probs (false). hf: equal up to float "
+                                             "rounding. vllm: vLLM's kernels differ from the trainer's forward by "
+                                             "~1e-5..1e-3 per token (more in bfloat16), and that difference enters "
+                                             "the importance ratio (clipped like any off-policy drift); false saves "
+                                             "one no-grad forward per step.")
+    generation_batch_size: Optional[int] = _f(None, "Rows per generation call (null: all B*G at once; the vllm "
+                                                    "backend schedules its own batches).")
+    backend: str = _f("auto", "Sampler of train, presample and the trainer's evaluation: `vllm` (an in-process vLLM "
+                              "engine next to the trainer, weights pushed after every optimizer step), `hf` (the "
+                              "local KV-cache sampler over the Hugging Face model), or `auto`: vllm when vLLM imports "
+                              "and supports the model (architecture, head size on CPU, no LoRA), else hf with one "
+                              "log line saying why.")
+    vllm_gpu_memory_utilization: float = _f(0.3, "vllm backend on a GPU: the fraction of the card vLLM takes (weights "
+                                                 "+ KV cache); the trainer has the rest.")
+    vllm_kv_cache_gb: Optional[float] = _f(1.0, "vllm backend on CPU: KV-cache size in GiB.")
+    vllm_enforce_eager: bool = _f(True, "vllm backend: no torch.compile / CUDA graphs (CPU: saves the one-time ~60-70 s "
+                                        "inductor compile; on a GPU set false for CUDA graphs).")
+    vllm_sleep: bool = _f(True, "vllm backend on a GPU: sleep mode level 2 between rollouts (KV cache and weights "
+                                "freed while the trainer runs; weights come back with the next push). Ignored on CPU.")
 
 
 @dataclass
@@ -216,6 +232,15 @@ class TrainConfig:
                               ("rollout.dynamic_sampling_max_tries", r.dynamic_sampling_max_tries, 1)):
             if int(val) < lo:
                 raise ConfigError(f"{name} must be >= {lo}, got {val}")
+        if r.backend not in ("auto", "vllm", "hf"):
+            raise ConfigError(f"rollout.backend must be auto, vllm or hf, got {r.backend!r}")
+        if not 0 < r.vllm_gpu_memory_utilization < 1:
+            raise ConfigError(f"rollout.vllm_gpu_memory_utilization must be in (0, 1), got "
+                              f"{r.vllm_gpu_memory_utilization}")
+        if r.backend != "hf" and not r.recompute_old_log_probs and r.top_p < 1:
+            raise ConfigError("rollout.recompute_old_log_probs=false with rollout.top_p < 1 needs rollout.backend=hf: "
+                              "vLLM's log-probs are renormalised over the nucleus, the trainer's are not, so the "
+                              "importance ratio would be off by the nucleus mass; recompute them (true) or use hf")
         if not r.temperature >= 0:
             raise ConfigError(f"rollout.temperature must be >= 0, got {r.temperature}")
         if o.anchor_ratio <= 0:

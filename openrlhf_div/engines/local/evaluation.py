@@ -35,15 +35,16 @@ def eval_settings(cfg) -> Dict[str, Any]:
 
 @torch.no_grad()
 def evaluate_policy(model, tokenizer, task, examples: Sequence[Dict[str, Any]], cfg, *, run_dir: str,
-                    name: str, step: int, model_path: Optional[str] = None) -> Dict[str, Any]:
+                    name: str, step: int, model_path: Optional[str] = None, sampler=None) -> Dict[str, Any]:
     """Evaluate ``model`` on ``examples`` with the settings of ``cfg`` (:func:`eval_settings`,
     ``data.prompt_template`` / ``data.system_prompt``), write ``run_dir/eval.json`` (+ samples,
     table) and return the result. Sampling uses its own generator seeded ``seed + 12345``, so
-    every evaluation of a run draws the same random numbers."""
+    every evaluation of a run draws the same random numbers. ``sampler``: the trainer's vLLM
+    sampler (``rollout.backend: vllm``), holding ``model``'s current weights; None: the hf sampler."""
     s = eval_settings(cfg)
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(int(cfg.seed) + EVAL_SEED_OFFSET)
-    generate_fn = local_generate_fn(model, tokenizer, gen)
+    generate_fn = local_generate_fn(model, tokenizer, gen, sampler=sampler)
 
     was_training = model.training
     model.eval()

@@ -69,15 +69,15 @@ def _settings(cfg: TrainConfig, train_path: str, n_examples: int) -> Dict[str, A
 
 @torch.no_grad()
 def _process_chunk(model, tokenizer, task, examples: List[Dict[str, Any]], chunk: int, s: Dict[str, Any],
-                   device, prompts: Dict[Any, List[int]], prompt_texts: Dict[Any, str]) -> Dict[str, Any]:
-    """Sample, score and split one chunk (the rule: :func:`~openrlhf_div.engines.anchor_data.split_chunk`),
+                   device, prompts: Dict[Any, List[int]], prompt_texts: Dict[Any, str], sampler=None) -> Dict[str, Any]:
+    """Sample (``rollout.backend``'s sampler), score and split one chunk (the rule: :func:`~openrlhf_div.engines.anchor_data.split_chunk`),
     then add the kept responses' base log-probs from the training forward."""
     n_pre = s["n_pre"]
     prompt_ids = [prompts[example_key(ex)] for ex in examples]
     texts = [prompt_texts[example_key(ex)] for ex in examples]
     gen = torch.Generator(device=device).manual_seed(chunk_seed(s["seed"], chunk))
-    out = generate(model, tokenizer, prompt_ids, n_samples=n_pre, max_new_tokens=s["max_new_tokens"],
-                   temperature=s["temperature"], top_p=s["top_p"], generator=gen)
+    out = _sample_fn(model, tokenizer, sampler)(prompt_ids, n_samples=n_pre, max_new_tokens=s["max_new_tokens"],
+                                                temperature=s["temperature"], top_p=s["top_p"], generator=gen)
     samples = []
     for i, ex in enumerate(examples):
         rows = range(i * n_pre, (i + 1) * n_pre)
@@ -87,7 +87,7 @@ def _process_chunk(model, tokenizer, task, examples: List[Dict[str, Any]], chunk
     fresh = None
     if s.get("resample_anchor_responses"):
         fresh = _resample_anchors(model, tokenizer, task, examples, prompt_ids,
-                                  near_perfect(samples, s["tau"]), chunk, s, device)
+                                  near_perfect(samples, s["tau"]), chunk, s, device, sampler)
     pef, exp, n_correct = split_chunk(examples, texts, prompt_ids, samples, n_pre=n_pre, tau=s["tau"],
                                       drop_unsolved=s["drop_unsolved"], fresh=fresh)
     if pef:
@@ -99,17 +99,24 @@ def _process_chunk(model, tokenizer, task, examples: List[Dict[str, Any]], chunk
     return {"pef": pef, "exp": exp, "n_correct": n_correct}
 
 
+def _sample_fn(model, tokenizer, sampler):
+    """``rollout.backend``'s sampler: the vLLM engine's ``generate`` or :func:`.generation.generate`."""
+    if sampler is not None:
+        return sampler.generate
+    return lambda prompts, **kw: generate(model, tokenizer, prompts, **kw)
+
+
 def _resample_anchors(model, tokenizer, task, examples, prompt_ids, hot: List[int], chunk: int, s: Dict[str, Any],
-                      device) -> List[Optional[Sample]]:
+                      device, sampler=None) -> List[Optional[Sample]]:
     """One fresh sample (seeded from ``(seed, chunk, 1)``) for each near-perfect prompt ``hot``;
     ``None`` for the others."""
     fresh: List[Optional[Sample]] = [None] * len(examples)
     if not hot:
         return fresh
     gen = torch.Generator(device=device).manual_seed(chunk_seed(s["seed"], chunk, stream=1))
-    out = generate(model, tokenizer, [prompt_ids[i] for i in hot], n_samples=1,
-                   max_new_tokens=s["max_new_tokens"], temperature=s["temperature"], top_p=s["top_p"],
-                   generator=gen)
+    out = _sample_fn(model, tokenizer, sampler)([prompt_ids[i] for i in hot], n_samples=1,
+                                                max_new_tokens=s["max_new_tokens"], temperature=s["temperature"],
+                                                top_p=s["top_p"], generator=gen)
     ok = task.reward_results(out.texts, [examples[i].get("label") for i in hot])
     for k, (i, res) in enumerate(zip(hot, ok)):
         fresh[i] = Sample(out.response_ids[k], out.texts[k], correct=bool(res.correct))
@@ -137,13 +144,17 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
                                                  "prompt_template", "system_prompt") if getattr(cfg.data, k)})
     if not 1 <= s["tau"] <= s["n_pre"]:
         raise ValueError(f"presample.tau must be in [1, n_pre={s['n_pre']}], got {s['tau']}")
-    store = ShardStore(out_dir, s, len(examples), overwrite=overwrite, engine="local",
-                       hint="use another output directory or --overwrite")
+    from .vllm_sampler import make_sampler, select_backend
 
     device = resolve_device(cfg.device)
-    task = get_task(cfg.task, **(cfg.task_options or {}))
     model, tokenizer = build_policy(cfg, device)
     model.eval()
+    backend = select_backend(cfg.rollout.backend, model, device)
+    if backend == "vllm":  # recorded only when on, so runs started before the option existed still resume
+        s["sampler"] = "vllm"
+    store = ShardStore(out_dir, s, len(examples), overwrite=overwrite, engine="local",
+                       hint="use another output directory or --overwrite")
+    task = get_task(cfg.task, **(cfg.task_options or {}))
     prompt_texts: Dict[Any, str] = {}
     prompts = prepare_prompts(task, tokenizer, examples, data_summary, cfg.data,
                               max_prompt_tokens(cfg, model, s["max_new_tokens"]), texts_out=prompt_texts)
@@ -155,12 +166,18 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
     t0 = time.time()
     bar = progress_bar(total=len(examples), initial=initial, desc="presample", unit="prompt",
                        disable=not progress, dynamic_ncols=True)
-    for c in todo:
-        lo, hi = store.bounds(c)
-        res = _process_chunk(model, tokenizer, task, examples[lo:hi], c, s, device, prompts, prompt_texts)
-        store.write_chunk(c, res["pef"], res["exp"], res["n_correct"])
-        n_done += 1
-        bar.update(hi - lo)
+    sampler = make_sampler(backend, model, tokenizer, cfg.rollout, device=device, seed=cfg.seed) if todo else None
+    try:
+        for c in todo:
+            lo, hi = store.bounds(c)
+            res = _process_chunk(model, tokenizer, task, examples[lo:hi], c, s, device, prompts, prompt_texts,
+                                 sampler)
+            store.write_chunk(c, res["pef"], res["exp"], res["n_correct"])
+            n_done += 1
+            bar.update(hi - lo)
+    finally:
+        if sampler is not None:
+            sampler.close()
     bar.close()
     if n_done < store.n_chunks:
         return {"complete": False, "chunks_done": n_done, "chunks_total": store.n_chunks, "output_dir": out_dir}

@@ -207,6 +207,12 @@ class Trainer:
         if m.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
+        # ---- the sampler: hf (generation.generate over self.model) or an in-process vLLM engine
+        from .vllm_sampler import make_sampler, select_backend
+
+        self.backend = select_backend(cfg.rollout.backend, self.model, self.device)
+        self.sampler = make_sampler(self.backend, self.model, self.tokenizer, cfg.rollout, device=self.device,
+                                    seed=cfg.seed)
         self.ref_model = None
         if self.needs.ref_log_probs:
             self.ref_model, _ = build_policy(cfg, self.device)
@@ -257,7 +263,7 @@ class Trainer:
         self.log = RunLog(self.run_dir, tensorboard=cfg.logging.tensorboard, run_name=self.method.name,
                           config={"method": self.method.describe(), "seed": cfg.seed})
         if ckpt:
-            self._load_checkpoint(ckpt)
+            self._load_checkpoint(ckpt)  # the policy's weights came from the checkpoint: the sampler has them
         # reference for the exploding-weights check after every optimizer step
         self._start_weight_norm = weight_norm(self._checked_params())
         self.interrupt = GracefulInterrupt()
@@ -296,6 +302,15 @@ class Trainer:
         return torch.cat(outs, 0)
 
     # ------------------------------------------------------------------ rollouts
+    def sample(self, prompts, **kw):
+        """``rollout.backend``'s sampler: :func:`.generation.generate` over the policy (hf) or the
+        in-process vLLM engine (vllm), same arguments and :class:`.generation.GenerationOutput`."""
+        if self.backend == "vllm":
+            if self.sampler is None:
+                raise RuntimeError("the vLLM sampler was closed (Trainer.close_sampler); build a new Trainer")
+            return self.sampler.generate(prompts, **kw)
+        return generate(self.model, self.tokenizer, prompts, **kw)
+
     def make_experience(self):
         """Sample, score, shape, filter and compute advantages for one RL step.
 
@@ -306,15 +321,16 @@ class Trainer:
         kept: List[Dict[str, Any]] = []
         n_groups, tries = 0, 0
         all_rewards, all_task_correct, all_lengths, all_finished = [], [], [], []
-        t_gen = 0.0
+        t_gen = c_gen = 0.0
         while True:
             examples = self.prompt_cursor.next(B - n_groups)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             self.model.eval()
-            gen = generate(self.model, self.tokenizer, [self.prompt_ids(ex) for ex in examples], n_samples=G,
-                           max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                           generator=self.gen_rng, batch_size=r.generation_batch_size)
+            gen = self.sample([self.prompt_ids(ex) for ex in examples], n_samples=G, max_new_tokens=r.max_new_tokens,
+                              temperature=r.temperature, top_p=r.top_p, generator=self.gen_rng,
+                              batch_size=r.generation_batch_size)
             t_gen += time.perf_counter() - t0
+            c_gen += time.process_time() - c0
             mask = gen.response_mask.float()
             old = (self._no_grad_log_probs(self.model, gen.input_ids, gen.attention_mask, gen.response_mask)
                    if r.recompute_old_log_probs else gen.log_probs)
@@ -343,7 +359,8 @@ class Trainer:
                  "pass_rate": float(np.mean(all_task_correct)),
                  "response_length": float(torch.cat(all_lengths).mean()),
                  "truncated_frac": 1.0 - float(torch.cat(all_finished).mean()),
-                 "kept_groups": float(len(kept)), "generation_rounds": float(tries), "time_generate": t_gen}
+                 "kept_groups": float(len(kept)), "generation_rounds": float(tries), "time_generate": t_gen,
+                 "cpu_time_generate": c_gen}
         stats.update(degenerate_stats(rewards_all, torch.cat(all_finished), G))
         if not kept:
             return None, stats
@@ -409,6 +426,7 @@ class Trainer:
                 if self.master is not None:
                     self.master.master_to_model()
                 self._check_weights(f"at step {self.step + 1} (epoch {epoch}, mini-batch {mb_i})")
+                self._weights_changed = True
                 acc.add_mean("grad_norm", grad_norm)
                 acc.end_optimizer_step()
         out = acc.result()
@@ -484,15 +502,23 @@ class Trainer:
         """One RL step: :meth:`make_experience` then :meth:`optimise`; returns its metrics."""
         t0, c0 = time.perf_counter(), time.process_time()
         exp, stats = self.make_experience()
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
+        self._weights_changed = False
+        if self.sampler is not None:
+            self.sampler.sleep()  # GPU: free vLLM's memory while the trainer runs
         if exp is not None:
             stats.update(self.optimise(exp))
         else:
             stats["skipped"] = 1.0  # dynamic sampling found no informative group
+        if self.sampler is not None:
+            if self._weights_changed or not self.sampler.awake:
+                self.sampler.sync(self.model)  # the new weights reach the sampler before the next rollout
+            stats["time_weight_sync"] = self.sampler.push_seconds
         self.step += 1
         t2 = time.perf_counter()
         n = self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
         stats.update(step=self.step, time_experience=t1 - t0, time_train=t2 - t1, time_step=t2 - t0,
+                     cpu_time_train=time.process_time() - c1,
                      cpu_time_step=time.process_time() - c0, samples_per_s=n / max(t2 - t0, 1e-9))
         return stats
 
@@ -503,7 +529,7 @@ class Trainer:
         if not self.eval_examples:
             return None
         res = evaluate_policy(self.model, self.tokenizer, self.task, self.eval_examples, self.cfg,
-                              run_dir=self.run_dir, name=self.method.name, step=self.step)
+                              run_dir=self.run_dir, name=self.method.name, step=self.step, sampler=self.sampler)
         row = eval_row(self.step, res)
         self.log.append("eval.jsonl", row)
         self.log.scalars("eval", row, self.step)
@@ -562,7 +588,7 @@ class Trainer:
         info = {"seed": self.cfg.seed, "device": str(self.device), "num_threads": torch.get_num_threads(),
                 "method": self.method.describe(), "n_train_examples": len(self.train_examples),
                 "n_eval_examples": len(self.eval_examples), "n_anchor_samples": len(self.anchor_samples),
-                "reference_model_loaded": self.ref_model is not None}
+                "reference_model_loaded": self.ref_model is not None, "rollout_backend": self.backend}
         self.log.write_run_info(dump_config(absolute_paths(self.cfg)), info, self.step if resumed else None)
 
     # ------------------------------------------------------------------ the loop
@@ -615,6 +641,12 @@ class Trainer:
             self.log.close()
         return {"metrics": last, "eval": last_eval, "run_dir": self.run_dir}
 
+    def close_sampler(self) -> None:
+        """Shut the vLLM engine down (no-op for hf)."""
+        if getattr(self, "sampler", None) is not None:
+            self.sampler.close()
+            self.sampler = None
+
 
 # =============================================================================== entry point
 def train(config: Optional[str] = None, overrides: Sequence[str] = (), resume: Optional[str] = None,
@@ -629,4 +661,7 @@ def train(config: Optional[str] = None, overrides: Sequence[str] = (), resume: O
     elif cfg is None:
         cfg = load_config(config, overrides)
     trainer = Trainer(cfg, resume_dir=resume, hooks=hooks)
-    return trainer.train()
+    try:
+        return trainer.train()
+    finally:
+        trainer.close_sampler()

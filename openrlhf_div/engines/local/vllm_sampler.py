@@ -1,0 +1,265 @@
+"""vLLM as the local engine's sampler (``rollout.backend: vllm``): one in-process engine next to
+the trainer, colocated on the same CPU or GPU, the layout TRL's ``vllm_mode="colocate"`` and
+verl's hybrid engine use.
+
+* **One process.** ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` puts vLLM's engine core and its single
+  worker in this process (no spawned EngineCore), so the worker's model is a Python object here
+  and weights reach it by reference (no broadcast, no serialisation).
+* **No second copy on disk.** The engine starts from the policy's ``config.json`` only
+  (``load_format="dummy"``, ``skip_tokenizer_init=True``: prompts go in as token ids, responses
+  are decoded by the trainer's tokenizer) and gets the trainer's weights pushed right away.
+* **Weights after every optimizer step** go through :func:`push_weights`, the one place that
+  writes into vLLM: :func:`openrlhf_div.compat.vllm_weights.update_vllm_weights` (vLLM's
+  layer-wise reload, which re-packs the CPU GEMM weights under every dispatch).
+* **Memory.** On a GPU the engine takes ``rollout.vllm_gpu_memory_utilization`` of the card and
+  sleeps between rollouts (``enable_sleep_mode``; level 2: KV cache and weights dropped, the
+  weights come back with the next push); on a CPU the KV cache is ``rollout.vllm_kv_cache_gb``.
+* **Same seed, same samples.** Each sample is its own request with a seed drawn from the
+  caller's ``torch.Generator``; the generator's state is what checkpoints save, as with ``hf``.
+* **Log-probs.** ``logprobs_mode="processed_logprobs"``: the sampled token's log-prob under
+  ``softmax(logits / T)``, the distribution the trainer's forward scores (greedy: ``T = 1``).
+  With ``top_p < 1`` vLLM's processed log-probs are renormalised over the nucleus, unlike the
+  ``hf`` sampler's; the config refuses ``recompute_old_log_probs: false`` there.
+
+:func:`select_backend` decides ``auto`` (vLLM when it imports and supports the model, else
+``hf`` with one line saying why) without importing vLLM when a cheap check already rules it out.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+BACKENDS = ("auto", "vllm", "hf")
+
+# head sizes of vLLM 0.29's CPU attention kernel (vllm/v1/attention/backends/cpu_attn.py); a cheap
+# pre-check so that `auto` on the demo's tiny models (head size 16) does not import vLLM (10-20 s)
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+class BackendUnavailable(RuntimeError):
+    """``rollout.backend=vllm`` was asked for and cannot be used here; the message says why."""
+
+
+def _head_dim(config) -> int:
+    hd = getattr(config, "head_dim", None)
+    return int(hd) if hd else int(config.hidden_size) // int(config.num_attention_heads)
+
+
+def vllm_unsupported_reason(model, device: Union[str, torch.device], *, check_registry: bool = True) -> Optional[str]:
+    """Why vLLM cannot sample for ``model`` on ``device`` (None: it can). Cheap checks first
+    (installed, LoRA, head size on CPU); only then is vLLM imported for its model registry."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None:
+        return "vllm is not installed"
+    if "vllm" in sys.modules and getattr(sys.modules["vllm"], "__version__", "").endswith("openrlhf_div.stub"):
+        return "vllm is the CPU import stub (openrlhf_div.compat.vllm_stub), not the package"
+    if hasattr(model, "peft_config"):
+        return "the policy has LoRA adapters (model.lora_rank > 0); the vLLM sampler takes full weights"
+    cfg = model.config
+    archs = list(getattr(cfg, "architectures", None) or [type(model).__name__])
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        hd = _head_dim(cfg)
+        if hd not in CPU_HEAD_SIZES:
+            return (f"head size {hd} is not one vLLM's CPU attention supports ({', '.join(map(str, CPU_HEAD_SIZES))});"
+                    f" e.g. a tiny model with model.tiny_hidden_size / model.tiny_heads = 32 or 64")
+    elif dev.type != "cuda":
+        return f"device {dev} (vLLM runs on cpu or cuda)"
+    if check_registry:
+        try:
+            from vllm.model_executor.models.registry import ModelRegistry
+        except Exception as exc:  # noqa: BLE001 - a broken install is a reason, not a crash
+            return f"vllm does not import ({type(exc).__name__}: {exc})"
+        supported = set(ModelRegistry.get_supported_archs())
+        if not any(a in supported for a in archs):
+            return f"architecture {archs[0]} is not in vLLM's model registry"
+    return None
+
+
+def select_backend(requested: str, model, device, *, log=print) -> str:
+    """``"vllm"`` or ``"hf"`` for ``rollout.backend = requested``. ``auto`` falls back to ``hf``
+    with one log line naming the reason; an explicit ``vllm`` that cannot run raises
+    :class:`BackendUnavailable` with the reason and the fix."""
+    if requested not in BACKENDS:
+        raise ValueError(f"rollout.backend must be one of {', '.join(BACKENDS)}, got {requested!r}")
+    if requested == "hf":
+        return "hf"
+    reason = vllm_unsupported_reason(model, device)
+    if reason is None:
+        return "vllm"
+    if requested == "vllm":
+        raise BackendUnavailable(f"rollout.backend=vllm but vLLM cannot sample here: {reason}. "
+                                 f"Use rollout.backend=hf (the local KV-cache sampler) or auto")
+    log(f"[openrlhf-div] rollout.backend=auto: sampling with hf (the local KV-cache sampler): {reason}")
+    return "hf"
+
+
+# ------------------------------------------------------------------------------------ weights
+def push_weights(vllm_model: torch.nn.Module, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:
+    """Write HF-named ``weights`` into vLLM's model in place: the one weight path into vLLM of the
+    local engine, :func:`openrlhf_div.compat.vllm_weights.update_vllm_weights` (vLLM's layer-wise
+    reload; re-packs the CPU GEMM weights under every dispatch and the tied ``lm_head``; a plain
+    ``load_weights`` on this AVX2 machine's oneDNN dispatch fails or leaves the tied head stale)."""
+    from openrlhf_div.compat.vllm_weights import update_vllm_weights
+
+    update_vllm_weights(vllm_model, weights)
+
+
+def _hf_weights(model) -> List[Tuple[str, torch.Tensor]]:
+    """The policy's parameters under their Hugging Face names, detached (no copy)."""
+    return [(n, p.detach()) for n, p in model.named_parameters()]
+
+
+# ------------------------------------------------------------------------------------ sampler
+class VLLMSampler:
+    """An in-process ``vllm.LLM`` that samples for ``model`` (a Hugging Face causal LM)."""
+
+    def __init__(self, model, tokenizer, *, device: Union[str, torch.device] = "cpu", seed: int = 0,
+                 gpu_memory_utilization: float = 0.3, kv_cache_gb: Optional[float] = 1.0,
+                 enforce_eager: bool = True, sleep: bool = True, max_model_len: Optional[int] = None):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # do not pin the trainer's threads
+        from .tokens import ensure_pad_token, stop_token_ids
+
+        ensure_pad_token(tokenizer)
+        self.tokenizer = tokenizer
+        self.stop_ids = stop_token_ids(model, tokenizer)
+        self.device = torch.device(device)
+        self.dtype = next(model.parameters()).dtype
+        self._tmp = tempfile.mkdtemp(prefix="openrlhf_div_vllm_")
+        cfg = copy.deepcopy(model.config)
+        if not getattr(cfg, "architectures", None):  # a model built from a config names no class
+            cfg.architectures = [type(model).__name__]
+        cfg.save_pretrained(self._tmp)  # the architecture only; weights are pushed
+        ctx = int(max_model_len or getattr(cfg, "max_position_embeddings", 2048))
+        on_gpu = self.device.type == "cuda"
+        self.sleeps = bool(sleep and on_gpu)  # vLLM's CPU worker has no sleep mode
+        kw = dict(model=self._tmp, skip_tokenizer_init=True, load_format="dummy",
+                  dtype=str(self.dtype).replace("torch.", ""), seed=int(seed), max_model_len=ctx,
+                  enforce_eager=bool(enforce_eager), logprobs_mode="processed_logprobs",
+                  gpu_memory_utilization=float(gpu_memory_utilization), enable_sleep_mode=self.sleeps)
+        if not on_gpu and kv_cache_gb:
+            kw["kv_cache_memory_bytes"] = int(float(kv_cache_gb) * 2**30)
+        # vLLM's CPU worker replaces torch.set_num_threads for the whole process and seeds the
+        # global RNGs: keep the trainer's thread count, function and random state as they were
+        set_threads, n_threads = torch.set_num_threads, torch.get_num_threads()
+        rng = (torch.get_rng_state(), random.getstate())
+        import numpy as np
+
+        np_rng = np.random.get_state()
+        t0 = time.perf_counter()
+        from vllm import LLM
+
+        try:
+            self.llm = LLM(**kw)
+        finally:
+            torch.set_num_threads = set_threads
+            torch.set_num_threads(n_threads)
+            torch.set_rng_state(rng[0])
+            random.setstate(rng[1])
+            np.random.set_state(np_rng)
+        self.start_seconds = time.perf_counter() - t0
+        self.awake = True
+        self.push_seconds = 0.0
+        self.sync(model)
+
+    # -------------------------------------------------------------- weights and memory
+    def _worker_call(self, fn, *args):
+        return self.llm.collective_rpc(fn, args=args)[0]
+
+    def sync(self, model) -> None:
+        """Push ``model``'s current weights into the engine (after every optimizer step)."""
+        t0 = time.perf_counter()
+        if self.sleeps and not self.awake:
+            self.llm.wake_up(tags=["weights"])
+        weights = _hf_weights(model)
+        self._worker_call(lambda w, ws: push_weights(w.model_runner.model, ws), weights)
+        self.llm.reset_prefix_cache()  # cached prompt KV was computed by the old weights
+        if self.sleeps and not self.awake:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.awake = True
+        self.push_seconds = time.perf_counter() - t0
+
+    def sleep(self) -> None:
+        """GPU: free the KV cache and the weights (level 2) while the trainer runs."""
+        if self.sleeps and self.awake:
+            self.llm.sleep(level=2)
+            self.awake = False
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+            self.llm = None
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    # -------------------------------------------------------------- sampling
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Union[str, Sequence[int]]], *, n_samples: int = 1,
+                 max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0,
+                 generator: Optional[torch.Generator] = None, batch_size: Optional[int] = None,
+                 stop_ids: Optional[Sequence[int]] = None):
+        """Same contract and output as :func:`.generation.generate` (one row per sample, rows of
+        a prompt contiguous). ``batch_size`` is ignored: vLLM schedules its own batches."""
+        from vllm import SamplingParams
+
+        from .generation import GenerationOutput, encode_prompts, pack_sequences
+
+        if n_samples < 1:
+            raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if self.sleeps and not self.awake:
+            raise RuntimeError("VLLMSampler.generate while asleep: call sync(model) first")
+        rows = [p for p in encode_prompts(self.tokenizer, prompts) for _ in range(n_samples)]
+        greedy = temperature is None or temperature <= 0
+        dev = generator.device if generator is not None else torch.device("cpu")
+        seeds = torch.randint(0, 2**31 - 1, (len(rows),), generator=generator, device=dev).tolist()
+        stops = [int(s) for s in (self.stop_ids if stop_ids is None else stop_ids)]
+        params = [SamplingParams(n=1, max_tokens=int(max_new_tokens), temperature=0.0 if greedy else float(temperature),
+                                 top_p=1.0 if greedy else float(top_p), seed=int(s),
+                                 logprobs=0, stop_token_ids=stops, ignore_eos=False, detokenize=False,
+                                 skip_special_tokens=False)
+                  for s in seeds]
+        outs = self.llm.generate([{"prompt_token_ids": list(r)} for r in rows], params, use_tqdm=False)
+        resp, lps, finished = [], [], []
+        for o in outs:
+            c = o.outputs[0]
+            ids = list(c.token_ids)
+            resp.append(ids)
+            lps.append([float(d[t].logprob) for d, t in zip(c.logprobs or [], ids)])
+            finished.append(c.finish_reason == "stop")
+        pad_id = self.tokenizer.pad_token_id
+        ids, attn, rmask = pack_sequences(rows, resp, pad_id, "cpu")
+        lp = torch.zeros(rmask.shape, dtype=torch.float32)
+        for i, r in enumerate(lps):
+            lp[i, :len(r)] = torch.tensor(r, dtype=torch.float32)
+        texts = self.tokenizer.batch_decode(resp, skip_special_tokens=True)
+        dev_out = self.device
+        return GenerationOutput(ids.to(dev_out), attn.to(dev_out), rmask.to(dev_out), lp.to(dev_out),
+                                [list(r) for r in rows], resp, texts,
+                                torch.tensor(finished, dtype=torch.bool, device=dev_out))
+
+
+def make_sampler(backend: str, model, tokenizer, rollout_cfg, *, device, seed: int):
+    """A :class:`VLLMSampler` for ``backend == "vllm"`` with the ``rollout.vllm_*`` settings, else None."""
+    if backend != "vllm":
+        return None
+    r = rollout_cfg
+    return VLLMSampler(model, tokenizer, device=device, seed=seed,
+                       gpu_memory_utilization=r.vllm_gpu_memory_utilization, kv_cache_gb=r.vllm_kv_cache_gb,
+                       enforce_eager=r.vllm_enforce_eager, sleep=r.vllm_sleep)
