@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from openrlhf_div.algorithms import get_method, list_methods
-from openrlhf_div.engines.openrlhf import flags as F
+from openrlhf_div.engines import flags as F
 from openrlhf_div.engines.openrlhf import launch as L
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,7 +1,8 @@
 """The ``--div.*`` flag group and how a registered method maps onto OpenRLHF's flags.
 
 No OpenRLHF, Ray or vLLM import here: the dry run, ``--help`` and the config tests use it on
-any machine.
+any machine. It sits above both Ray-topology engines (the OpenRLHF driver and actors, and the
+Megatron actor, which reads the same ``--div.*`` flags), so neither imports the other for it.
 
 The method is the single source of truth for the algorithm. OpenRLHF flags are only set
 where they change the *topology* or the *data flow*:
@@ -45,6 +46,8 @@ from openrlhf_div.algorithms.registry import (
     get_method,
     list_methods,
 )
+
+from openrlhf_div.plugins import load_plugins
 
 TASKS = ("math", "sql", "countdown")
 from openrlhf_div.engines.contract import ANCHOR_FLAG, CORRECT_FLAG  # noqa: E402,F401 (Experience.info keys)
@@ -112,6 +115,7 @@ def add_div_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
         "The training method comes from openrlhf_div's registry (`openrlhf-div methods`). "
         "Hyperparameters left unset take the method's paper default.",
     )
+    load_plugins()  # OPENRLHF_DIV_PLUGINS: their methods are choices too
     g.add_argument("--div.method", default="grpo", choices=list(list_methods()), metavar="NAME",
                    help="registered method: " + ", ".join(list_methods()) + " (default: grpo)")
     g.add_argument("--div.task", default=None, choices=TASKS,
@@ -166,7 +170,10 @@ def div_namespace(args) -> Any:
 
 
 def method_from_args(args) -> Method:
-    """The :class:`Method` selected by ``--div.method`` with every ``--div.<hparam>`` applied."""
+    """The :class:`Method` selected by ``--div.method`` with every ``--div.<hparam>`` applied
+    (after importing the plug-ins of ``OPENRLHF_DIV_PLUGINS``: every Ray worker resolves its
+    method here)."""
+    load_plugins()
     div = div_namespace(args)
     overrides: Dict[str, Any] = {}
     for name in hparam_table():
