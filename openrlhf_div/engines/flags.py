@@ -53,9 +53,10 @@ TASKS = ("math", "sql", "countdown")
 from openrlhf_div.engines.contract import ANCHOR_FLAG, CORRECT_FLAG  # noqa: E402,F401 (Experience.info keys)
 DEFAULT_ANCHOR_RATIO = 8.0  # DPH-RL: 128 prompts x 16 rollouts : 256 anchors
 
-# registry estimator -> OpenRLHF estimator flag (topology only: all are critic-free)
-ESTIMATOR_FLAG = {"grpo": "group_norm", "dr_grpo": "dr_grpo", "rloo": "rloo",
-                  "passk": "group_norm", "pkpo": "rloo"}
+def estimator_flag(estimator: str) -> str:
+    """OpenRLHF's ``--algo.advantage.estimator`` for a registry estimator (topology only: every one
+    is critic-free), as the estimator declared it (``register_estimator(openrlhf_estimator=...)``)."""
+    return ESTIMATORS[estimator].openrlhf_estimator
 # registry aggregation -> OpenRLHF aggregate_loss(token_level_loss=...)
 TOKEN_LEVEL = {"token-mean": True, "seq-mean-token-mean": False,
                # the DPH-RL authors' per-micro-batch token-mean (docs/ALGORITHMS.md 9, row 2): the
@@ -269,7 +270,7 @@ def derive_upstream_flags(method: Method, argv: Sequence[str], div) -> Derived:
     run again) is accepted and not repeated.
     """
     needs = method.needs
-    out = ["--algo.advantage.estimator", ESTIMATOR_FLAG[method.estimator]]
+    out = ["--algo.advantage.estimator", estimator_flag(method.estimator)]
     notes = [f"advantages: registry estimator {method.estimator!r}"
              + (f" + reshaping {', '.join(method.adv_reshaping)}" if method.adv_reshaping else "")
              + (f" + reward shaping {', '.join(method.reward_shaping)}" if method.reward_shaping else "")]
