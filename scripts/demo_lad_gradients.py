@@ -26,7 +26,7 @@ from openrlhf_div.algorithms import LossInputs, get_method
 from openrlhf_div.demo.pipeline import load_demo_config
 from openrlhf_div.demo.warmup import WarmupConfig, base_model_dir
 from openrlhf_div.engines.local.generation import generate, sequence_log_probs
-from openrlhf_div.engines.local.tiny import load_model
+from openrlhf_div.engines.local.models import load_model
 from openrlhf_div.tasks import get_task
 from openrlhf_div.tasks.demo import STYLES, make_splits, style_of
 

@@ -541,7 +541,7 @@ def _synthetic_experience(n, T, P, V, method, seed, device):
     import torch
     from openrlhf.trainer.ppo_utils.experience import Experience
 
-    from openrlhf_div.engines.openrlhf.flags import ANCHOR_FLAG, CORRECT_FLAG
+    from openrlhf_div.engines.contract import ANCHOR_FLAG, CORRECT_FLAG
 
     g = torch.Generator().manual_seed(seed)
     seq = torch.randint(2, V, (n, T), generator=g).to(device)

@@ -51,7 +51,7 @@ from openrlhf.trainer.ppo_utils.experience import (  # noqa: E402
 )
 
 from openrlhf_div.engines.openrlhf.advantages import rollout_advantages  # noqa: E402
-from openrlhf_div.engines.openrlhf.flags import add_div_arguments, derive_upstream_flags, method_from_args  # noqa: E402
+from openrlhf_div.engines.flags import add_div_arguments, derive_upstream_flags, method_from_args  # noqa: E402
 from openrlhf_div.engines.anchor_data import AnchorSampler, AnchorRecord, read_pef  # noqa: E402
 
 torch.set_num_threads(1)

@@ -75,7 +75,7 @@ def test_cache_reuse_and_rebuild(tmp_path, monkeypatch):
 
 
 def test_training_is_deterministic_and_loadable(tmp_path):
-    from openrlhf_div.engines.local.tiny import load_model
+    from openrlhf_div.engines.local.models import load_model
 
     cfg = W.WarmupConfig(**TINY)
     pa = W.build_base_model(cfg, str(tmp_path / "a"), progress=False, log=lambda s: None)

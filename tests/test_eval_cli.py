@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from openrlhf_div.cli.main import main  # noqa: E402
-from openrlhf_div.eval.generate import generate, make_generate_fn  # noqa: E402
+from openrlhf_div.engines.local.samplers import generate, make_generate_fn  # noqa: E402
 
 FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>\n{% endfor %}"
@@ -178,7 +178,7 @@ def test_vllm_path_same_schema(model_dir, monkeypatch):
     fake = types.ModuleType("vllm")
     fake.LLM, fake.SamplingParams = LLM, SamplingParams
     monkeypatch.setitem(sys.modules, "vllm", fake)
-    monkeypatch.setattr("openrlhf_div.eval.generate.vllm_available", lambda: True)
+    monkeypatch.setattr("openrlhf_div.engines.local.samplers.vllm_available", lambda: True)
     fn, tok, engine = make_generate_fn(model_dir, engine="vllm", seed=3)
     assert engine == "vllm" and seen["model"] == model_dir and tok.eos_token == "<eos>"
     assert fn(["What is", "SELECT"], n=3, temperature=0.6, top_p=0.95, max_new_tokens=7) == [

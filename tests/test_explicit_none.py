@@ -19,7 +19,7 @@ from openrlhf_div.algorithms.registry import get_method
 from openrlhf_div.engines.local.config import config_from_dict
 from openrlhf_div.engines.megatron.actor import resolve_method
 from openrlhf_div.engines.openrlhf import launch as L
-from openrlhf_div.engines.openrlhf.flags import add_div_arguments, method_from_args
+from openrlhf_div.engines.flags import add_div_arguments, method_from_args
 
 # (method, hyperparameter, a non-None value a config may have set first). dual_clip and
 # flowrl_max_weight: the authors' value is None (Clip-Cov / CISPO without dual clip, FlowRL's

@@ -11,7 +11,7 @@ from openrlhf_div.engines.local.checkpoint import CorruptCheckpointError, NonFin
 from openrlhf_div.engines.local.config import load_config
 from openrlhf_div.io import atomic_write_jsonl
 from openrlhf_div.engines.local.presample import presample
-from openrlhf_div.engines.local.tiny import load_model
+from openrlhf_div.engines.local.models import load_model
 from openrlhf_div.engines.local.trainer import Trainer, train
 from openrlhf_div.tasks.base import RewardResult, Task, register_task
 

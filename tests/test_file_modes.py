@@ -33,7 +33,8 @@ def test_atomic_writes_follow_the_umask(tmp_path, umask):
 
 
 def test_saved_models_follow_the_umask(tmp_path, umask):
-    from openrlhf_div.engines.local.tiny import build_tiny_model, save_model
+    from openrlhf_div.engines.local.models import save_model
+    from openrlhf_div.engines.local.tiny import build_tiny_model
     from openrlhf_div.engines.megatron.hf_io import ShardedSafetensorsWriter
 
     model, tok = build_tiny_model("ab=", seed=0, hidden_size=16, num_layers=1)

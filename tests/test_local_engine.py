@@ -14,7 +14,8 @@ from openrlhf_div.engines.local.config import ConfigError, load_config
 from openrlhf_div.io import atomic_write_jsonl
 from openrlhf_div.engines.local.generation import generate, pack_sequences, sequence_log_probs
 from openrlhf_div.engines.local.presample import presample
-from openrlhf_div.engines.local.tiny import build_tiny_model, load_model, save_model
+from openrlhf_div.engines.local.models import load_model, save_model
+from openrlhf_div.engines.local.tiny import build_tiny_model
 from openrlhf_div.engines.local.trainer import NonFiniteLossError, Trainer, train
 from openrlhf_div.tasks import RewardResult, Task, get_task, register_task
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from openrlhf_div.algorithms import get_method, list_methods
-from openrlhf_div.engines.openrlhf import flags as F
+from openrlhf_div.engines import flags as F
 from openrlhf_div.engines.openrlhf import launch as L
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,7 +64,7 @@ def test_each_method_maps_to_a_valid_openrlhf_command(parser, name):
     assert (a.algo.kl.init_coef > 0) == m.needs.ref_log_probs == p.derived.reference_actor
     assert a.algo.kl.use_loss == m.needs.ref_log_probs
     assert a.critic.model_name_or_path is None  # OpenRLHF's own validation removed the critic
-    assert a.algo.advantage.estimator == F.ESTIMATOR_FLAG[m.estimator]
+    assert a.algo.advantage.estimator == F.estimator_flag(m.estimator)
     assert a.algo.dynamic_filtering_enable == m.dynamic_sampling
     assert a.reward.remote_url == [F.reward_func_path("math")]
     assert a.div.method == name

@@ -38,6 +38,7 @@ from .losses import (
     kl_cov_loss,
     lad_loss,
     ppo_clip_loss,
+    ppo_clip_mask,
 )
 from .registry import (
     LossInputs,
@@ -57,9 +58,10 @@ ENTROPY = Needs(entropy=True)
 
 
 # ------------------------------------------------------------------ estimators (section 1)
-for _name in ("grpo", "dr_grpo", "rloo"):
-    register_estimator(_name)((lambda est: lambda rewards, group_size, correct: group_advantages(
-        rewards, group_size, est))(_name))
+# openrlhf_estimator: OpenRLHF's critic-free flag the Ray driver sets (topology only)
+for _name, _flag in (("grpo", "group_norm"), ("dr_grpo", "dr_grpo"), ("rloo", "rloo")):
+    register_estimator(_name, openrlhf_estimator=_flag)((lambda est: lambda rewards, group_size, correct:
+                                                         group_advantages(rewards, group_size, est))(_name))
 
 
 @register_estimator("passk", defaults={"passk_k": 4})
@@ -67,7 +69,7 @@ def passk(rewards, group_size, correct, passk_k):
     return passk_advantages(correct.to(torch.float32), group_size, int(passk_k))
 
 
-@register_estimator("pkpo", defaults={"passk_k": 4})
+@register_estimator("pkpo", defaults={"passk_k": 4}, openrlhf_estimator="rloo")
 def pkpo(rewards, group_size, correct, passk_k):
     return pkpo_advantages(correct.to(torch.float32), group_size, int(passk_k))
 
@@ -93,21 +95,35 @@ def entadv(advantages, b: LossInputs, entadv_alpha, entadv_kappa):
 
 
 # ------------------------------------------------------------------ policy losses (sections 2 and 5)
-@register_policy_loss("ppo_clip", defaults={"eps_low": 0.2, "eps_high": 0.2, "dual_clip": 3.0})
+def _clipfrac(b: LossInputs, eps_low, eps_high) -> torch.Tensor:
+    """``[B, T]`` 1 where the ratio is on PPO-clip's clipped branch at ``eps_low`` / ``eps_high``
+    (its mean over valid tokens is the ``clipfrac`` metric of the losses that clip)."""
+    with torch.no_grad():
+        r = torch.exp((b.log_probs - b.old_log_probs).clamp(-20, 20))
+        return ppo_clip_mask(r, b.advantages, float(eps_low), float(eps_high)).to(b.log_probs.dtype)
+
+
+@register_policy_loss("ppo_clip", defaults={"eps_low": 0.2, "eps_high": 0.2, "dual_clip": 3.0},
+                      metrics=("clipfrac",))
 def ppo_clip(b: LossInputs, eps_low, eps_high, dual_clip):
-    return ppo_clip_loss(b.log_probs, b.old_log_probs, b.advantages, b.mask, eps_low, eps_high, dual_clip), {}
+    return (ppo_clip_loss(b.log_probs, b.old_log_probs, b.advantages, b.mask, eps_low, eps_high, dual_clip),
+            {"clipfrac": _clipfrac(b, eps_low, eps_high)})
 
 
-@register_policy_loss("cispo", defaults={"eps_low": 1.0, "eps_high": 0.28})
+@register_policy_loss("cispo", defaults={"eps_low": 1.0, "eps_high": 0.28}, metrics=("clipfrac",))
 def cispo(b: LossInputs, eps_low, eps_high):
-    return cispo_loss(b.log_probs, b.old_log_probs, b.advantages, b.mask, eps_low, eps_high), {}
+    """``clipfrac``: the tokens whose importance weight CISPO clips (and detaches)."""
+    return (cispo_loss(b.log_probs, b.old_log_probs, b.advantages, b.mask, eps_low, eps_high),
+            {"clipfrac": _clipfrac(b, eps_low, eps_high)})
 
 
 @register_policy_loss("clip_cov", defaults={"eps_low": 0.2, "eps_high": 0.2, "dual_clip": 3.0,
-                                            "clip_cov_ratio": 2e-4, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0})
+                                            "clip_cov_ratio": 2e-4, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0},
+                      metrics=("clipfrac",))
 def clip_cov(b: LossInputs, eps_low, eps_high, dual_clip, clip_cov_ratio, clip_cov_lb, clip_cov_ub):
-    return clip_cov_loss(b.log_probs, b.old_log_probs, b.advantages, b.mask, eps_low, eps_high, dual_clip,
-                         clip_cov_ratio, clip_cov_lb, clip_cov_ub, generator=b.generator), {}
+    return (clip_cov_loss(b.log_probs, b.old_log_probs, b.advantages, b.mask, eps_low, eps_high, dual_clip,
+                          clip_cov_ratio, clip_cov_lb, clip_cov_ub, generator=b.generator),
+            {"clipfrac": _clipfrac(b, eps_low, eps_high)})
 
 
 @register_policy_loss("kl_cov", defaults={"kl_cov_ratio": 2e-3, "kl_cov_k": 1.0, "kl_cov_min_one": False})
@@ -153,18 +169,19 @@ def flowrl(b: LossInputs, flowrl_beta, flowrl_max_weight, log_z_head):
 
 
 # ------------------------------------------------------------------ regularizers (sections 2, 4, 5)
-@register_regularizer("kl", defaults={"kl_coef": 0.01, "kl_estimator": "k3"}, needs=REF)
+@register_regularizer("kl", defaults={"kl_coef": 0.01, "kl_estimator": "k3"}, needs=REF, metrics=("kl",))
 def kl(b: LossInputs, kl_coef, kl_estimator):
     k = kl_estimate(b.log_probs, b.ref_log_probs, b.mask, kl_estimator)
     return float(kl_coef) * k, {"kl": k}
 
 
-@register_regularizer("entropy", defaults={"entropy_coef": 1e-3}, needs=ENTROPY)
+@register_regularizer("entropy", defaults={"entropy_coef": 1e-3}, needs=ENTROPY, metrics=("entropy",))
 def entropy(b: LossInputs, entropy_coef):
     return entropy_loss(b.entropy, b.mask, float(entropy_coef)), {"entropy": b.entropy}
 
 
-@register_regularizer("diff_entropy", defaults={"entropy_coef_pos": 1e-3, "entropy_coef_neg": 1e-3}, needs=ENTROPY)
+@register_regularizer("diff_entropy", defaults={"entropy_coef_pos": 1e-3, "entropy_coef_neg": 1e-3}, needs=ENTROPY,
+                      metrics=("entropy",))
 def diff_entropy(b: LossInputs, entropy_coef_pos, entropy_coef_neg):
     if b.correct is None:
         raise ValueError("the diff_entropy regularizer needs LossInputs.correct ([B] bool); got None")
@@ -181,7 +198,7 @@ def _check_js_def(h):
 
 @register_regularizer("js_def_online", defaults={"js_def_lambda": 0.125, "anchor_eta": 0.2, "js_def_online": "fixed",
                                                  "js_def_ratio": 1, "js_def_clamp": None},
-                      needs=REF, check=_check_js_def)
+                      needs=REF, check=_check_js_def, metrics=("js_def_online",))
 def js_def_online(b: LossInputs, js_def_lambda, anchor_eta, js_def_online, js_def_ratio, js_def_clamp):
     """``eta * lambda * KL(pi || M)`` on rollout tokens, with the anchor's weight ``eta``. The
     DPH-RL authors' code (docs/ALGORITHMS.md 9, rows 3a-b): ``js_def_online: stochastic`` adds

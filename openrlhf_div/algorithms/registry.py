@@ -3,14 +3,19 @@
 A **component** is a plain autograd function registered under a name, with the
 hyperparameters it takes (``defaults``) and what it asks of an engine (:class:`Needs`):
 
-* ``@register_policy_loss(name, defaults=..., needs=...)``:
-  ``fn(inputs: LossInputs, **hparams) -> (per_token_loss [B, T], metrics)``
-* ``@register_regularizer(...)``: the same shape; its loss is added to the policy loss
-  (weighted by its own coefficient, which it declares).
+* ``@register_policy_loss(name, defaults=..., needs=..., metrics=(...))``:
+  ``fn(inputs: LossInputs, **hparams) -> (per_token_loss [B, T], metrics)``; ``metrics`` names
+  what it reports (e.g. ``clipfrac`` for the losses that clip; returning an undeclared metric,
+  or missing a declared one, is an error naming the component)
+* ``@register_regularizer(..., metrics=(...))``: the same shape; its loss is added to the policy
+  loss (weighted by its own coefficient, which it declares).
 * ``@register_anchor(name, defaults=..., eta=...)``: ``fn(inputs: AnchorInputs, **hparams)
   -> per_token_loss``; ``eta`` is the default of the method's ``anchor_eta`` weight.
-* ``@register_estimator(...)``: ``fn(rewards [N], group_size, correct [N] bool, **hparams)
-  -> [N]`` sequence advantages.
+* ``@register_estimator(..., group=True, openrlhf_estimator="group_norm")``: ``fn(rewards [N],
+  group_size, correct [N] bool, **hparams) -> [N]`` sequence advantages; ``group``: its
+  advantages need at least 2 responses per prompt (the engines refuse ``group_size < 2``);
+  ``openrlhf_estimator``: the critic-free ``--algo.advantage.estimator`` the OpenRLHF driver
+  sets (topology only: the advantages come from ``fn``).
 * ``@register_reward_shaping(...)``: ``fn(rewards [N], group_size, *, seq_mean_old_log_probs,
   lengths, **hparams) -> [N]``.
 * ``@register_adv_reshaping(name, ..., at="rollout" | "loss")``: at rollout time
@@ -56,7 +61,7 @@ from ._utils import broadcast_seq, check_same_shape, fill_masked, masked_mean, u
 from .advantages import dynamic_sampling_mask, overlong_penalty
 from .authors import (ANCHOR_WEIGHTINGS, MICRO_BATCH_TOKEN_MEAN, STEP_LAYOUTS, anchor_weight, authors_modes,
                       micro_batch_loss)
-from .losses import AGGREGATIONS, aggregate_loss, ppo_clip_mask
+from .losses import AGGREGATIONS, aggregate_loss
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,19 @@ class Component:
     check: Optional[Callable[[Dict[str, Any]], None]] = None  # validates the method's hparams
     at: str = "loss"            # adv reshaping: "rollout" or "loss"
     passed: Optional[Tuple[str, ...]] = None  # the hyperparameters fn takes (None: all of defaults)
+    metrics: Tuple[str, ...] = ()  # policy loss / regularizer: the metric names fn returns
+    group: bool = True          # estimator: advantages need >= 2 responses per prompt
+    openrlhf_estimator: str = "group_norm"  # estimator: OpenRLHF's critic-free estimator flag
+
+    def check_metrics(self, metrics: Mapping[str, Any]) -> None:
+        """The metrics ``fn`` returned are exactly the ones it declared."""
+        got = set(metrics)
+        if got != set(self.metrics):
+            extra, missing = sorted(got - set(self.metrics)), sorted(set(self.metrics) - got)
+            raise ValueError(f"{self.kind} {self.name!r} returned metrics {sorted(got)} but declares "
+                             f"{list(self.metrics)}" + (f" (undeclared: {extra})" if extra else "")
+                             + (f" (missing: {missing})" if missing else "")
+                             + f"; register it with metrics={tuple(sorted(got))!r}")
 
     def kwargs(self, hparams: Mapping[str, Any]) -> Dict[str, Any]:
         return {k: hparams[k] for k in (self.defaults if self.passed is None else self.passed)}
@@ -149,6 +167,8 @@ def _registrar(kind: str, table: Dict[str, Component]):
         def deco(fn: Callable) -> Callable:
             if name in table and not overwrite:
                 raise ValueError(f"{kind} {name!r} is already registered (pass overwrite=True to replace it)")
+            if "metrics" in extra:
+                extra["metrics"] = tuple(extra["metrics"] or ())
             table[name] = Component(kind, name, fn, dict(defaults or {}), needs or Needs(), check, **extra)
             return fn
         return deco
@@ -430,9 +450,9 @@ class Method:
     def online_loss(self, b: LossInputs) -> Tuple[torch.Tensor, Dict[str, float]]:
         """Per-token loss ``[B, T]`` on rollout tokens: policy loss + regularizers.
 
-        Metrics (masked means over valid tokens, one host transfer): ``clipfrac`` (PPO-clip's
-        clipped fraction at the method's ``eps_low`` / ``eps_high``, 0.2 if it has none),
-        ``policy_loss``, then what the policy loss and each regularizer report."""
+        Metrics (masked means over valid tokens, one host transfer): ``policy_loss``, then what
+        the policy loss and each regularizer declare (``clipfrac`` only from the losses that
+        clip: :meth:`metric_names`)."""
         h = self.hparams
         adv = broadcast_seq("advantages", b.advantages, b.log_probs)
         for name in self.adv_reshaping:
@@ -444,17 +464,23 @@ class Method:
         pol = POLICY_LOSSES[self.policy_loss]
         pol.require(b, self.name)
         loss, extra = _call(pol, b, h)
-        with torch.no_grad():
-            r = torch.exp((b.log_probs - b.old_log_probs).clamp(-20, 20))
-            clipped = ppo_clip_mask(r, adv, float(h.get("eps_low", 0.2)), float(h.get("eps_high", 0.2)))
-        metrics = {"clipfrac": clipped.to(loss.dtype), "policy_loss": loss, **extra}
+        pol.check_metrics(extra)
+        metrics = {"policy_loss": loss, **extra}
         for name in self.regularizers:
             reg = REGULARIZERS[name]
             reg.require(b, self.name)
             l_reg, m_reg = _call(reg, b, h)
+            reg.check_metrics(m_reg)
             loss = loss + l_reg
             metrics.update(m_reg)
         return loss, _means(metrics, b.mask)
+
+    def metric_names(self) -> Tuple[str, ...]:
+        """The metrics :meth:`online_loss` reports, from the components' declarations."""
+        names = ["policy_loss", *POLICY_LOSSES[self.policy_loss].metrics]
+        for r in self.regularizers:
+            names += [m for m in REGULARIZERS[r].metrics if m not in names]
+        return tuple(names)
 
     def anchor_loss(self, a: AnchorInputs) -> torch.Tensor:
         """Unweighted per-token anchor loss ``[B, T]`` on ``D_pef`` tokens."""

@@ -35,11 +35,12 @@ def add_parser(sub):
 
 
 def run(args) -> int:
+    from openrlhf_div.engines.local.evaluation import evaluate_run_dir
     from openrlhf_div.eval.report import compare_runs
 
     try:
         paths = compare_runs(args.run_dirs, args.out, base_dir=args.base, style_split=args.style_split,
-                             allow_mismatch=args.allow_mismatch)
+                             allow_mismatch=args.allow_mismatch, evaluate_missing=evaluate_run_dir)
     except (FileNotFoundError, ValueError) as e:
         msg = str(e)
         print(msg if msg.startswith("compare:") else f"compare: {msg}", file=sys.stderr)

@@ -95,7 +95,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from openrlhf_div.eval.evaluate import evaluate, results_markdown
     from openrlhf_div.eval.results import check_settings, data_hash, read_eval_json, write_eval
-    from openrlhf_div.eval.generate import make_generate_fn
+    from openrlhf_div.engines.local.samplers import make_generate_fn
     from openrlhf_div.tasks import get_task
     from openrlhf_div.tasks.datasets import DatasetError, load_examples
 

@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Diversity-preserving RLVR: DPH-RL, Differential Smoothing, LAD and baselines.",
     )
     parser.add_argument("--version", action="version", version=f"openrlhf-div {__version__}")
+    parser.add_argument("--plugin", action="append", metavar="MODULE",
+                        help="import a module (or .py file) that registers methods, components or tasks before "
+                             "anything runs (repeatable, anywhere on the line; also OPENRLHF_DIV_PLUGINS=a,b)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, _help in SUBCOMMANDS:
         mod = importlib.import_module(f"openrlhf_div.cli.{name}")
@@ -40,6 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from openrlhf_div.plugins import load_plugins, split_plugin_args
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:  # before the parsers are built: the plug-ins' methods and tasks are then known everywhere
+        plugins, argv = split_plugin_args(argv)
+        load_plugins(plugins)
+    except ValueError as exc:
+        print(f"openrlhf-div: error: {exc}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:

@@ -13,7 +13,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 import torch
 
 from ..eval.evaluate import evaluate
-from ..eval.generate import local_generate_fn
+from ..engines.local.samplers import local_generate_fn
 from ..tasks import get_task
 
 

@@ -182,7 +182,7 @@ def run_demo(cfg: Dict[str, Any], out_dir: str, *, cache_dir: Optional[str] = No
     base_run = os.path.join(runs_dir, "base")
     base_settings = {"base_model": wcfg.to_dict(), "base_key": wcfg.key(), "evaluation": _eval_settings(cfg),
                      "splits": spec.to_dict()}
-    from ..engines.local.tiny import load_model
+    from ..engines.local.models import load_model
 
     if _reusable(base_run, base_settings):
         base_eval = read_eval_json(base_run)

@@ -193,7 +193,7 @@ def build_base_model(cfg: WarmupConfig = WarmupConfig(), cache_dir: Optional[str
                      progress: bool = True, log: Callable[[str], None] = print, force: bool = False) -> str:
     """The cached base-model directory for ``cfg``: reused when present, else trained and
     saved atomically (model + tokenizer + ``warmup.json`` with the settings and stats)."""
-    from ..engines.local.tiny import save_model
+    from ..engines.local.models import save_model
 
     path = base_model_dir(cfg, cache_dir)
     meta = os.path.join(path, META_FILE)

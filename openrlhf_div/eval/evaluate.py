@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from .diversity import keep_explore_rates, mean_distinct_n
 from .passk import mean_at_k, pass_at_k
-from .results import EVAL_FORMAT, data_hash, model_metrics
+from .results import EVAL_FORMAT, data_hash, model_metrics, results_markdown  # noqa: F401 (part of this API)
 from openrlhf_div.progress import progress_bar
 from openrlhf_div.tasks.datasets import render_example
 
@@ -218,34 +218,3 @@ def summarize(problems: Sequence[Mapping[str, Any]], n: int, ks: Sequence[int], 
         m["reasons"] = dict(Counter(r for p in ps for r in p["reasons"]).most_common(10))
         out[src] = m
     return out
-
-
-def results_markdown(result: Mapping[str, Any]) -> str:
-    """A Markdown table: one row per dataset, columns pass@k, mean@n, greedy, dist-2, keep /
-    explore (when present), all in percent."""
-    st = result["settings"]
-    n, ks = st["n"], st["ks"]
-    metrics = result["by_source"]
-    cols = [f"pass@{k}" for k in ks] + [f"mean@{n}"]
-    if st.get("greedy"):
-        cols.append("greedy")
-    any_m = next(iter(metrics.values()))
-    for extra in ("dist-2", "distinct_correct", "keep_rate", "explore_rate"):
-        if extra in any_m:
-            cols.append(extra)
-
-    def fmt(c, v):
-        if v is None:
-            return "-"
-        if c == "distinct_correct":
-            return f"{v:.2f}"
-        return f"{100 * v:.1f}"
-
-    lines = [f"Task `{result['task']}`, n={n}, temperature={st['temperature']}, top_p={st['top_p']}, "
-             f"max_new_tokens={st['max_new_tokens']} (percent; distinct_correct is a count)"
-             + (f"; grading: {st['grading']}" if st.get("grading") else ""), "",
-             "| dataset | problems | " + " | ".join(cols) + " |",
-             "|---|---:|" + "---:|" * len(cols)]
-    for src, m in metrics.items():
-        lines.append(f"| {src} | {m['problems']} | " + " | ".join(fmt(c, m.get(c)) for c in cols) + " |")
-    return "\n".join(lines) + "\n"

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import os
 from collections import OrderedDict
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -399,9 +399,11 @@ def write_report(out_dir: str, metrics: Mapping[str, Any], *, settings: Optional
 
 # ------------------------------------------------------------------ compare
 def compare_runs(run_dirs: Iterable[str], out_dir: str, *, base_dir: Optional[str] = None,
-                 style_split: Optional[str] = "auto", allow_mismatch: bool = False) -> Dict[str, str]:
+                 style_split: Optional[str] = "auto", allow_mismatch: bool = False,
+                 evaluate_missing: Optional[Callable[[str], Any]] = None) -> Dict[str, str]:
     """The report from eval outputs and ``train`` run directories (``openrlhf-div compare``;
-    see :func:`~.results.load_run` for what a ``RUN_DIR`` may be and ``NAME=DIR``).
+    see :func:`~.results.load_run` for what a ``RUN_DIR`` may be, ``NAME=DIR`` and
+    ``evaluate_missing``).
 
     The base is ``base_dir`` or the one run with ``role == "base"``. Methods are grouped by
     ``name``; runs of one name with different seeds are aggregated. Keep / explore rates are
@@ -409,9 +411,9 @@ def compare_runs(run_dirs: Iterable[str], out_dir: str, *, base_dir: Optional[st
     settings (:func:`~.results.settings_differences`) are an error listing the differences,
     unless ``allow_mismatch``: then the report says so at the top.
     """
-    evals = [load_run(d) for d in run_dirs]
+    evals = [load_run(d, evaluate_missing=evaluate_missing) for d in run_dirs]
     if base_dir is not None:
-        base_eval = load_run(base_dir, role="base")
+        base_eval = load_run(base_dir, role="base", evaluate_missing=evaluate_missing)
     else:
         bases = [e for e in evals if e["role"] == "base"]
         if len(bases) != 1:

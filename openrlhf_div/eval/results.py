@@ -56,7 +56,7 @@ import json
 import math
 import os
 import re
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -211,6 +211,37 @@ def write_eval_json(run_dir: str, *, task: str, name: str, role: str, metrics: M
     return path
 
 
+def results_markdown(result: Mapping[str, Any]) -> str:
+    """A Markdown table: one row per dataset, columns pass@k, mean@n, greedy, dist-2, keep /
+    explore (when present), all in percent."""
+    st = result["settings"]
+    n, ks = st["n"], st["ks"]
+    metrics = result["by_source"]
+    cols = [f"pass@{k}" for k in ks] + [f"mean@{n}"]
+    if st.get("greedy"):
+        cols.append("greedy")
+    any_m = next(iter(metrics.values()))
+    for extra in ("dist-2", "distinct_correct", "keep_rate", "explore_rate"):
+        if extra in any_m:
+            cols.append(extra)
+
+    def fmt(c, v):
+        if v is None:
+            return "-"
+        if c == "distinct_correct":
+            return f"{v:.2f}"
+        return f"{100 * v:.1f}"
+
+    lines = [f"Task `{result['task']}`, n={n}, temperature={st['temperature']}, top_p={st['top_p']}, "
+             f"max_new_tokens={st['max_new_tokens']} (percent; distinct_correct is a count)"
+             + (f"; grading: {st['grading']}" if st.get("grading") else ""), "",
+             "| dataset | problems | " + " | ".join(cols) + " |",
+             "|---|---:|" + "---:|" * len(cols)]
+    for src, m in metrics.items():
+        lines.append(f"| {src} | {m['problems']} | " + " | ".join(fmt(c, m.get(c)) for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def write_eval(out_dir: str, result: Mapping[str, Any], *, name: str, role: str = "method",
                seed: Optional[int] = None, info: Optional[Mapping[str, Any]] = None,
                **settings: Any) -> Dict[str, str]:
@@ -219,7 +250,6 @@ def write_eval(out_dir: str, result: Mapping[str, Any], *, name: str, role: str 
     ``samples.jsonl`` (one problem per line: prompt, responses, extracted answers, rewards,
     reasons, correct, styles, truncated flags). ``settings`` (``model=``, ``engine=``,
     ``data_paths=``) are added to the result's settings. Returns the three paths."""
-    from .evaluate import results_markdown
 
     os.makedirs(out_dir, exist_ok=True)
     s = dict(result["settings"])
@@ -307,25 +337,29 @@ def check_settings(runs: Sequence[Tuple[str, Mapping[str, Any]]], allow_mismatch
 _SEED_DIR = re.compile(r"seed[_-]?(\d+)$")
 
 
-def load_run(spec: str, role: Optional[str] = None, *, evaluate_missing: bool = True) -> Dict[str, Any]:
+def load_run(spec: str, role: Optional[str] = None, *,
+             evaluate_missing: Optional[Callable[[str], Any]] = None) -> Dict[str, Any]:
     """One run for ``compare``, as an ``eval.json`` dict (plus ``_path``).
 
     ``spec`` is ``[NAME=]PATH``; ``PATH`` is an ``eval.json`` file, a directory holding one
     (``openrlhf-div eval``/``demo`` outputs, and ``train`` run directories with an in-training
-    evaluation), or a ``train`` run directory without one: its final model is then evaluated on
-    its config's ``data.eval`` and the ``eval.json`` written there
-    (:func:`openrlhf_div.engines.local.evaluation.evaluate_run_dir`). ``NAME`` overrides the
-    name; ``.../grpo/seed1`` without a seed in the file gives seed 1.
+    evaluation), or a ``train`` run directory without one: ``evaluate_missing(run_dir)`` then
+    writes its ``eval.json`` (the command line passes the engine's
+    :func:`openrlhf_div.engines.local.evaluation.evaluate_run_dir`, which owns the models; this
+    layer only reads results). ``NAME`` overrides the name; ``.../grpo/seed1`` without a seed in
+    the file gives seed 1.
     """
     name = None
     if "=" in spec and not os.path.exists(spec):
         name, spec = spec.split("=", 1)
     path = spec
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, EVAL_FILE)) \
-            and os.path.isfile(os.path.join(path, "config.yaml")) and evaluate_missing:
-        from openrlhf_div.engines.local.evaluation import evaluate_run_dir
-
-        evaluate_run_dir(path)
+            and os.path.isfile(os.path.join(path, "config.yaml")):
+        if evaluate_missing is None:
+            raise FileNotFoundError(f"{path}: a train run directory without {EVAL_FILE}; evaluate it first "
+                                    "(`openrlhf-div compare` does, or `openrlhf-div eval --model "
+                                    f"{os.path.join(path, 'final_model')} ... --out {path}`)")
+        evaluate_missing(path)
     d = read_eval_json(path)
     d["_path"] = os.path.abspath(path if os.path.isfile(path) else os.path.join(path, EVAL_FILE))
     run_dir = os.path.dirname(d["_path"])

@@ -111,8 +111,16 @@ def test_megatron_tp2_policy_actor_job(ray_head, tiny_experiment, tmp_path):
     sync vLLM's log-probs equal the Megatron forward's (bf16 tolerance) and they moved between syncs;
     the exported weights changed. This is also the suite's end-to-end `grpo` job (the tests above
     run `dph_js` and `rkl` on the DeepSpeed actor).
+
+    It is also the plug-in hook's end-to-end proof (issue 24): the method is `plugin_grpo`, GRPO's
+    components registered under a new name by tests/fixtures/plugins/plugin_method.py, a file
+    outside the package that nothing imports. The driver gets it from ``--plugin`` and every Ray
+    worker (vLLM engine, trainer, both Megatron actors) from ``OPENRLHF_DIV_PLUGINS`` in the runtime
+    env; a process without it stops at "unknown method 'plugin_grpo'".
     """
     run = str(tmp_path / "grpo_megatron")
-    _job(ray_head, tiny_experiment, "grpo_megatron", run)
+    r = _job(ray_head, tiny_experiment, "grpo_megatron", run, "--plugin", "tests/fixtures/plugins/plugin_method.py",
+             "--div.method", "plugin_grpo")
+    assert "plugin_grpo" in r.output and "unknown method" not in r.output
     _check_training(run, tiny_experiment, [1, 2])
     assert _weights_changed(tiny_experiment, os.path.join(run, "model")) > 0

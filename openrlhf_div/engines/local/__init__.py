@@ -1,5 +1,6 @@
 """The local engine: one process, a Hugging Face causal LM on CPU (or one GPU).
 
+* :mod:`.models` the one place models are built (:func:`build_policy`), saved and loaded
 * :mod:`.tiny` builds real tiny HF models and tokenizers from a config (no hub needed)
 * :mod:`.generation` batched KV-cache sampling and the training forward
   (:func:`sequence_log_probs`)

@@ -242,7 +242,7 @@ def write_checkpoint(root: str, step: int, model, tokenizer, state: Dict[str, An
     then ``latest`` is switched atomically and all but the newest ``keep`` checkpoints deleted."""
     import shutil
 
-    from .tiny import _atomic_dir_write
+    from .models import atomic_dir_write
 
     name = f"step_{step:06d}"
 
@@ -253,7 +253,7 @@ def write_checkpoint(root: str, step: int, model, tokenizer, state: Dict[str, An
         write_manifest(tmp)
 
     os.makedirs(root, exist_ok=True)
-    path = _atomic_dir_write(os.path.join(root, name), write)
+    path = atomic_dir_write(os.path.join(root, name), write)
     atomic_write_text(os.path.join(root, "latest"), name + "\n")
     old = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.startswith("."))
     for d in old[:-max(1, keep)]:

@@ -200,7 +200,9 @@ class TrainConfig:
     def build_method(self):
         """The registry method named by ``method.name`` with the section's other keys as overrides."""
         from openrlhf_div.algorithms import get_method
+        from openrlhf_div.plugins import load_plugins
 
+        load_plugins()  # methods registered by the modules of OPENRLHF_DIV_PLUGINS
         opts = dict(self.method)
         name = opts.pop("name", None)
         if not name:

@@ -17,8 +17,9 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 
 from openrlhf_div.eval.evaluate import evaluate
-from openrlhf_div.eval.generate import local_generate_fn
 from openrlhf_div.eval.results import write_eval
+
+from .samplers import local_generate_fn
 
 EVAL_SEED_OFFSET = 12345  # evaluation samples with its own stream: seed + this
 
@@ -69,7 +70,7 @@ def evaluate_run_dir(run_dir: str) -> str:
     from .checkpoint import resume_checkpoint
     from .config import load_config
     from .data import load_task_examples
-    from .trainer import build_policy, resolve_device
+    from .models import build_policy, resolve_device
 
     cfg_path = os.path.join(run_dir, "config.yaml")
     cfg = load_config(cfg_path)

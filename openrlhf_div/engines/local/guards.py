@@ -20,7 +20,6 @@ import torch
 
 from openrlhf_div.engines.anchor_data import EmptyAnchorError  # noqa: F401 (raised by the D_pef reader)
 
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "passk", "pkpo")
 
 
 class DegenerateRunError(RuntimeError):
@@ -29,7 +28,10 @@ class DegenerateRunError(RuntimeError):
 
 def check_group_size(method, group_size: int) -> Optional[str]:
     """The config error for ``group_size < 2`` with a group estimator, else None."""
-    if int(group_size) < 2 and getattr(method, "estimator", None) in GROUP_ESTIMATORS:
+    from openrlhf_div.algorithms.registry import ESTIMATORS
+
+    est = ESTIMATORS.get(getattr(method, "estimator", None))
+    if int(group_size) < 2 and est is not None and est.group:  # as the estimator declared it
         return (f"rollout.group_size={group_size}: method {method.name!r} uses the group estimator "
                 f"{method.estimator!r}, whose advantages are all zero with fewer than 2 responses per prompt "
                 f"(nothing would be learned); use rollout.group_size >= 2 (DPH-RL and GRPO papers use 8-16)")

@@ -1,5 +1,11 @@
-"""Where a model comes from: a Hugging Face model folder, a ``.gguf`` file, or a Hub id that
-is already in the local Hugging Face cache (nothing is downloaded).
+"""The local engine's models: where one comes from, building the policy, saving and loading.
+
+A model comes from a Hugging Face model folder, a ``.gguf`` file, or a Hub id that is already
+in the local Hugging Face cache (nothing is downloaded), or is a tiny model built from the
+config (:mod:`.tiny`); :func:`build_policy` is the one place that turns a config (or a
+checkpoint) into ``(model, tokenizer)``, :func:`save_model` / :func:`load_model` the one
+place that writes and reads them (atomically: written to a temporary sibling directory, then
+renamed into place, so a reader never sees a half-written model).
 
 :func:`resolve_model` turns ``model.path`` / ``eval --model`` into ``(folder, gguf_file)``;
 :func:`load_pretrained` loads model and tokenizer from it in the requested dtype, pads on
@@ -10,11 +16,20 @@ safetensors folders in the training dtype.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
+import sys
+import tempfile
 from typing import Optional, Tuple, Union
 
 import torch
+
+from openrlhf_div.io import apply_umask_modes_tree
+from openrlhf_div.progress import quiet_library_bars
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -78,13 +93,12 @@ def gguf_as_folder(folder: str, gguf_file: str) -> str:
     file gets a new cache entry)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .tiny import quiet_hf_progress, save_model
 
     out = gguf_cache_dir(folder, gguf_file)
     if os.path.exists(os.path.join(out, "config.json")):
         return out
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-    with quiet_hf_progress():
+    with quiet_library_bars():
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
     save_model(model, tokenizer, out)
     return out
@@ -115,13 +129,12 @@ def load_pretrained(path: str, dtype: torch.dtype = torch.float32, device: Union
     ``dtype`` on ``device`` (sdpa attention)."""
     from transformers import AutoModelForCausalLM
 
-    from .tiny import quiet_hf_progress
 
     folder, gguf = resolve_model(path)
     if gguf is not None:
         folder = gguf_as_folder(folder, gguf)
     tokenizer = load_tokenizer(folder)
-    with quiet_hf_progress():
+    with quiet_library_bars():
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
     model.to(device)
     if getattr(model.generation_config, "pad_token_id", None) is None:
@@ -144,3 +157,101 @@ def installed_gguf(distribution: str) -> Optional[str]:
             if os.path.exists(path):
                 return path
     return None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device={name!r} but CUDA is not available; use device=cpu")
+    return torch.device(name)
+
+
+def build_policy(cfg, device: torch.device, path: Optional[str] = None,
+                 dtype: Optional[torch.dtype] = None):
+    """``(model, tokenizer)`` of the initial policy (``model.path`` or a tiny model built from
+    the config), or of ``path`` when given (a checkpoint), in ``dtype`` (default ``model.dtype``)."""
+    from .realmodel import is_lora_dir, load_lora_checkpoint
+    from .tiny import build_tiny_model
+
+    dtype = dtype or DTYPES[cfg.model.dtype]
+    src = path or cfg.model.path
+    if path is not None and is_lora_dir(path):  # a LoRA checkpoint: its adapter on the initial policy
+        base, tok = build_policy(cfg, device, dtype=dtype)
+        return load_lora_checkpoint(base, path), tok
+    if src is not None:
+        model, tok = load_model(src, dtype=dtype, device=device)
+    else:
+        if not cfg.model.tiny_vocab:
+            raise ValueError("set model.path (a Hugging Face model directory) or model.tiny_vocab (the characters "
+                             "of a tiny model's vocabulary)")
+        m = cfg.model
+        model, tok = build_tiny_model(m.tiny_vocab, seed=cfg.seed if m.init_seed is None else m.init_seed,
+                                      hidden_size=m.tiny_hidden_size, num_layers=m.tiny_layers,
+                                      num_heads=m.tiny_heads, num_kv_heads=m.tiny_kv_heads, dtype=dtype)
+        model.to(device)
+    return model, tok
+
+
+@contextlib.contextmanager
+def no_deepspeed_autodetect():
+    """Keep DeepSpeed's accelerator auto-detection quiet on a CPU-only local run.
+
+    The local engine never uses DeepSpeed, but ``save_pretrained`` -> ``unwrap_model`` ->
+    accelerate's ``extract_model_from_parallel`` imports it whenever it is installed, and its
+    auto-detection then warns "Setting accelerator to CPU ... unable to detect" at the end of
+    every run. With no GPU (CUDA or MPS) CPU is what DeepSpeed would pick anyway, so inside this
+    context, when DeepSpeed is not loaded yet and ``DS_ACCELERATOR`` is unset, it is set to
+    ``cpu`` (DeepSpeed's own override: same choice, no warning) and removed afterwards."""
+    set_here = ("deepspeed" not in sys.modules and "DS_ACCELERATOR" not in os.environ
+                and not torch.cuda.is_available()
+                and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()))
+    if set_here:
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        yield
+    finally:
+        if set_here:
+            os.environ.pop("DS_ACCELERATOR", None)
+
+
+def atomic_dir_write(path: str, write) -> str:
+    """Run ``write(tmp_dir)`` then rename ``tmp_dir`` to ``path`` (replacing an old one)."""
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
+    try:
+        with quiet_library_bars(), no_deepspeed_autodetect():
+            write(tmp)
+        # mkdtemp made the folder 0700 and save_pretrained writes its safetensors 0600: follow the umask
+        apply_umask_modes_tree(tmp)
+        old = None
+        if os.path.exists(path):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=parent)
+            os.rmdir(old)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def save_model(model, tokenizer, path: str) -> str:
+    """Save model + tokenizer with ``save_pretrained`` into ``path`` atomically
+    (written to a temporary sibling directory, then renamed into place)."""
+    def write(tmp):
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    return atomic_dir_write(path, write)
+
+
+def load_model(path: str, dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu"):
+    """``(model, tokenizer)`` from a directory written by :func:`save_model`, any Hugging Face
+    causal LM folder, a ``.gguf`` file or a Hub id in the local cache
+    (:func:`load_pretrained`). The tokenizer pads on the left."""
+    return load_pretrained(path, dtype=dtype, device=device)

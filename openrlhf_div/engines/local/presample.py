@@ -130,7 +130,7 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
     from openrlhf_div.progress import progress_bar
     from openrlhf_div.tasks import get_task
 
-    from .trainer import build_policy, resolve_device
+    from .models import build_policy, resolve_device
 
     from .realmodel import resolve_num_threads
 

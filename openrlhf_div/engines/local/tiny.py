@@ -5,24 +5,16 @@
 or longer "word" tokens) is one token, matched longest-first; anything else maps to
 ``<unk>``. Decoding concatenates tokens (no spaces are inserted), so a character-level
 vocabulary round-trips text exactly. :func:`build_tiny_model` makes a small Qwen2 causal
-LM from a config. Both save with ``save_pretrained`` and load with ``from_pretrained``;
-:func:`save_model` writes into a temporary directory and ``os.replace``-s it into place,
-so a reader never sees a half-written model.
+LM from a config. Saving and loading (any model, tiny or not) is :mod:`.models`
+(:func:`~.models.save_model`, :func:`~.models.load_model`).
 """
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import shutil
-import sys
-import tempfile
 from typing import Iterable, Optional, Sequence, Tuple, Union
 
 import torch
 
-from openrlhf_div.io import apply_umask_modes_tree
-from openrlhf_div.progress import quiet_library_bars
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
@@ -107,72 +99,3 @@ def build_tiny_model(vocab: Union[str, Sequence[str]], *, seed: int = 0, hidden_
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     return model, tokenizer
-
-
-quiet_hf_progress = quiet_library_bars  # noqa: E305 (the one helper: openrlhf_div.progress)
-
-
-@contextlib.contextmanager
-def no_deepspeed_autodetect():
-    """Keep DeepSpeed's accelerator auto-detection quiet on a CPU-only local run.
-
-    The local engine never uses DeepSpeed, but ``save_pretrained`` -> ``unwrap_model`` ->
-    accelerate's ``extract_model_from_parallel`` imports it whenever it is installed, and its
-    auto-detection then warns "Setting accelerator to CPU ... unable to detect" at the end of
-    every run. With no GPU (CUDA or MPS) CPU is what DeepSpeed would pick anyway, so inside this
-    context, when DeepSpeed is not loaded yet and ``DS_ACCELERATOR`` is unset, it is set to
-    ``cpu`` (DeepSpeed's own override: same choice, no warning) and removed afterwards."""
-    set_here = ("deepspeed" not in sys.modules and "DS_ACCELERATOR" not in os.environ
-                and not torch.cuda.is_available()
-                and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()))
-    if set_here:
-        os.environ["DS_ACCELERATOR"] = "cpu"
-    try:
-        yield
-    finally:
-        if set_here:
-            os.environ.pop("DS_ACCELERATOR", None)
-
-
-def _atomic_dir_write(path: str, write) -> str:
-    """Run ``write(tmp_dir)`` then rename ``tmp_dir`` to ``path`` (replacing an old one)."""
-    path = os.path.abspath(path)
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
-    try:
-        with quiet_hf_progress(), no_deepspeed_autodetect():
-            write(tmp)
-        # mkdtemp made the folder 0700 and save_pretrained writes its safetensors 0600: follow the umask
-        apply_umask_modes_tree(tmp)
-        old = None
-        if os.path.exists(path):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=parent)
-            os.rmdir(old)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
-
-
-def save_model(model, tokenizer, path: str) -> str:
-    """Save model + tokenizer with ``save_pretrained`` into ``path`` atomically
-    (written to a temporary sibling directory, then renamed into place)."""
-    def write(tmp):
-        model.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-    return _atomic_dir_write(path, write)
-
-
-def load_model(path: str, dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu"):
-    """``(model, tokenizer)`` from a directory written by :func:`save_model`, any Hugging Face
-    causal LM folder, a ``.gguf`` file or a Hub id in the local cache
-    (:func:`openrlhf_div.engines.local.models.load_pretrained`). The tokenizer pads on the left."""
-    from .models import load_pretrained
-
-    return load_pretrained(path, dtype=dtype, device=device)

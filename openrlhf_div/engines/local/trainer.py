@@ -76,16 +76,15 @@ from .checkpoint import (CorruptCheckpointError, NonFiniteWeightsError, check_we
 from .interrupt import GracefulInterrupt
 from .runlog import RunLog
 from .step_metrics import StepMetrics
-from .tiny import build_tiny_model, load_model, save_model
+from .models import DTYPES, build_policy, resolve_device, save_model  # noqa: F401 (DTYPES, build_policy: callers)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class NonFiniteLossError(RuntimeError):
     """The loss (or gradient norm) became NaN/inf; the run stopped before the optimizer step."""
 
 
-from .realmodel import (absolute_paths, apply_lora, is_lora_dir, load_lora_checkpoint,  # noqa: E402
+from .realmodel import (absolute_paths, apply_lora,  # noqa: E402
                         lr_factor, merged_for_saving, resolve_num_threads)
 from .precision import MasterWeights  # noqa: E402
 from .guards import DegenerateMonitor, DegenerateRunError, EmptyAnchorError, degenerate_stats  # noqa: E402,F401
@@ -93,14 +92,6 @@ from ..anchor_data import AnchorRecord, anchor_count, check_anchor_temperature, 
 
 
 # =============================================================================== helpers
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"device={name!r} but CUDA is not available; use device=cpu")
-    return torch.device(name)
-
-
 def fit_width(t: torch.Tensor, width: int) -> torch.Tensor:
     """``[N, R0]`` -> ``[N, width]``: cut padding columns or pad with zeros on the right."""
     if t.shape[1] >= width:
@@ -113,29 +104,6 @@ def pad_lists(rows: Sequence[Sequence[float]], width: int, device) -> torch.Tens
     for i, r in enumerate(rows):
         out[i, :len(r)] = torch.as_tensor(list(r), dtype=torch.float32)
     return out.to(device)
-
-
-def build_policy(cfg: TrainConfig, device: torch.device, path: Optional[str] = None,
-                 dtype: Optional[torch.dtype] = None):
-    """``(model, tokenizer)`` of the initial policy (``model.path`` or a tiny model built from
-    the config), or of ``path`` when given (a checkpoint), in ``dtype`` (default ``model.dtype``)."""
-    dtype = dtype or DTYPES[cfg.model.dtype]
-    src = path or cfg.model.path
-    if path is not None and is_lora_dir(path):  # a LoRA checkpoint: its adapter on the initial policy
-        base, tok = build_policy(cfg, device, dtype=dtype)
-        return load_lora_checkpoint(base, path), tok
-    if src is not None:
-        model, tok = load_model(src, dtype=dtype, device=device)
-    else:
-        if not cfg.model.tiny_vocab:
-            raise ValueError("set model.path (a Hugging Face model directory) or model.tiny_vocab (the characters "
-                             "of a tiny model's vocabulary)")
-        m = cfg.model
-        model, tok = build_tiny_model(m.tiny_vocab, seed=cfg.seed if m.init_seed is None else m.init_seed,
-                                      hidden_size=m.tiny_hidden_size, num_layers=m.tiny_layers,
-                                      num_heads=m.tiny_heads, num_kv_heads=m.tiny_kv_heads, dtype=dtype)
-        model.to(device)
-    return model, tok
 
 
 # =============================================================================== experience

@@ -61,23 +61,24 @@ __all__ = ["MegatronPolicyActor", "MegatronReferenceActor", "resolve_method", "c
 def resolve_method(args) -> Method:
     """The registry method of a run, exactly as the DeepSpeed path builds it.
 
-    Uses the OpenRLHF driver's ``method_from_args`` (``--div.method`` + every ``--div.<hparam>``)
-    when that module is present; otherwise ``args.div.method`` (a :class:`Method` or a name) with
-    overrides from ``args.div.hparams`` (a dict or ``["key=value", ...]``, YAML-parsed values).
+    Uses the ``--div.*`` flags' ``method_from_args`` (:mod:`openrlhf_div.engines.flags`, shared by
+    the OpenRLHF driver and this actor: ``--div.method`` + every ``--div.<hparam>``); with
+    ``args.div.hparams`` set, ``args.div.method`` (a :class:`Method` or a name) with those
+    overrides (a dict or ``["key=value", ...]``, YAML-parsed values).
     """
     div = getattr(args, "div", None)
     m = getattr(div, "method", None) if div is not None else None
     if isinstance(m, Method):
         return m
     if getattr(div, "hparams", None) is None:
-        try:
-            from openrlhf_div.engines.openrlhf.flags import method_from_args
-        except ImportError:
-            method_from_args = None
-        if method_from_args is not None:
-            return method_from_args(args)
+        from ..flags import method_from_args
+
+        return method_from_args(args)
     if not m:
         raise ValueError("the Megatron actor needs the method: set --div.method (see `openrlhf-div methods`)")
+    from openrlhf_div.plugins import load_plugins
+
+    load_plugins()  # OPENRLHF_DIV_PLUGINS: a method registered outside the package
     overrides = getattr(div, "hparams", None) or {}
     if isinstance(overrides, (list, tuple)):  # key=value items, read by the one config loader
         from openrlhf_div.config import parse_overrides

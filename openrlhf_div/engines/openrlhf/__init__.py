@@ -1,8 +1,7 @@
 """Every registered method on OpenRLHF 0.11.2's Ray topology.
 
-Modules (import cost grows down the list; the first three need neither Ray, vLLM nor a GPU):
+Modules (import cost grows down the list; the first two need neither Ray, vLLM nor a GPU):
 
-* :mod:`.flags` — the ``--div.*`` flags, method -> OpenRLHF flags, unsupported combinations;
 * :mod:`.advantages` — the experience maker's advantage path as a pure function;
 * :mod:`.launch` — parser (OpenRLHF's own + ours), YAML configs, dry run, launch;
 * :mod:`.loss` — the actor loss through OpenRLHF's ``aggregate_loss`` (needs openrlhf);
@@ -10,6 +9,8 @@ Modules (import cost grows down the list; the first three need neither Ray, vLLM
 * :mod:`.experience_maker`, :mod:`.actor`, :mod:`.trainer` — the Ray-side classes (import vLLM);
 * :mod:`.presample` — the DPH pre-sampling stage at scale.
 
-The ``D_pef`` / ``D_exp`` format, split rule and anchor sampler are engine-neutral:
-:mod:`openrlhf_div.engines.anchor_data`.
+Shared with the Megatron actor, one level up: :mod:`openrlhf_div.engines.flags` (the ``--div.*``
+flags, method -> OpenRLHF flags, unsupported combinations; no Ray, vLLM or OpenRLHF import) and
+:mod:`openrlhf_div.engines.anchor_data` (the ``D_pef`` / ``D_exp`` format, split rule and anchor
+sampler).
 """

@@ -21,7 +21,6 @@ into other actors or the driver.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Dict, Optional
 
 import torch
@@ -38,21 +37,13 @@ from openrlhf.utils.loss_utils import get_loss_batch_info  # noqa: E402
 from openrlhf.utils.vlm_utils import merge_mm_train_inputs  # noqa: E402
 
 from ..contract import anchor_rows, correct_rows, row_values  # noqa: E402
-from .flags import check_supported, method_from_args  # noqa: E402
-from .flags import ANCHOR_FLAG  # noqa: E402
+from ..contract import ANCHOR_FLAG  # noqa: E402
+from ..flags import check_supported, method_from_args  # noqa: E402
 from .loss import (AUTHORS_KEY, authors_micro_batches, div_actor_loss, split_masks,  # noqa: E402
                    split_window_norms, uses_authors_layout)
 
 
-@contextlib.contextmanager
-def _swapped(module, name: str, value):
-    """Temporarily rebind ``module.name`` (restored even on error)."""
-    old = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, old)
+from openrlhf_div.compat.patch import swapped as _swapped  # noqa: E402 (shared with the reference actor)
 
 
 def mean_prompt_hidden(hidden: torch.Tensor, attention_mask: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:

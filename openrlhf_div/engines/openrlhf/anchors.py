@@ -24,7 +24,7 @@ import torch
 from openrlhf.trainer.ppo_utils.experience import Experience
 from openrlhf.utils.utils import zero_pad_sequences
 
-from .flags import ANCHOR_FLAG, CORRECT_FLAG
+from ..contract import ANCHOR_FLAG, CORRECT_FLAG
 from ..anchor_data import AnchorRecord
 
 _LIST_FIELDS = ("prompts", "labels", "images", "mm_train_inputs")

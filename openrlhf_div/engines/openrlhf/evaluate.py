@@ -6,7 +6,7 @@ them, and ``RUN_DIR/eval.json`` is written for ``openrlhf-div compare``.
         --tp 1 --name dph_js --role method --seed 1 --out RUN_DIR
 
 This is the project's one evaluation (:func:`openrlhf_div.eval.evaluate.evaluate`) with vLLM as
-the generate function (:func:`openrlhf_div.eval.generate.generate_vllm`) and OpenRLHF's prompt
+the generate function (:func:`openrlhf_div.engines.local.samplers.generate_vllm`) and OpenRLHF's prompt
 convention (``input_key``, the tokenizer's chat template) as the renderer; the result is written
 by :func:`openrlhf_div.eval.results.write_eval`, the same ``eval.json`` every engine and the demo
 write, so one report covers them all. Only :func:`make_vllm_generate_fn` needs vLLM and a GPU.
@@ -44,7 +44,7 @@ def normalize_examples(examples: Sequence[Dict[str, Any]], input_key: str = "pro
 def make_vllm_generate_fn(model: str, tp: int, seed: int):  # pragma: no cover - needs vLLM and a GPU
     from vllm import LLM
 
-    from openrlhf_div.eval.generate import generate_vllm
+    from openrlhf_div.engines.local.samplers import generate_vllm
 
     llm = LLM(model=model, tensor_parallel_size=tp, seed=seed, trust_remote_code=True)
 

@@ -33,7 +33,7 @@ from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker  #
 from . import anchors as _anchors  # noqa: E402
 from .advantages import rollout_advantages  # noqa: E402
 from ..contract import mark_rollout_rows  # noqa: E402
-from .flags import div_namespace, method_from_args  # noqa: E402
+from ..flags import div_namespace, method_from_args  # noqa: E402
 from ..anchor_data import AnchorSampler, anchor_count, check_anchor_temperature, read_pef  # noqa: E402
 
 

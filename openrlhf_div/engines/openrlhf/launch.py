@@ -11,7 +11,7 @@
   :mod:`openrlhf_div.config`: ``extends:``, ``${VAR:-default}``) holds ``div:`` (``--div.*``),
   ``openrlhf:`` (OpenRLHF flags by dotted name) and ``cluster:`` (nodes x GPUs it must fit).
 * **Plan.** :func:`plan` merges config + command line + the flags the method implies
-  (:mod:`.flags`), validates them with OpenRLHF's own checks, counts GPUs and renders the
+  (:mod:`openrlhf_div.engines.flags`), validates them with OpenRLHF's own checks, counts GPUs and renders the
   final command. ``--dry-run`` prints it and exits without importing Ray or vLLM.
 * **Run.** :func:`run` calls OpenRLHF's own ``train(args)`` with three classes swapped for the
   duration of the call, in the driver process only: ``PolicyModelActor`` ->
@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from openrlhf_div.algorithms.authors import MICRO_BATCH_TOKEN_MEAN
 from openrlhf_div.config import expand_env, load_experiment
 
-from .flags import (
+from ..flags import (
     EXPLICIT_NONE,
     Derived,
     add_div_arguments,
@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="experiment config (configs/openrlhf/*.yaml); command-line flags override it")
     ours.add_argument("--dry-run", dest="dry_run", action="store_true",
                       help="print the final command and the topology, then exit (no Ray, no GPU)")
+    ours.add_argument("--plugin", action="append", default=None, metavar="MODULE",
+                      help="import a module (or .py file) that registers methods / components / tasks, here and "
+                           "in every Ray worker (repeatable; also OPENRLHF_DIV_PLUGINS=a,b); see openrlhf_div.plugins")
     return parser
 
 
@@ -344,8 +347,22 @@ def run(p: Plan) -> None:
         upstream_cli.train(p.args)
 
 
+def load_argv_plugins(argv: Sequence[str]) -> None:
+    """Import the ``--plugin`` modules of ``argv`` (and ``OPENRLHF_DIV_PLUGINS``) before the
+    parser is built (``--div.method`` lists the registered methods) and export them to the Ray
+    workers (:mod:`openrlhf_div.plugins`)."""
+    from openrlhf_div.plugins import load_plugins, split_plugin_args
+
+    load_plugins(split_plugin_args(argv)[0])
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        load_argv_plugins(argv)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     parser = build_parser()
     if any(a in ("-h", "--help") for a in argv):
         parser.print_help()

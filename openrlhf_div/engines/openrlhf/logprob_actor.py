@@ -40,6 +40,7 @@ from openrlhf.trainer.ray import launcher as _launcher  # noqa: E402
 from openrlhf.trainer.ray.launcher import ReferenceModelActor  # noqa: E402
 
 from openrlhf_div.algorithms.logprobs import log_probs_from_hidden  # noqa: E402
+from openrlhf_div.compat.patch import swapped  # noqa: E402
 from openrlhf_div.engines.lm_head import UnsupportedHead, lm_head_returns_hidden, output_head  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -131,9 +132,7 @@ class _DivReferenceModelActor(ReferenceModelActor.__ray_actor_class__):
     """``ReferenceModelActor`` whose model is a :class:`HiddenLogProbActor`."""
 
     def init_model_from_pretrained(self, *args, **kwargs):
-        from .actor import _swapped
-
-        with _swapped(_launcher, "Actor", HiddenLogProbActor):
+        with swapped(_launcher, "Actor", HiddenLogProbActor):
             return super().init_model_from_pretrained(*args, **kwargs)
 
 

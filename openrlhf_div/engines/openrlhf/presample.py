@@ -268,9 +268,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m openrlhf_div.cli.presample_ray``: OpenRLHF flags + ``--presample.*``."""
     import sys
 
-    from .launch import _split_config, build_parser, config_argv, finalize, load_config
+    from .launch import _split_config, build_parser, config_argv, finalize, load_argv_plugins, load_config
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        load_argv_plugins(argv)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     parser = build_parser()
     parser.prog = "python -m openrlhf_div.cli.presample_ray"
     parser.description = ("DPH-RL pre-sampling at scale: vLLM sampling + DeepSpeed base log-probs into "
@@ -287,7 +292,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parsed = parser.parse_args(user)
         task = getattr(parsed, "div.task", None)
         if task and not getattr(parsed, "reward.remote_url", None):
-            from .flags import reward_func_path
+            from ..flags import reward_func_path
 
             setattr(parsed, "reward.remote_url", reward_func_path(task))
         if not getattr(parsed, "presample.out", None):

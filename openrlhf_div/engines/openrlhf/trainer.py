@@ -18,7 +18,7 @@ from openrlhf.trainer.ppo_trainer import PPOTrainer  # noqa: E402
 
 from .experience_maker import DivExperienceMaker  # noqa: E402
 from ..contract import ANCHOR_FLAG, row_values  # noqa: E402
-from .flags import check_supported, method_from_args  # noqa: E402
+from ..flags import check_supported, method_from_args  # noqa: E402
 
 ANCHOR_POOL_STATE = "div_anchor_pool"  # key of the anchor sampler's position in the client states
 

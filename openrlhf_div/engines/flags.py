@@ -1,7 +1,8 @@
 """The ``--div.*`` flag group and how a registered method maps onto OpenRLHF's flags.
 
 No OpenRLHF, Ray or vLLM import here: the dry run, ``--help`` and the config tests use it on
-any machine.
+any machine. It sits above both Ray-topology engines (the OpenRLHF driver and actors, and the
+Megatron actor, which reads the same ``--div.*`` flags), so neither imports the other for it.
 
 The method is the single source of truth for the algorithm. OpenRLHF flags are only set
 where they change the *topology* or the *data flow*:
@@ -46,13 +47,16 @@ from openrlhf_div.algorithms.registry import (
     list_methods,
 )
 
+from openrlhf_div.plugins import load_plugins
+
 TASKS = ("math", "sql", "countdown")
 from openrlhf_div.engines.contract import ANCHOR_FLAG, CORRECT_FLAG  # noqa: E402,F401 (Experience.info keys)
 DEFAULT_ANCHOR_RATIO = 8.0  # DPH-RL: 128 prompts x 16 rollouts : 256 anchors
 
-# registry estimator -> OpenRLHF estimator flag (topology only: all are critic-free)
-ESTIMATOR_FLAG = {"grpo": "group_norm", "dr_grpo": "dr_grpo", "rloo": "rloo",
-                  "passk": "group_norm", "pkpo": "rloo"}
+def estimator_flag(estimator: str) -> str:
+    """OpenRLHF's ``--algo.advantage.estimator`` for a registry estimator (topology only: every one
+    is critic-free), as the estimator declared it (``register_estimator(openrlhf_estimator=...)``)."""
+    return ESTIMATORS[estimator].openrlhf_estimator
 # registry aggregation -> OpenRLHF aggregate_loss(token_level_loss=...)
 TOKEN_LEVEL = {"token-mean": True, "seq-mean-token-mean": False,
                # the DPH-RL authors' per-micro-batch token-mean (docs/ALGORITHMS.md 9, row 2): the
@@ -112,6 +116,7 @@ def add_div_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
         "The training method comes from openrlhf_div's registry (`openrlhf-div methods`). "
         "Hyperparameters left unset take the method's paper default.",
     )
+    load_plugins()  # OPENRLHF_DIV_PLUGINS: their methods are choices too
     g.add_argument("--div.method", default="grpo", choices=list(list_methods()), metavar="NAME",
                    help="registered method: " + ", ".join(list_methods()) + " (default: grpo)")
     g.add_argument("--div.task", default=None, choices=TASKS,
@@ -169,7 +174,10 @@ def div_namespace(args) -> Any:
 
 
 def method_from_args(args) -> Method:
-    """The :class:`Method` selected by ``--div.method`` with every ``--div.<hparam>`` applied."""
+    """The :class:`Method` selected by ``--div.method`` with every ``--div.<hparam>`` applied
+    (after importing the plug-ins of ``OPENRLHF_DIV_PLUGINS``: every Ray worker resolves its
+    method here)."""
+    load_plugins()
     div = div_namespace(args)
     overrides: Dict[str, Any] = {}
     for name in hparam_table():
@@ -265,7 +273,7 @@ def derive_upstream_flags(method: Method, argv: Sequence[str], div) -> Derived:
     run again) is accepted and not repeated.
     """
     needs = method.needs
-    out = ["--algo.advantage.estimator", ESTIMATOR_FLAG[method.estimator]]
+    out = ["--algo.advantage.estimator", estimator_flag(method.estimator)]
     notes = [f"advantages: registry estimator {method.estimator!r}"
              + (f" + reshaping {', '.join(method.adv_reshaping)}" if method.adv_reshaping else "")
              + (f" + reward shaping {', '.join(method.reward_shaping)}" if method.reward_shaping else "")]
