@@ -10,24 +10,40 @@ import pytest
 import torch
 
 from openrlhf_div.algorithms import LossInputs, Method, get_method, list_methods, register_method
-from openrlhf_div.algorithms.registry import ESTIMATORS, POLICY_LOSSES, register_estimator, register_policy_loss
+from openrlhf_div.algorithms.registry import (_REGISTRY, ESTIMATORS, POLICY_LOSSES, register_estimator,
+                                              register_policy_loss)
 from openrlhf_div.engines import flags as F
 from openrlhf_div.engines.local.guards import check_group_size
 
 
-@register_estimator("test_mean_baseline")
 def _mean_baseline(rewards, group_size, correct):
     r = rewards.view(-1, group_size)
     return (r - r.mean(1, keepdim=True)).view(-1)
 
 
-@register_estimator("test_raw_reward", group=False, openrlhf_estimator="reinforce_baseline")
 def _raw(rewards, group_size, correct):
     return rewards.clone()
 
 
-register_method(Method("test_meanbase", "a new estimator, nothing else edited", estimator="test_mean_baseline"))
-register_method(Method("test_raw", "an estimator without groups", estimator="test_raw_reward"))
+def _unregister(methods=(), estimators=(), policy_losses=()):
+    for name in methods:
+        _REGISTRY.pop(name, None)
+    for name in estimators:
+        ESTIMATORS.pop(name, None)
+    for name in policy_losses:
+        POLICY_LOSSES.pop(name, None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _test_estimators():
+    """Registered for this module only: every test process collects every file, and another
+    file's test runs one step of every registered method."""
+    register_estimator("test_mean_baseline")(_mean_baseline)
+    register_estimator("test_raw_reward", group=False, openrlhf_estimator="reinforce_baseline")(_raw)
+    register_method(Method("test_meanbase", "a new estimator, nothing else edited", estimator="test_mean_baseline"))
+    register_method(Method("test_raw", "an estimator without groups", estimator="test_raw_reward"))
+    yield
+    _unregister(("test_meanbase", "test_raw"), ("test_mean_baseline", "test_raw_reward"))
 
 
 def test_a_new_estimator_reaches_the_ray_flags_and_the_guards():
@@ -76,7 +92,10 @@ def test_an_undeclared_metric_is_an_error():
     def chatty(b: LossInputs):
         return torch.zeros_like(b.log_probs), {"surprise": b.log_probs}
 
-    register_method(Method("test_chatty_m", "x", policy_loss="test_chatty"))
-    with pytest.raises(ValueError, match=r"policy loss 'test_chatty' returned metrics \['surprise'\].*"
-                                         r"metrics=\('surprise',\)"):
-        get_method("test_chatty_m").online_loss(_dummy())
+    try:
+        register_method(Method("test_chatty_m", "x", policy_loss="test_chatty"))
+        with pytest.raises(ValueError, match=r"policy loss 'test_chatty' returned metrics \['surprise'\].*"
+                                             r"metrics=\('surprise',\)"):
+            get_method("test_chatty_m").online_loss(_dummy())
+    finally:
+        _unregister(("test_chatty_m",), policy_losses=("test_chatty",))
