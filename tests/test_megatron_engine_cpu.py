@@ -84,7 +84,7 @@ def _worker(rank, world, spec):
 
     def engine():
         return MegatronEngine(mcfg, hf_config=cfg, hf_weights=model.state_dict(), train=True, optim=optim,
-                              method=get_method(spec["method"]), temperature=TEMP)
+                              method=get_method(spec["method"], **spec.get("overrides", {})), temperature=TEMP)
 
     eng = engine()
     d = data()
@@ -96,6 +96,12 @@ def _worker(rank, world, spec):
     dp = world // (spec["tp"] * spec["pp"])
     dp_rank = rank // (spec["tp"] * spec["pp"])
     batches = [micro(d, s) for s in SPLITS] if dp == 1 else [micro(d, SPLITS[dp_rank])]
+    if spec.get("authors"):  # the authors' layout: this replica's micro-batches with their factors
+        batches = []
+        for rows, coef in spec["authors"][dp_rank]:
+            mb = micro(d, rows)
+            mb.authors_coef = coef
+            batches.append(mb)
     out["metrics"] = [eng.train_step(batches)]
     if spec.get("ckpt"):
         eng.save_checkpoint(spec["ckpt"], "step1", client_state={"global_step": 1, "data": [3, 4]}, max_num=2)
@@ -184,6 +190,46 @@ def test_layouts_match_hf(kind, tp, pp, world):
     _check_step(res, kind, "dph_js")
 
 
+# two data-parallel replicas, each with two of the authors' micro-batches (one kind each)
+AUTHORS_MBS = {0: [([0, 2], 0.5), ([4], 0.5)], 1: [([3], 0.5), ([1, 5], 0.25)]}
+AUTHORS_OVERRIDES = dict(anchor_eta=0.3, anchor_weighting="microbatch_share", aggregation="micro-batch-token-mean")
+
+
+def test_authors_layout_step_matches_hf():
+    """The authors' update loop on the real Megatron engine (DP 2, SGD lr 1): the step's gradient
+    is the replicas' average of sum(coef x token-mean x (eta for anchors)) over their micro-batches
+    (written out here on the HF model, not through Method.loss)."""
+    from openrlhf_div.algorithms.losses import dph_anchor_loss, ppo_clip_loss
+
+    res = run_multiprocess(_worker, world_size=2, args=(dict(model="qwen2", tp=1, pp=1, method="dph_f",
+                                                             overrides=AUTHORS_OVERRIDES, authors=AUTHORS_MBS),),
+                           timeout=120)
+    cfg, model = tiny("qwen2")
+    d = data()
+    h = get_method("dph_f", **AUTHORS_OVERRIDES).hparams
+    lp, _ = hf_forward(model, d)
+    total = 0.0
+    for mbs in AUTHORS_MBS.values():
+        for rows, coef in mbs:
+            m = d["action_mask"][rows]
+            if bool(d["is_anchor"][rows].all()):
+                per_tok, w = dph_anchor_loss(lp[rows], d["anchor_ref_log_probs"][rows], m, "forward_kl"), 0.3
+            else:
+                assert not bool(d["is_anchor"][rows].any())
+                per_tok = ppo_clip_loss(lp[rows], d["old_log_probs"][rows], d["advantages"][rows], m,
+                                        h["eps_low"], h["eps_high"], h["dual_clip"])
+                w = 1.0
+            total = total + coef * w * (per_tok * m).sum() / m.sum()
+    (total / len(AUTHORS_MBS)).backward()  # the data-parallel average (the authors' FSDP)
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= p.grad
+    want = model.state_dict()
+    after = res[0]["after"]
+    for k, v in after.items():
+        torch.testing.assert_close(v, want[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
 def test_tp2_pp2_entropy_method():
     res = run_multiprocess(_worker, world_size=4,
                            args=(dict(model="qwen2", tp=2, pp=2, method="entropy_bonus"),), timeout=180)
@@ -230,6 +276,12 @@ def _resume_worker(rank, world, spec):
     dp = world // (spec["tp"] * spec["pp"])
     dp_rank = rank // (spec["tp"] * spec["pp"])
     batches = [micro(d, s) for s in SPLITS] if dp == 1 else [micro(d, SPLITS[dp_rank])]
+    if spec.get("authors"):  # the authors' layout: this replica's micro-batches with their factors
+        batches = []
+        for rows, coef in spec["authors"][dp_rank]:
+            mb = micro(d, rows)
+            mb.authors_coef = coef
+            batches.append(mb)
     loaded = eng.hf_state_dict()
     metrics = eng.train_step(batches)
     return {"client": client, "loaded": loaded, "metrics": metrics, "after": eng.hf_state_dict(),
