@@ -84,7 +84,7 @@ def _worker(rank, world, spec):
 
     def engine():
         return MegatronEngine(mcfg, hf_config=cfg, hf_weights=model.state_dict(), train=True, optim=optim,
-                              method=get_method(spec["method"], **spec.get("overrides", {})), temperature=TEMP)
+                              method=get_method(spec["method"]), temperature=TEMP)
 
     eng = engine()
     d = data()
@@ -96,12 +96,6 @@ def _worker(rank, world, spec):
     dp = world // (spec["tp"] * spec["pp"])
     dp_rank = rank // (spec["tp"] * spec["pp"])
     batches = [micro(d, s) for s in SPLITS] if dp == 1 else [micro(d, SPLITS[dp_rank])]
-    if spec.get("authors"):  # the authors' layout: this replica's micro-batches with their factors
-        batches = []
-        for rows, coef in spec["authors"][dp_rank]:
-            mb = micro(d, rows)
-            mb.authors_coef = coef
-            batches.append(mb)
     out["metrics"] = [eng.train_step(batches)]
     if spec.get("ckpt"):
         eng.save_checkpoint(spec["ckpt"], "step1", client_state={"global_step": 1, "data": [3, 4]}, max_num=2)
@@ -114,6 +108,16 @@ def _worker(rank, world, spec):
         out["sched_steps"] = eng2.scheduler.num_steps
         out["metrics_resumed"] = eng2.train_step(batches)
         out["after_resumed"] = eng2.hf_state_dict()
+    if spec.get("authors"):  # a fresh engine, the authors' layout: this replica's micro-batches and factors
+        eng_a = MegatronEngine(mcfg, hf_config=cfg, hf_weights=model.state_dict(), train=True, optim=optim,
+                               method=get_method("dph_f", **AUTHORS_OVERRIDES), temperature=TEMP)
+        mbs = []
+        for rows, coef in spec["authors"][dp_rank]:
+            mb = micro(d, rows)
+            mb.authors_coef = coef
+            mbs.append(mb)
+        eng_a.train_step(mbs)
+        out["after_authors"] = eng_a.hf_state_dict()
     return out if rank == 0 else {k: out[k] for k in ("lp", "metrics")}
 
 
@@ -183,11 +187,16 @@ def _check_step(res, kind, method, **kw):
 @pytest.mark.parametrize("kind,tp,pp,world", [("qwen2", 2, 1, 2), ("llama", 2, 1, 2), ("llama", 1, 2, 2),
                                               ("qwen2", 1, 1, 2)])
 def test_layouts_match_hf(kind, tp, pp, world):
-    """TP=2, PP=2 (tied embeddings across stages) and DP=2 (data split across replicas)."""
+    """TP=2, PP=2 (tied embeddings across stages) and DP=2 (data split across replicas); at DP=2
+    also the authors' layout (:func:`_check_authors_step`)."""
+    dp2 = (tp, pp, world) == (1, 1, 2)
     res = run_multiprocess(_worker, world_size=world,
-                           args=(dict(model=kind, tp=tp, pp=pp, method="dph_js"),), timeout=120)
+                           args=(dict(model=kind, tp=tp, pp=pp, method="dph_js",
+                                      **({"authors": AUTHORS_MBS} if dp2 else {})),), timeout=120)
     _check_forward_and_export(res, kind)
     _check_step(res, kind, "dph_js")
+    if dp2:
+        _check_authors_step(res, kind)
 
 
 # two data-parallel replicas, each with two of the authors' micro-batches (one kind each)
@@ -195,16 +204,13 @@ AUTHORS_MBS = {0: [([0, 2], 0.5), ([4], 0.5)], 1: [([3], 0.5), ([1, 5], 0.25)]}
 AUTHORS_OVERRIDES = dict(anchor_eta=0.3, anchor_weighting="microbatch_share", aggregation="micro-batch-token-mean")
 
 
-def test_authors_layout_step_matches_hf():
+def _check_authors_step(res, kind):
     """The authors' update loop on the real Megatron engine (DP 2, SGD lr 1): the step's gradient
     is the replicas' average of sum(coef x token-mean x (eta for anchors)) over their micro-batches
     (written out here on the HF model, not through Method.loss)."""
     from openrlhf_div.algorithms.losses import dph_anchor_loss, ppo_clip_loss
 
-    res = run_multiprocess(_worker, world_size=2, args=(dict(model="qwen2", tp=1, pp=1, method="dph_f",
-                                                             overrides=AUTHORS_OVERRIDES, authors=AUTHORS_MBS),),
-                           timeout=120)
-    cfg, model = tiny("qwen2")
+    cfg, model = tiny(kind)
     d = data()
     h = get_method("dph_f", **AUTHORS_OVERRIDES).hparams
     lp, _ = hf_forward(model, d)
@@ -225,8 +231,7 @@ def test_authors_layout_step_matches_hf():
         for p in model.parameters():
             p -= p.grad
     want = model.state_dict()
-    after = res[0]["after"]
-    for k, v in after.items():
+    for k, v in res[0]["after_authors"].items():
         torch.testing.assert_close(v, want[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
@@ -276,12 +281,6 @@ def _resume_worker(rank, world, spec):
     dp = world // (spec["tp"] * spec["pp"])
     dp_rank = rank // (spec["tp"] * spec["pp"])
     batches = [micro(d, s) for s in SPLITS] if dp == 1 else [micro(d, SPLITS[dp_rank])]
-    if spec.get("authors"):  # the authors' layout: this replica's micro-batches with their factors
-        batches = []
-        for rows, coef in spec["authors"][dp_rank]:
-            mb = micro(d, rows)
-            mb.authors_coef = coef
-            batches.append(mb)
     loaded = eng.hf_state_dict()
     metrics = eng.train_step(batches)
     return {"client": client, "loaded": loaded, "metrics": metrics, "after": eng.hf_state_dict(),
