@@ -277,6 +277,9 @@ def test_methods_cli_shows_the_mode_and_its_source(capsys):
     out = capsys.readouterr().out
     assert '"anchor_weighting"' in out and '"follows": "spec"' in out
     assert "dp_actor.py update_policy" in out and '"authors": "microbatch_share"' in out
+    for opt in ('"step_layout"', '"micro_batch_tokens"', '"anchor_eta"', "presample.anchor_top_p", "div.eval_top_p",
+                "resample_anchor_responses", "offline_sampling.sh"):
+        assert opt in out, opt  # every authors'-code difference with its option
 
 
 def test_measurement_script_reproduces_the_documented_figures(capsys):

@@ -108,6 +108,16 @@ def _worker(rank, world, spec):
         out["sched_steps"] = eng2.scheduler.num_steps
         out["metrics_resumed"] = eng2.train_step(batches)
         out["after_resumed"] = eng2.hf_state_dict()
+    if spec.get("authors"):  # a fresh engine, the authors' layout: this replica's micro-batches and factors
+        eng_a = MegatronEngine(mcfg, hf_config=cfg, hf_weights=model.state_dict(), train=True, optim=optim,
+                               method=get_method("dph_f", **AUTHORS_OVERRIDES), temperature=TEMP)
+        mbs = []
+        for rows, coef in spec["authors"][dp_rank]:
+            mb = micro(d, rows)
+            mb.authors_coef = coef
+            mbs.append(mb)
+        eng_a.train_step(mbs)
+        out["after_authors"] = eng_a.hf_state_dict()
     return out if rank == 0 else {k: out[k] for k in ("lp", "metrics")}
 
 
@@ -177,11 +187,52 @@ def _check_step(res, kind, method, **kw):
 @pytest.mark.parametrize("kind,tp,pp,world", [("qwen2", 2, 1, 2), ("llama", 2, 1, 2), ("llama", 1, 2, 2),
                                               ("qwen2", 1, 1, 2)])
 def test_layouts_match_hf(kind, tp, pp, world):
-    """TP=2, PP=2 (tied embeddings across stages) and DP=2 (data split across replicas)."""
+    """TP=2, PP=2 (tied embeddings across stages) and DP=2 (data split across replicas); at DP=2
+    also the authors' layout (:func:`_check_authors_step`)."""
+    dp2 = (tp, pp, world) == (1, 1, 2)
     res = run_multiprocess(_worker, world_size=world,
-                           args=(dict(model=kind, tp=tp, pp=pp, method="dph_js"),), timeout=120)
+                           args=(dict(model=kind, tp=tp, pp=pp, method="dph_js",
+                                      **({"authors": AUTHORS_MBS} if dp2 else {})),), timeout=120)
     _check_forward_and_export(res, kind)
     _check_step(res, kind, "dph_js")
+    if dp2:
+        _check_authors_step(res, kind)
+
+
+# two data-parallel replicas, each with two of the authors' micro-batches (one kind each)
+AUTHORS_MBS = {0: [([0, 2], 0.5), ([4], 0.5)], 1: [([3], 0.5), ([1, 5], 0.25)]}
+AUTHORS_OVERRIDES = dict(anchor_eta=0.3, anchor_weighting="microbatch_share", aggregation="micro-batch-token-mean")
+
+
+def _check_authors_step(res, kind):
+    """The authors' update loop on the real Megatron engine (DP 2, SGD lr 1): the step's gradient
+    is the replicas' average of sum(coef x token-mean x (eta for anchors)) over their micro-batches
+    (written out here on the HF model, not through Method.loss)."""
+    from openrlhf_div.algorithms.losses import dph_anchor_loss, ppo_clip_loss
+
+    cfg, model = tiny(kind)
+    d = data()
+    h = get_method("dph_f", **AUTHORS_OVERRIDES).hparams
+    lp, _ = hf_forward(model, d)
+    total = 0.0
+    for mbs in AUTHORS_MBS.values():
+        for rows, coef in mbs:
+            m = d["action_mask"][rows]
+            if bool(d["is_anchor"][rows].all()):
+                per_tok, w = dph_anchor_loss(lp[rows], d["anchor_ref_log_probs"][rows], m, "forward_kl"), 0.3
+            else:
+                assert not bool(d["is_anchor"][rows].any())
+                per_tok = ppo_clip_loss(lp[rows], d["old_log_probs"][rows], d["advantages"][rows], m,
+                                        h["eps_low"], h["eps_high"], h["dual_clip"])
+                w = 1.0
+            total = total + coef * w * (per_tok * m).sum() / m.sum()
+    (total / len(AUTHORS_MBS)).backward()  # the data-parallel average (the authors' FSDP)
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= p.grad
+    want = model.state_dict()
+    for k, v in res[0]["after_authors"].items():
+        torch.testing.assert_close(v, want[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
 def test_tp2_pp2_entropy_method():

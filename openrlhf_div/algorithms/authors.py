@@ -343,6 +343,28 @@ AUTHORS_SCRIPT_VALUES = {
 }
 
 
+# run-level settings (config / command line, not method hyperparameters) where the DPH-RL authors'
+# runs differ from the library's defaults: (setting, library default, authors' value, source).
+# `openrlhf-div methods NAME` lists them for the anchor methods (docs/ALGORITHMS.md section 9).
+AUTHORS_RUN_SETTINGS = (
+    ("presample n_pre / tau", "8 / 8", "4 / 4", "[4a] seamoke/DPH-RL data/sql/process_data/exact_correct_id.py id_groups=4"),
+    ("presample drop_unsolved", "false", "false (SQL)", "[4b] exact_correct_id.py: completely_wrong_ids never filled"),
+    ("presample resample_anchor_responses", "false (first correct pre-sampling response)", "true",
+     "[4c] ray_trainer.py fit generate_sft (nsample=1); anchors drawn once at pre-sampling and stored either way"),
+    ("pre-sampling top-p (presample: rollout.top_p)", "the rollout's", "0.95",
+     "[4g] scripts/llama/offline_sampling.sh val_kwargs.top_p=0.95"),
+    ("anchor draw top-p (presample.anchor_top_p)", "the pre-sampling's", "0.9",
+     "[4g] generate_sft samples with the rollout settings: ppo_trainer.yaml rollout.top_p 0.9"),
+    ("rollout top-p (rollout.top_p)", "the config's (paper text 0.95)", "0.9",
+     "[4g] verl/trainer/config/ppo_trainer.yaml rollout.top_p (no script sets it)"),
+    ("evaluation top-p (div.eval_top_p)", "the rollout's", "0.95", "[4g] paper App. D; offline_sampling.sh"),
+    ("train.batch_size (rows per optimiser step)", "the config's", "64 prompts x n (1024 at n=16)",
+     "[4g] scripts/llama/*.sh ppo_mini_batch_size=64"),
+    ("anchor serving", "seeded shuffled epochs of D_pef (anchor_data.Cursor)", "D_pef x3 in fixed shuffled "
+     "blocks of 256", "[4d] ray_trainer.py fit (declined: same marginal anchor distribution per step)"),
+)
+
+
 def _same(a, b) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))

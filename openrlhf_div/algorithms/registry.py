@@ -59,8 +59,8 @@ import torch
 
 from ._utils import broadcast_seq, check_same_shape, fill_masked, masked_mean, unknown_name_error
 from .advantages import dynamic_sampling_mask, overlong_penalty
-from .authors import (ANCHOR_WEIGHTINGS, MICRO_BATCH_TOKEN_MEAN, STEP_LAYOUTS, anchor_weight, authors_modes,
-                      micro_batch_loss)
+from .authors import (ANCHOR_WEIGHTINGS, AUTHORS_RUN_SETTINGS, MICRO_BATCH_TOKEN_MEAN, STEP_LAYOUTS, anchor_weight,
+                      authors_modes, micro_batch_loss)
 from .losses import AGGREGATIONS, aggregate_loss
 
 
@@ -316,6 +316,8 @@ class Method:
             "dynamic_sampling": self.dynamic_sampling, "hparams": dict(self.hparams),
             "needs": dataclasses.asdict(self.needs), "paper": self.paper,
             "authors_modes": authors_modes(self),
+            **({"authors_run_settings": [dict(zip(("setting", "library", "authors", "source"), r))
+                                         for r in AUTHORS_RUN_SETTINGS]} if self.anchor is not None else {}),
         }
 
     def with_overrides(self, **overrides) -> "Method":
