@@ -202,7 +202,8 @@ def bench_trl_real(work, steps, warmup):
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     task = arith.ArithTask()
     ex = arith.make_problems(64, seed=1)
-    ds = Dataset.from_list([{"prompt": task.prompt(e), "label": e["label"]} for e in ex])
+    ds = Dataset.from_list([{"prompt": task.prompt({"prompt": e["question"]}),  # GSM8K layout, as our loader reads it
+                             "label": e["answer"].split("####")[-1].strip()} for e in ex])
 
     def reward(completions, label, **kw):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
@@ -231,6 +232,13 @@ def bench_trl_real(work, steps, warmup):
             "response_length": float(statistics.mean(lens)) if lens else None, "steps_timed": len(times[warmup:])}
 
 
+def _partial(args, out):
+    """Results so far (a later phase may crash or be killed)."""
+    if args.json:
+        with open(args.json + ".partial", "w") as f:
+            json.dump(out, f, indent=1)
+
+
 def bench_backends(work, args):
     sys.path.insert(0, os.path.join(ROOT, "examples", "real_model"))
     import arith
@@ -245,6 +253,7 @@ def bench_backends(work, args):
             r = time_backend(work, which, backend, steps, warmup)
             r["wall_s_total"] = time.perf_counter() - t0
             out[which][backend] = r
+            _partial(args, out)
             print(f"  {which:8s} {backend:4s} step {r['time_step']:.2f} s, CPU {r['cpu_time_step']:.2f} s (generate "
                   f"{r['time_generate']:.2f}, CPU {r['cpu_time_generate']:.2f}; experience "
                   f"{r['time_experience']:.2f}, train {r['time_train']:.2f} incl. weight push "

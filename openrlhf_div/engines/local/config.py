@@ -104,8 +104,9 @@ class RolloutConfig:
     vllm_gpu_memory_utilization: float = _f(0.3, "vllm backend on a GPU: the fraction of the card vLLM takes (weights "
                                                  "+ KV cache); the trainer has the rest.")
     vllm_kv_cache_gb: Optional[float] = _f(1.0, "vllm backend on CPU: KV-cache size in GiB.")
-    vllm_enforce_eager: bool = _f(True, "vllm backend: no torch.compile / CUDA graphs (CPU: saves the one-time ~60-70 s "
-                                        "inductor compile; on a GPU set false for CUDA graphs).")
+    vllm_enforce_eager: bool = _f(True, "vllm backend: no torch.compile / CUDA graphs. CPU: keep true (saves the one-time "
+                                        "~60-70 s inductor compile; weight updates under a compiled CPU graph are "
+                                        "untested, docs/scaling.md); on a GPU false gives CUDA graphs.")
     vllm_sleep: bool = _f(True, "vllm backend on a GPU: sleep mode level 2 between rollouts (KV cache and weights "
                                 "freed while the trainer runs; weights come back with the next push). Ignored on CPU.")
 
