@@ -3,7 +3,13 @@ split into family bases and per-method files (tests/fixtures/configs_resolved.js
 the loaders and the config files of that time): the resolved mapping, the driver's final
 flags (config + method-implied flags, validated by OpenRLHF's own checks), the GPU count, the
 pre-sampling stage's flags, the demo settings and the local engine's TrainConfig, with the
-``${VAR}`` variables unset and set. scripts/resolve_configs.py computes it."""
+``${VAR}`` variables unset and set. scripts/resolve_configs.py computes it.
+
+Kept (issue 24 weighed retiring it): no other config test pins the resolved values of every
+experiment (tests/test_config_layout.py checks the files' structure, test_openrlhf_launch.py that
+every config plans, test_megatron_configs.py a few layouts), so it is the regression guard of
+the 52 existing experiments. It no longer taxes a new one: an experiment that is not in the
+snapshot is resolved (it must plan) but not compared, so adding a method needs only its YAML."""
 import importlib.util
 import json
 import os
@@ -24,8 +30,8 @@ def test_every_experiment_resolves_as_in_the_snapshot():
     with open(SNAPSHOT) as fh:
         old = json.load(fh)
     new = R.resolve_all()
-    assert set(new) == set(old), f"experiments added/removed: {sorted(set(new) ^ set(old))}"
-    diff = R.differences(old, new)
+    assert set(old) <= set(new), f"experiments removed or renamed (regenerate the snapshot): {sorted(set(old) - set(new))}"
+    diff = R.differences(old, {k: v for k, v in new.items() if k in old})
     assert not diff, "\n".join(diff[:40])
 
 

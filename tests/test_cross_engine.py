@@ -15,8 +15,12 @@ log-probs with junk at every padding position) goes through
   replay-buffer collation, and ``DivActorPPOTrainer.training_step`` with OpenRLHF's ``Actor``
   wrapping the *same* tiny Hugging Face model (DeepSpeed replaced by no-op stubs).
 
-For every method whose rollout-side processing differs we assert that the two engines give the
-same shaped rewards, kept groups, correctness flags and per-token advantages (and, at the
+Both engines call ``Method.rollout``, so comparing them with each other alone would compare
+the registry with itself: their rollout sides are each checked against :func:`_spec`, the
+estimators, shaping and reshaping of ALGORITHMS.md sections 1 and 3 written out with Python
+scalars one group at a time (no library code). For every method whose rollout-side processing
+differs we assert that the two engines give the spec's shaped rewards, kept groups, correctness
+flags and per-token advantages (and, at the
 loss, the same old log-probs, advantages, current log-probs, entropy and reference log-probs
 per response token), that both request the same things (reference model, entropy, anchors)
 as ``Method.needs`` says, and that DPH anchors reach the anchor loss with their stored base
@@ -135,6 +139,77 @@ def _local_pure(method, r=ROLL):
     return NS(shaped=ro.rewards, keep=ro.keep, rows=rows, correct=ro.correct[rows], adv=ro.advantages[rows])
 
 
+def _spec(name, overrides, r=ROLL):
+    """The rollout side written from docs/ALGORITHMS.md sections 1 and 3 with plain Python
+    scalars, one group at a time (no library code): the independent expectation both engines
+    are checked against. Returns shaped rewards [N], kept groups [B], correct [N] and per-token
+    advantages [N, T] (zero outside the mask and on dropped groups)."""
+    from math import comb
+    from statistics import mean, stdev
+
+    m = get_method(name, **overrides)
+    h = m.hparams
+    R = [float(x) for x in r.rewards]
+    L = [int(x) for x in r.lengths]
+    old = [[float(r.old[i, t]) for t in range(L[i])] for i in range(N)]
+    correct = [x >= 1.0 for x in R]
+    shaped = list(R)
+    if h.get("overlong_max_len") is not None:  # DAPO's overlong shaping
+        lmax, lc = h["overlong_max_len"], h["overlong_cache_len"]
+        for i in range(N):
+            if L[i] > lmax:
+                shaped[i] += -1.0
+            elif L[i] > lmax - lc:
+                shaped[i] += ((lmax - lc) - L[i]) / lc
+    if "unlikeliness" in m.reward_shaping:  # rank by length-normalised old log-prob, ascending
+        for b in range(B):
+            idx = list(range(b * G, (b + 1) * G))
+            order = sorted(idx, key=lambda i: mean(old[i]))
+            for rank, i in enumerate(order):
+                shaped[i] = R[i] * (1 - h["unlikeliness_beta"] * rank / G)
+    keep = [True] * B
+    if m.dynamic_sampling:  # keep groups of mixed correctness (task rewards)
+        keep = [0 < sum(correct[b * G:(b + 1) * G]) < G for b in range(B)]
+    seq = [0.0] * N
+    for b in range(B):
+        idx = list(range(b * G, (b + 1) * G))
+        s = [shaped[i] for i in idx]
+        c = sum(correct[i] for i in idx)
+        if m.estimator == "grpo":
+            a = [(x - mean(s)) / (stdev(s) + 1e-6) for x in s]
+        elif m.estimator == "dr_grpo":
+            a = [x - mean(s) for x in s]
+        elif m.estimator == "rloo":
+            a = [x - (sum(s) - x) / (G - 1) for x in s]
+        elif m.estimator == "passk":
+            k = h["passk_k"]
+            rho = 1 - comb(G - c, k) / comb(G, k)
+            sig = (rho * (1 - rho)) ** 0.5
+            a = [((1 - rho) if correct[i] else (1 - rho - comb(G - c - 1, k - 1) / comb(G - 1, k - 1))) / (sig + 1e-6)
+                 for i in idx]
+        elif m.estimator == "pkpo":
+            k = h["passk_k"]
+            sc = [k / G if correct[i] else (k / G) * (1 - comb(G - c - 1, k - 1) / comb(G - 1, k - 1)) for i in idx]
+            a = [x - (sum(sc) - x) / (G - 1) for x in sc]
+        else:
+            raise AssertionError(f"no spec reference for estimator {m.estimator!r}")
+        for i, v in zip(idx, a):
+            seq[i] = v
+    adv = torch.zeros(N, T, dtype=torch.float64)
+    for i in range(N):
+        if not keep[i // G]:
+            continue
+        for t in range(L[i]):
+            v = seq[i]
+            if "ds" in m.adv_reshaping:  # Differential Smoothing on pi_old's log-probability
+                g = h["ds_granularity"]
+                lo = old[i][t] if g == "token" else (mean(old[i]) if g == "seq_mean" else sum(old[i]))
+                v = v - h["gamma_p"] * lo if correct[i] else v + h["gamma_n"] * lo
+            adv[i, t] = v
+    return NS(shaped=torch.tensor(shaped, dtype=torch.float64), keep=torch.tensor(keep), adv=adv,
+              correct=torch.tensor(correct))
+
+
 class _Tok:  # what DivExperienceMaker reads of a tokenizer
     pad_token_id = 0
 
@@ -201,6 +276,14 @@ def test_local_and_openrlhf_pure_paths_agree(name, overrides, needs):
     assert ml.describe() == mo.describe()  # get_method(name, **overrides) == the driver's --div.* flags
     loc = _local_pure(ml)
     res = rollout_advantages(mo, ROLL.rewards, ROLL.old, ROLL.mask, G, lengths=ROLL.lengths)
+    # each engine against the spec written out independently (not against each other: both
+    # call Method.rollout, so comparing them alone would compare the registry with itself)
+    ref = _spec(name, overrides)
+    assert torch.equal(loc.keep, ref.keep) and torch.equal(res.keep, ref.keep.repeat_interleave(G))
+    torch.testing.assert_close(res.shaped_rewards.double(), ref.shaped, rtol=0, atol=1e-6)
+    torch.testing.assert_close(res.advantages.double(), ref.adv, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loc.adv.double(), ref.adv[loc.rows], rtol=1e-5, atol=1e-5)
+    assert torch.equal(res.correct, ref.correct)
     keep = loc.keep.repeat_interleave(G)
     assert torch.equal(res.keep, keep)
     torch.testing.assert_close(res.shaped_rewards, loc.shaped, rtol=0, atol=1e-6)

@@ -8,13 +8,7 @@ import pytest
 
 from openrlhf_div.cli.main import main
 
-TINY = [
-    "warmup.hidden_size=16", "warmup.num_layers=1", "warmup.num_heads=2", "warmup.num_kv_heads=1",
-    "warmup.steps=150", "warmup.batch_size=64", "warmup.warmup_steps=5", "warmup.lr=1.0e-2",
-    "splits.n_eval_regular=20",
-    "train.optim.steps=2", "train.rollout.prompts_per_step=4", "train.rollout.group_size=4",
-    "train.presample.tau=1",  # a D_pef that is not empty (else dph_f stops)
-]
+from helpers import DEMO_TINY as TINY  # noqa: E402 (tests/helpers.py)
 
 
 @pytest.mark.slow

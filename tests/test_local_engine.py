@@ -19,51 +19,14 @@ from openrlhf_div.engines.local.tiny import build_tiny_model
 from openrlhf_div.engines.local.trainer import NonFiniteLossError, Trainer, train
 from openrlhf_div.tasks import RewardResult, Task, get_task, register_task
 
+from helpers import VOCAB, copy_last_examples as _examples, local_overrides as _overrides, write_copy_last_data
+
 torch.set_num_threads(1)
-VOCAB = "abcdef="
-
-
-# ---------------------------------------------------------------- a test-only task
-class CopyLast(Task):
-    """Correct when the response starts with the prompt's last letter (the one before '=')."""
-
-    name = "test_copy_last"
-
-    def prompt(self, example):
-        return example["prompt"]
-
-    def score(self, response, label):
-        ok = response[:1] == label
-        return RewardResult(float(ok), ok)
-
-
-register_task("test_copy_last", lambda **kw: CopyLast())
-
-
-def _examples(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        k = int(torch.randint(2, 5, (1,), generator=g))
-        s = "".join("abcdef"[int(j)] for j in torch.randint(0, 6, (k,), generator=g))
-        out.append({"prompt": s + "=", "label": s[-1], "source": "t", "id": f"e{seed}-{i}"})
-    return out
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    atomic_write_jsonl(str(d / "train.jsonl"), _examples(40, 1))
-    atomic_write_jsonl(str(d / "eval.jsonl"), _examples(6, 2))
-    return d
-
-
-def _overrides(data_dir, out, method="grpo", extra=()):
-    return [f"task=test_copy_last", f"output_dir={out}", f"model.tiny_vocab={VOCAB}",
-            f"data.train={data_dir / 'train.jsonl'}", "rollout.prompts_per_step=4", "rollout.group_size=4",
-            "rollout.max_new_tokens=5", "optim.steps=2", "optim.learning_rate=1e-2", "eval.at_start=false",
-            "logging.tensorboard=false", "logging.progress=false", "checkpoint.every=0",
-            f"method.name={method}", *extra]
+    return write_copy_last_data(tmp_path_factory.mktemp("data"))
 
 
 @pytest.fixture(scope="module")

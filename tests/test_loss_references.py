@@ -34,12 +34,18 @@ def _w(mask, x):
 
 
 def ref_ppo(lp, old, A, mask, el=0.2, eh=0.2, c=3.0):
+    """PPO-clip written by the sign of the advantage, as the PPO paper states its clipped
+    surrogate case by case (not the library's max-of-two-terms): A >= 0 caps the ratio from
+    above, ``-A min(r, 1 + eh)``; A < 0 from below, ``-A max(r, 1 - el)``, then the dual clip
+    bounds that case by ``-c A``. With crossed bounds (1 - el > 1 + eh) the clip interval is the
+    single point 1 + eh (clip's usual convention), so the A < 0 floor is min(1 - el, 1 + eh)."""
     A = _w(mask, A)
     r = torch.exp(_w(mask, lp - old).clamp(-20, 20))
-    loss = torch.maximum(-A * r, -A * r.clamp(1 - el, 1 + eh))
+    pos = -A * torch.minimum(r, torch.full_like(r, 1 + eh))
+    neg = -A * torch.maximum(r, torch.full_like(r, min(1 - el, 1 + eh)))
     if c is not None:
-        loss = torch.where(A < 0, torch.minimum(loss, -c * A), loss)
-    return _w(mask, loss)
+        neg = torch.minimum(neg, -c * A)
+    return _w(mask, torch.where(A >= 0, pos, neg))
 
 
 def ref_k3(lp, ref, mask, clamp=10.0):

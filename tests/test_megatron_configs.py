@@ -167,19 +167,23 @@ def test_flag_errors_are_clear():
         megatron_config_from_args(argparse.Namespace(megatron={"tq": 2}))
 
 
-def test_launchers_are_clean():
-    scripts = sorted(glob.glob(os.path.join(ROOT, "examples", "scripts", "megatron", "*.sh")))
-    assert len(scripts) == 24  # 8 spec-form + 4 authors'-code configs, train + submit each
-    for s in scripts:
-        subprocess.run(["bash", "-n", s], check=True)
-        text = open(s).read()
-        cfg = text.strip().splitlines()[-1].split()[1]
-        assert os.path.exists(os.path.join(ROOT, cfg)), cfg
-        assert os.access(s, os.X_OK)
-    sc = shutil.which("shellcheck") or shutil.which("shellcheck", path=os.path.dirname(os.sys.executable))
+def test_the_launcher_finds_every_megatron_experiment():
+    """examples/scripts/run.sh EXPERIMENT resolves every configs/megatron experiment by name (one
+    launcher for all; the 24 per-config train/submit wrappers are gone), and refuses a base."""
+    names = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(ROOT, "configs", "megatron", "[!_]*.yaml")))
+    assert len(names) == 12  # 8 spec-form + 4 authors'-code configs
     common = os.path.join(ROOT, "examples", "scripts", "_common.sh")
-    if sc and os.path.exists(common):    # _common.sh comes with the OpenRLHF launchers
-        subprocess.run([sc, "-x", *scripts], check=True, cwd=ROOT)
+    script = f"source {common}; for n in {' '.join(names)} _omnisql32b_bird_megatron; do experiment_config $n || echo MISSING $n; done"
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True)
+    assert r.stdout.split() == [os.path.join(ROOT, "configs", "megatron", f"{n}.yaml") for n in names] + \
+        ["MISSING", "_omnisql32b_bird_megatron"], r.stdout + r.stderr
+    run = os.path.join(ROOT, "examples", "scripts", "run.sh")
+    subprocess.run(["bash", "-n", run], check=True)
+    assert os.access(run, os.X_OK)
+    sc = shutil.which("shellcheck") or shutil.which("shellcheck", path=os.path.dirname(os.sys.executable))
+    if sc:
+        subprocess.run([sc, "-x", run, common, os.path.join(ROOT, "examples", "scripts", "sweep_methods.sh")],
+                       check=True, cwd=ROOT)
 
 
 def test_flags_through_openrlhf_hierarchize():

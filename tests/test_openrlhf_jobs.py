@@ -40,10 +40,13 @@ def test_upstream_env_keys_are_those_of_openrlhf_train():
     assert set(jobs.UPSTREAM_ENV) == _train_init_env_keys()
 
 
-def _submit_dry(script, *args, **env):
+RUN = os.path.join(ROOT, "examples", "scripts", "run.sh")
+
+
+def _submit_dry(experiment, *args, **env):
     e = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, RAY_ADDRESS="http://head:8265", **env)
     e.pop("RAY_JOB_CONFIG_JSON_ENV_VAR", None)
-    r = subprocess.run(["bash", os.path.join(ROOT, "examples/scripts", script), *args],
+    r = subprocess.run(["bash", RUN, experiment, "--submit", *args],
                        capture_output=True, text=True, env=e)
     assert r.returncode == 0, r.stderr
     words = shlex.split(r.stdout)
@@ -55,7 +58,7 @@ def test_job_runtime_env_merges_with_train_init_in_ray():
     job env together with OpenRLHF's train() env; the entrypoint hands the keys to the driver."""
     from ray.runtime_env.runtime_env import _merge_runtime_env
 
-    words, renv, _ = _submit_dry("submit_qwen25math7b_dapo17k_grpo.sh", TOKENIZERS_PARALLELISM="false",
+    words, renv, _ = _submit_dry("qwen25math7b_dapo17k_grpo", TOKENIZERS_PARALLELISM="false",
                                  OPENRLHF_DIV_MATH_TIMEOUT="3")
     train_env = {"env_vars": {k: v for k, v in jobs.UPSTREAM_ENV.items()}}
     assert _merge_runtime_env(renv, train_env) is not None
@@ -87,7 +90,7 @@ def test_submit_requires_absolute_paths(tmp_path):
     e = dict(os.environ, PYTHON=sys.executable, RAY_ADDRESS="http://127.0.0.1:1")
     for k in ("RUN_DIR", "DATA_DIR", "PRESAMPLE_DIR", "DRY_RUN"):
         e.pop(k, None)
-    r = subprocess.run(["bash", os.path.join(ROOT, "examples/scripts/submit_qwen25math7b_dapo17k_dph_js.sh")],
+    r = subprocess.run(["bash", RUN, "qwen25math7b_dapo17k_dph_js", "--submit"],
                        capture_output=True, text=True, env=e, timeout=120)
     assert r.returncode != 0
     assert "absolute paths" in r.stderr and "ckpt.path" in r.stderr and "runs/qwen25math7b_dapo17k_dph_js/ckpt" in r.stderr
@@ -142,16 +145,18 @@ def test_launcher_dry_run_is_dry_all_the_way(tmp_path):
     e = dict(os.environ, PYTHON=sys.executable, PATH=f"{fake_bin}:{os.environ['PATH']}",
              RUN_DIR=str(tmp_path / "run"), PRESAMPLE_DIR=str(tmp_path / "pre"), DATA_DIR=str(tmp_path / "data"))
     e.pop("DRY_RUN", None)
-    r = subprocess.run(["bash", os.path.join(ROOT, "examples/scripts/train_qwen25math7b_dapo17k_dph_js.sh"),
-                        "--dry-run"], capture_output=True, text=True, env=e, timeout=900)
+    r = subprocess.run(["bash", RUN, "qwen25math7b_dapo17k_dph_js", "--dry-run"],
+                       capture_output=True, text=True, env=e, timeout=900)
     assert r.returncode == 0, r.stderr
     assert not marker.exists(), marker.read_text()  # neither `ray status` nor `ray start`
     assert '"n_pre": 8' in r.stdout  # pre-sampling printed its settings instead of sampling
     assert not (tmp_path / "pre").exists()
-    r = subprocess.run(["bash", os.path.join(ROOT, "examples/scripts/submit_qwen25math7b_dapo17k_dph_js.sh"),
-                        "--dry-run"], capture_output=True, text=True, env=e, timeout=900)
+    r = subprocess.run(["bash", RUN, "qwen25math7b_dapo17k_dph_js", "--submit", "--dry-run", "--plugin", "my.methods"],
+                       capture_output=True, text=True, env=e, timeout=900)
     assert r.returncode == 0, r.stderr
     assert not marker.exists()  # nothing submitted
     words = shlex.split(r.stdout)
     assert words[:3] == ["ray", "job", "submit"]
-    assert "presample_ray --config configs/openrlhf/qwen25math7b_dapo17k_dph_js.yaml --dry-run" in words[-1]
+    # a plug-in reaches the pre-sampling stage too
+    assert "presample_ray --config configs/openrlhf/qwen25math7b_dapo17k_dph_js.yaml --plugin my.methods --dry-run" \
+        in words[-1]

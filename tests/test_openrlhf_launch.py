@@ -219,12 +219,15 @@ def test_presample_sections_parse(capsys, monkeypatch):
 
 
 # ------------------------------------------------------------------ shell scripts
-def test_one_launcher_and_one_submit_script_per_config():
+def test_one_launcher_finds_every_config():
+    """examples/scripts/run.sh EXPERIMENT (no per-config wrappers): every experiment resolves."""
     names = {os.path.basename(s) for s in SCRIPTS}
-    for c in CONFIGS:
-        n = os.path.basename(c)[:-5]
-        assert f"train_{n}.sh" in names and f"submit_{n}.sh" in names
-    assert "sweep_methods.sh" in names
+    assert {"run.sh", "sweep_methods.sh", "_common.sh"} <= names
+    common = os.path.join(ROOT, "examples", "scripts", "_common.sh")
+    exps = [os.path.basename(c)[:-5] for c in CONFIGS]
+    r = subprocess.run(["bash", "-c", f"source {common}; for n in {' '.join(exps)}; do experiment_config $n; done"],
+                       capture_output=True, text=True, check=True)
+    assert r.stdout.split() == [os.path.abspath(c) for c in CONFIGS], r.stderr
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[os.path.basename(s) for s in SCRIPTS])
@@ -268,8 +271,8 @@ def test_sweep_dry_run_lists_runs_and_report():
 
 def test_submit_dry_run_uses_ray_job_submit():
     env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, RAY_ADDRESS="http://head:8265")
-    r = subprocess.run(["bash", os.path.join(ROOT, "examples/scripts/submit_llama8b_bird_dph_js.sh"), "--dry-run"],
-                       capture_output=True, text=True, env=env)
+    r = subprocess.run(["bash", os.path.join(ROOT, "examples/scripts/run.sh"), "llama8b_bird_dph_js", "--submit",
+                        "--dry-run"], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
     words = shlex.split(r.stdout)
     assert words[:3] == ["ray", "job", "submit"] and "http://head:8265" in words

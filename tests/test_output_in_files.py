@@ -62,7 +62,7 @@ def test_progress_bar_is_lines_off_a_terminal_and_tqdm_on_one():
 
 @pytest.mark.slow
 def test_demo_log_written_to_a_file_has_no_redraws_and_no_deepspeed_warning(tmp_path):
-    from test_demo_e2e import TINY  # the demo test's tiny budget (tests/ is on sys.path)
+    from helpers import DEMO_TINY as TINY  # the demo's tiny budget (tests/helpers.py)
 
     log = tmp_path / "demo.log"
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}

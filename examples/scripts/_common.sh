@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Shared helpers of the openrlhf-div launchers. Sourced by train_*.sh, submit_*.sh and
-# sweep_methods.sh; not meant to be run on its own.
+# Shared helpers of the openrlhf-div launchers. Sourced by run.sh (the one launcher of every
+# experiment) and sweep_methods.sh; not meant to be run on its own.
 #
 # Environment (all optional):
 #   PYTHON         python with openrlhf-div installed        (default: python3)
@@ -33,6 +33,39 @@ config_path() {
     return 1
   fi
   printf '%s\n' "$cfg"
+}
+
+# The config of an experiment: its name (configs/openrlhf/NAME.yaml or configs/megatron/NAME.yaml)
+# or a path. A family base (_*.yaml) or an unknown name is an error that lists the experiments.
+experiment_config() {
+  local name="$1" f
+  if [[ "$name" == *.yaml || "$name" == */* ]]; then
+    config_path "$name"
+    return
+  fi
+  for f in "${REPO_ROOT}/configs/openrlhf/${name}.yaml" "${REPO_ROOT}/configs/megatron/${name}.yaml"; do
+    if [[ -f "$f" && "$(basename "$f")" != _* ]]; then
+      printf '%s\n' "$f"
+      return 0
+    fi
+  done
+  local have=()
+  for f in "${REPO_ROOT}"/configs/openrlhf/[!_]*.yaml "${REPO_ROOT}"/configs/megatron/[!_]*.yaml; do
+    have+=("$(basename "$f" .yaml)")
+  done
+  say "no experiment ${name} (configs/openrlhf/ and configs/megatron/ hold: ${have[*]})"
+  return 1
+}
+
+# The --plugin MODULE / --plugin=MODULE arguments among the driver flags (for the pre-sampling stage).
+plugin_args() {
+  local out=() prev=""
+  for a in "$@"; do
+    if [[ "$prev" == "--plugin" ]]; then out+=(--plugin "$a"); fi
+    if [[ "$a" == --plugin=* ]]; then out+=("$a"); fi
+    prev="$a"
+  done
+  if [[ ${#out[@]} -gt 0 ]]; then printf '%s\n' "${out[@]}"; fi
 }
 
 # Start a local Ray head unless one is already running on this machine.
@@ -86,7 +119,9 @@ run_local() {
   fi
   if has_presample "$cfg"; then
     say "pre-sampling D_pef / D_exp (resumable; instant when already done)"
-    run "$PYTHON" -m openrlhf_div.cli.presample_ray --config "$cfg" "${pre[@]}"
+    local plugins=()
+    mapfile -t plugins < <(plugin_args "$@")
+    run "$PYTHON" -m openrlhf_div.cli.presample_ray --config "$cfg" "${plugins[@]}" "${pre[@]}"
   fi
   run "$PYTHON" -m openrlhf_div.cli.train_ppo_ray --config "$cfg" "$@"
 }
@@ -114,7 +149,10 @@ submit_job() {
     local DRY_RUN=1
   fi
   if has_presample "$cfg"; then
-    steps="python -m openrlhf_div.cli.presample_ray --config ${rel}${dry}"
+    local plugins=() pl=""
+    mapfile -t plugins < <(plugin_args "$@")
+    if [[ ${#plugins[@]} -gt 0 ]]; then pl="$(printf ' %q' "${plugins[@]}")"; fi
+    steps="python -m openrlhf_div.cli.presample_ray --config ${rel}${pl}${dry}"
   fi
   local extra=""
   if [[ $# -gt 0 ]]; then extra="$(printf ' %q' "$@")"; fi

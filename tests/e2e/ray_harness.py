@@ -8,11 +8,11 @@
   ``PYTHONPATH`` of every process: the CPU seams (``cpu_seams.py``) and the probe
   (``e2e_probe.py``). It is stopped by killing its own process group (never ``ray stop``,
   which would stop other clusters on the machine).
-* :func:`submit` runs a launcher of ``examples/scripts`` (real ``ray job submit``) with the
+* :func:`submit` runs ``examples/scripts/run.sh EXPERIMENT --submit`` (real ``ray job submit``) with the
   experiment's variables; :func:`tb_scalars` and :func:`probe_records` read what the job left.
 
 Other engines (e.g. the Megatron actor) reuse it: write a ``configs/openrlhf/tiny_cpu_*.yaml``
-and call ``submit(head, exp, "configs/openrlhf/<that>.yaml")``.
+and call ``submit(head, exp, "examples/scripts/run.sh", "tiny_cpu_<that>", "--submit", run_dir=...)``.
 """
 from __future__ import annotations
 
@@ -311,7 +311,7 @@ class JobResult:
 def submit(head: RayHead, exp: TinyExperiment, script: str, *args: str, run_dir: str,
            presample_dir: Optional[str] = None, timeout: float = 600.0,
            extra_env: Optional[Dict[str, str]] = None) -> JobResult:
-    """``bash <script> <args>`` (a launcher of examples/scripts) against ``head``."""
+    """``bash <script> <args>`` (``examples/scripts/run.sh EXPERIMENT --submit ...``) against ``head``."""
     env = head.env()
     env.update(exp.env)
     env.update({"RAY_ADDRESS": head.address, "PYTHON": sys.executable, "RUN_DIR": os.path.abspath(run_dir)})

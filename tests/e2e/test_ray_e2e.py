@@ -1,5 +1,5 @@
 """The OpenRLHF topology for real, on CPU: a Ray head on 127.0.0.1, `ray job submit` through the
-launchers of examples/scripts, pre-sampling and OpenRLHF's train() through our driver.
+launcher (examples/scripts/run.sh EXPERIMENT --submit), pre-sampling and OpenRLHF's train() through our driver.
 
 vLLM CPU rollout engine, DeepSpeed policy actor (CPU accelerator, ZeRO-2), a reference actor for
 rkl, rewards from the math reward file inside the vLLM actor, weights broadcast from the policy
@@ -33,7 +33,7 @@ TOL = 0.1  # nats per token: both sides compute in bf16 (HF sdpa vs vLLM's CPU a
 
 
 def _job(ray_head, exp, method, run_dir, *args, presample_dir=None):
-    r = h.submit(ray_head, exp, f"examples/scripts/submit_tiny_cpu_{method}.sh", *args, run_dir=run_dir,
+    r = h.submit(ray_head, exp, "examples/scripts/run.sh", f"tiny_cpu_{method}", "--submit", *args, run_dir=run_dir,
                  presample_dir=presample_dir, timeout=900)
     with open(os.path.join(run_dir + ".log"), "w") as fh:
         fh.write(r.output)

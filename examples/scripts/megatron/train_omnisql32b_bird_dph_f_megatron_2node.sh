@@ -1,9 +1,0 @@
-#!/usr/bin/env bash
-# dph_f on OmniSQL-32B / BIRD with the Megatron-core policy actor on two 8x80GB nodes (TP 8 x DP 2, distributed optimizer, vLLM 4 x TP 4 colocated).
-# Starts a local Ray head (unless one runs), pre-samples D_pef/D_exp when the config has a
-# presample stage (resumable), then trains. Extra arguments go to the driver, e.g. --dry-run.
-# Needs the GPU image (megatron-core; docs/scaling_megatron.md).
-set -euo pipefail
-# shellcheck source=examples/scripts/_common.sh
-source "$(dirname "${BASH_SOURCE[0]}")/../_common.sh"
-run_local configs/megatron/omnisql32b_bird_dph_f_megatron_2node.yaml "$@"

@@ -1,9 +1,0 @@
-#!/usr/bin/env bash
-# dph_js on Qwen2.5-Math-7B / DAPO-17k (math)
-# Submits pre-sampling (when the config has one) and training as one job to a
-# running Ray cluster: RAY_ADDRESS=http://HEAD:8265 (ray job submit --runtime-env-json).
-# Extra arguments go to the driver, e.g. --dry-run or --div.anchor_eta 0.1.
-set -euo pipefail
-# shellcheck source=examples/scripts/_common.sh
-source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
-submit_job configs/openrlhf/qwen25math7b_dapo17k_dph_js.yaml "$@"
