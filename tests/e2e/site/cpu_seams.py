@@ -247,6 +247,9 @@ def _force_cpu_gemm(mod) -> None:
     _tests_on_path()
     import vllm_cpu_gemm
 
+    if branch not in vllm_cpu_gemm.BRANCHES:
+        raise ValueError(f"{FORCE_GEMM_ENV}={branch!r}: not a CPU GEMM branch of vLLM 0.29; use one of "
+                         f"{', '.join(vllm_cpu_gemm.BRANCHES)}, or unset it (vLLM picks from the CPU)")
     vllm_cpu_gemm.set_branch(branch)
     print(f"[cpu_seams] pid {os.getpid()}: vLLM's CPU GEMM dispatch forced to {branch} ({FORCE_GEMM_ENV})",
           file=sys.stderr, flush=True)
