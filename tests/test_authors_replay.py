@@ -347,7 +347,7 @@ def test_engines_refuse_what_the_layout_cannot_do():
     import types
 
     from openrlhf_div.engines.local.config import ConfigError, config_from_dict
-    from openrlhf_div.engines.openrlhf.flags import add_div_arguments, check_supported, method_from_args
+    from openrlhf_div.engines.flags import add_div_arguments, check_supported, method_from_args
 
     p = argparse.ArgumentParser()
     add_div_arguments(p)
