@@ -9,9 +9,6 @@ typo in one is an error that names the valid ones.
 """
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -93,17 +90,8 @@ def test_two_local_engine_steps(data_dir, tmp_path):
 
 
 # ----------------------------------------------------------------------------- OpenRLHF's actor
-def _load(name):
-    """A sibling test module's helpers (pytest's importlib mode: test files are not a package).
-    Still used for the OpenRLHF actor-step helpers (world fixture, _build_trainer, _rollout,
-    _step), which have not moved to a helpers module yet (issue 24, item 6, partial)."""
-    spec = importlib.util.spec_from_file_location(f"_helpers_{name}", Path(__file__).with_name(f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+import openrlhf_actor as ACTOR  # noqa: E402 (tests/openrlhf_actor.py: DeepSpeed on CPU, rollouts, steps)
 
-
-ACTOR = _load("test_openrlhf_actor_step")
 world = ACTOR.world
 
 

@@ -11,15 +11,14 @@ import torch
 
 from openrlhf_div.algorithms import get_method
 from openrlhf_div.engines.local.config import ConfigError, load_config
-from openrlhf_div.io import atomic_write_jsonl
 from openrlhf_div.engines.local.generation import generate, pack_sequences, sequence_log_probs
 from openrlhf_div.engines.local.presample import presample
 from openrlhf_div.engines.local.models import load_model, save_model
 from openrlhf_div.engines.local.tiny import build_tiny_model
 from openrlhf_div.engines.local.trainer import NonFiniteLossError, Trainer, train
-from openrlhf_div.tasks import RewardResult, Task, get_task, register_task
+from openrlhf_div.tasks import get_task
 
-from helpers import VOCAB, copy_last_examples as _examples, local_overrides as _overrides, write_copy_last_data
+from helpers import VOCAB, local_overrides as _overrides, write_copy_last_data  # the toy task test_copy_last
 
 torch.set_num_threads(1)
 

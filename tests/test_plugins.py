@@ -31,6 +31,22 @@ method: {{name: plugin_grpo}}
 """
 
 
+@pytest.fixture(autouse=True)
+def _forget_plugins():
+    """What a test's plug-ins registered is removed afterwards: every test process collects every
+    file, and another file's test runs one step of every registered method."""
+    from openrlhf_div.algorithms.registry import _REGISTRY
+
+    before_methods, before_loaded, before_modules = set(_REGISTRY), list(PL._loaded), set(sys.modules)
+    yield
+    for name in set(_REGISTRY) - before_methods:
+        _REGISTRY.pop(name, None)
+    PL._loaded[:] = before_loaded
+    for mod in set(sys.modules) - before_modules:
+        if mod.startswith("openrlhf_div_plugin_"):
+            del sys.modules[mod]
+
+
 def _env(**kw):
     env = {k: v for k, v in os.environ.items() if k != PL.ENV_VAR}
     env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **kw)
