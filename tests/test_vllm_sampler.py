@@ -55,6 +55,23 @@ def test_backend_selection_without_importing_vllm(monkeypatch):
     assert ("vllm" in sys.modules) == imported_before  # every decision above was made without importing vLLM
 
 
+def test_auto_falls_back_to_hf_when_the_engine_does_not_start(monkeypatch):
+    from openrlhf_div.engines.local import vllm_sampler
+
+    def boom(*a, **kw):
+        raise ValueError("bfloat16 is not supported on this CPU")
+
+    monkeypatch.setattr(vllm_sampler, "VLLMSampler", boom)
+    lines = []
+    auto = load_config(None, ["task=toy_copy"]).rollout
+    assert vllm_sampler.make_sampler("vllm", None, None, auto, device="cpu", seed=0, log=lines.append) == ("hf", None)
+    assert len(lines) == 1 and "did not start (ValueError: bfloat16 is not supported" in lines[0]
+    assert vllm_sampler.make_sampler("hf", None, None, auto, device="cpu", seed=0) == ("hf", None)
+    explicit = load_config(None, ["task=toy_copy", "rollout.backend=vllm"]).rollout
+    with pytest.raises(ValueError, match="bfloat16"):
+        vllm_sampler.make_sampler("vllm", None, None, explicit, device="cpu", seed=0)
+
+
 def test_backend_config_validation():
     assert load_config(None, ["task=toy_copy"]).rollout.backend == "auto"
     with pytest.raises(ConfigError, match="rollout.backend must be auto, vllm or hf"):
