@@ -2,10 +2,11 @@
 the vLLM engine itself next to a trainer (weights pushed after the optimizer step reach the
 sampler, its log-probs match the trainer's forward, same seed gives the same samples).
 
-Cost: the selection tests never import vLLM (well under a second). The engine test imports
-vLLM (~10-15 s on this 2-core machine), starts one in-process engine with
-``enforce_eager`` (a few seconds; without it the one-time inductor compile is ~60-70 s) and
-runs one RL step of a 2-layer model: about 30-40 s in all, measured with ``--durations``.
+Cost (``--durations``, this 2-core machine): the selection tests never import vLLM (their time
+is importing transformers when they run first in a process). The engine test imports vLLM
+(~10-15 s), starts one in-process engine with ``enforce_eager`` (~5 s; without it the one-time
+inductor compile is ~60-70 s) and runs one RL step of a 2-layer model: 25-32 s at load average
+~5, 68 s at ~15.
 """
 import copy
 import importlib.util
