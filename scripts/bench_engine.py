@@ -214,14 +214,15 @@ def bench_trl_real(work, steps, warmup):
         num_generations=REAL_G, max_completion_length=REAL_NEW, learning_rate=1e-5, beta=0.0,
         max_steps=warmup + steps, logging_steps=1, save_strategy="no", report_to=[], temperature=1.0, use_cpu=True,
         seed=0, bf16=False, fp16=False, dataloader_num_workers=0, disable_tqdm=True, use_vllm=False)
-    times = []
+    times, cpu = [], []
 
     class Timer(TrainerCallback):
         def on_step_begin(self, a, state, control, **kw):
-            self.t = time.perf_counter()
+            self.t, self.c = time.perf_counter(), time.process_time()
 
         def on_step_end(self, a, state, control, **kw):
             times.append(time.perf_counter() - self.t)
+            cpu.append(time.process_time() - self.c)
 
     tr = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok,
                      callbacks=[Timer()])
@@ -229,6 +230,7 @@ def bench_trl_real(work, steps, warmup):
     t = statistics.median(times[warmup:])
     lens = [h.get("completions/mean_length") for h in tr.state.log_history[warmup:] if "completions/mean_length" in h]
     return {"trl_version": trl.__version__, "time_step": t, "samples_per_s": REAL_B * REAL_G / t,
+            "cpu_time_step": statistics.median(cpu[warmup:]),
             "response_length": float(statistics.mean(lens)) if lens else None, "steps_timed": len(times[warmup:])}
 
 
@@ -273,6 +275,7 @@ def bench_backends(work, args):
         out["trl_smollm2"] = r
         for b in ("hf", "vllm"):
             out[f"smollm2_{b}_over_trl_samples_per_s"] = out["smollm2"][b]["samples_per_s"] / r["samples_per_s"]
+            out[f"smollm2_{b}_over_trl_samples_per_cpu_s"] = r["cpu_time_step"] / out["smollm2"][b]["cpu_time_step"]
         print(f"  trl {r['trl_version']}: step {r['time_step']:.2f} s, {r['samples_per_s']:.2f} samples/s; ours vllm "
               f"{out['smollm2_vllm_over_trl_samples_per_s']:.2f}x, hf {out['smollm2_hf_over_trl_samples_per_s']:.2f}x",
               flush=True)

@@ -2,10 +2,11 @@
 the vLLM engine itself next to a trainer (weights pushed after the optimizer step reach the
 sampler, its log-probs match the trainer's forward, same seed gives the same samples).
 
-Cost: the selection tests never import vLLM (well under a second). The engine test imports
-vLLM (~10-15 s on this 2-core machine), starts one in-process engine with
-``enforce_eager`` (a few seconds; without it the one-time inductor compile is ~60-70 s) and
-runs one RL step of a 2-layer model: about 30-40 s in all, measured with ``--durations``.
+Cost (``--durations``, this 2-core machine): the selection tests never import vLLM (their time
+is importing transformers when they run first in a process). The engine test imports vLLM
+(~10-15 s), starts one in-process engine with ``enforce_eager`` (~5 s; without it the one-time
+inductor compile is ~60-70 s) and runs one RL step of a 2-layer model: 25-32 s at load average
+~5, 68 s at ~15.
 """
 import copy
 import importlib.util
@@ -53,6 +54,23 @@ def test_backend_selection_without_importing_vllm(monkeypatch):
     del tiny32.peft_config
     assert vllm_unsupported_reason(tiny32, "meta", check_registry=False).startswith("device meta")
     assert ("vllm" in sys.modules) == imported_before  # every decision above was made without importing vLLM
+
+
+def test_auto_falls_back_to_hf_when_the_engine_does_not_start(monkeypatch):
+    from openrlhf_div.engines.local import vllm_sampler
+
+    def boom(*a, **kw):
+        raise ValueError("bfloat16 is not supported on this CPU")
+
+    monkeypatch.setattr(vllm_sampler, "VLLMSampler", boom)
+    lines = []
+    auto = load_config(None, ["task=toy_copy"]).rollout
+    assert vllm_sampler.make_sampler("vllm", None, None, auto, device="cpu", seed=0, log=lines.append) == ("hf", None)
+    assert len(lines) == 1 and "did not start (ValueError: bfloat16 is not supported" in lines[0]
+    assert vllm_sampler.make_sampler("hf", None, None, auto, device="cpu", seed=0) == ("hf", None)
+    explicit = load_config(None, ["task=toy_copy", "rollout.backend=vllm"]).rollout
+    with pytest.raises(ValueError, match="bfloat16"):
+        vllm_sampler.make_sampler("vllm", None, None, explicit, device="cpu", seed=0)
 
 
 def test_backend_config_validation():

@@ -166,7 +166,12 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
     t0 = time.time()
     bar = progress_bar(total=len(examples), initial=initial, desc="presample", unit="prompt",
                        disable=not progress, dynamic_ncols=True)
-    sampler = make_sampler(backend, model, tokenizer, cfg.rollout, device=device, seed=cfg.seed) if todo else None
+    sampler = None
+    if todo:
+        started, sampler = make_sampler(backend, model, tokenizer, cfg.rollout, device=device, seed=cfg.seed)
+        if started != backend:  # auto, and the engine did not start: the settings must say which sampler ran
+            raise RuntimeError("presample: rollout.backend=auto chose vllm but its engine did not start (see the line "
+                               "above); run again with rollout.backend=hf")
     try:
         for c in todo:
             lo, hi = store.bounds(c)

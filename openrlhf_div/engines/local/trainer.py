@@ -179,8 +179,8 @@ class Trainer:
         from .vllm_sampler import make_sampler, select_backend
 
         self.backend = select_backend(cfg.rollout.backend, self.model, self.device)
-        self.sampler = make_sampler(self.backend, self.model, self.tokenizer, cfg.rollout, device=self.device,
-                                    seed=cfg.seed)
+        self.backend, self.sampler = make_sampler(self.backend, self.model, self.tokenizer, cfg.rollout,
+                                                  device=self.device, seed=cfg.seed)
         self.ref_model = None
         if self.needs.ref_log_probs:
             self.ref_model, _ = build_policy(cfg, self.device)

@@ -255,11 +255,22 @@ class VLLMSampler:
                                 torch.tensor(finished, dtype=torch.bool, device=dev_out))
 
 
-def make_sampler(backend: str, model, tokenizer, rollout_cfg, *, device, seed: int):
-    """A :class:`VLLMSampler` for ``backend == "vllm"`` with the ``rollout.vllm_*`` settings, else None."""
+def make_sampler(backend: str, model, tokenizer, rollout_cfg, *, device, seed: int, log=print):
+    """``(backend, sampler)``: a :class:`VLLMSampler` with the ``rollout.vllm_*`` settings for
+    ``backend == "vllm"``, else None. When ``rollout.backend`` was ``auto`` and the engine fails
+    to start (e.g. a dtype vLLM's CPU build lacks), hf is used instead, with one line saying why;
+    an explicit ``vllm`` re-raises."""
     if backend != "vllm":
-        return None
+        return backend, None
     r = rollout_cfg
-    return VLLMSampler(model, tokenizer, device=device, seed=seed,
-                       gpu_memory_utilization=r.vllm_gpu_memory_utilization, kv_cache_gb=r.vllm_kv_cache_gb,
-                       enforce_eager=r.vllm_enforce_eager, sleep=r.vllm_sleep)
+    try:
+        return "vllm", VLLMSampler(model, tokenizer, device=device, seed=seed,
+                                   gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+                                   kv_cache_gb=r.vllm_kv_cache_gb, enforce_eager=r.vllm_enforce_eager,
+                                   sleep=r.vllm_sleep)
+    except Exception as exc:  # noqa: BLE001 - auto falls back, an explicit vllm does not
+        if r.backend == "vllm":
+            raise
+        log(f"[openrlhf-div] rollout.backend=auto: the vLLM engine did not start ({type(exc).__name__}: "
+            f"{str(exc)[:300]}); sampling with hf (the local KV-cache sampler)")
+        return "hf", None
