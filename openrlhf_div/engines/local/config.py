@@ -99,8 +99,8 @@ class RolloutConfig:
     backend: str = _f("auto", "Sampler of train, presample and the trainer's evaluation: `vllm` (an in-process vLLM "
                               "engine next to the trainer, weights pushed after every optimizer step), `hf` (the "
                               "local KV-cache sampler over the Hugging Face model), or `auto`: vllm when vLLM imports "
-                              "and supports the model (architecture, head size on CPU, no LoRA), else hf with one "
-                              "log line saying why.")
+                              "and supports the model (architecture, head size on CPU, no LoRA) and its engine "
+                              "starts, else hf with one log line saying why.")
     vllm_gpu_memory_utilization: float = _f(0.3, "vllm backend on a GPU: the fraction of the card vLLM takes (weights "
                                                  "+ KV cache); the trainer has the rest.")
     vllm_kv_cache_gb: Optional[float] = _f(1.0, "vllm backend on CPU: KV-cache size in GiB.")
