@@ -80,11 +80,37 @@ def bench_methods(work, steps, repeats, warmup):
 
 
 # ------------------------------------------------------------------------------ TRL
+def _run_trl(model, tok, ds, reward, args, warmup, samples_per_step):
+    """Train with TRL's GRPOTrainer and time each optimizer step (wall and CPU) with a callback;
+    medians over the steps after ``warmup``."""
+    import trl
+    from transformers import TrainerCallback
+    from trl import GRPOTrainer
+
+    times, cpu = [], []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            self.t, self.c = time.perf_counter(), time.process_time()
+
+        def on_step_end(self, a, state, control, **kw):
+            times.append(time.perf_counter() - self.t)
+            cpu.append(time.process_time() - self.c)
+
+    tr = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok,
+                     callbacks=[Timer()])
+    tr.train()
+    t, c = statistics.median(times[warmup:]), statistics.median(cpu[warmup:])
+    lens = [h["completions/mean_length"] for h in tr.state.log_history[warmup:] if "completions/mean_length" in h]
+    return {"trl_version": trl.__version__, "time_step": t, "cpu_time_step": c,
+            "samples_per_s": samples_per_step / t, "samples_per_cpu_s": samples_per_step / c,
+            "steps_timed": len(times[warmup:]), "response_length": float(statistics.mean(lens)) if lens else None}
+
+
 def bench_trl(work, steps, warmup):
     """TRL's GRPOTrainer on the same tiny model / task / B x G / generation length."""
-    import trl
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig
 
     from openrlhf_div.engines.local.tiny import build_tiny_model
     from openrlhf_div.engines.local.toy import ToyCopyTask
@@ -103,27 +129,7 @@ def bench_trl(work, steps, warmup):
         max_steps=warmup + steps, logging_steps=1, save_strategy="no", report_to=[], temperature=1.0,
         use_cpu=True, seed=0, bf16=False, fp16=False, dataloader_num_workers=0, disable_tqdm=True,
     )
-    times, cpu = [], []
-
-    from transformers import TrainerCallback
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, a, state, control, **kw):
-            self.t, self.c = time.perf_counter(), time.process_time()
-
-        def on_step_end(self, a, state, control, **kw):
-            times.append(time.perf_counter() - self.t)
-            cpu.append(time.process_time() - self.c)
-
-    tr = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok,
-                     callbacks=[Timer()])
-    tr.train()
-    t = statistics.median(times[warmup:])
-    c = statistics.median(cpu[warmup:])
-    return {"trl_version": trl.__version__, "time_step": t, "cpu_time_step": c, "samples_per_s": B * G / t,
-            "samples_per_cpu_s": B * G / c, "steps_timed": len(times[warmup:]),
-            "response_length": float(statistics.mean(tr.state.log_history[i].get("completions/mean_length", 0)
-                                                     for i in range(warmup, len(tr.state.log_history) - 1)))}
+    return _run_trl(model, tok, ds, reward, args, warmup, B * G)
 
 
 # ------------------------------------------------------------------------------ samplers
@@ -189,10 +195,9 @@ def time_backend(work, which, backend, steps, warmup):
 def bench_trl_real(work, steps, warmup):
     """TRL's GRPOTrainer (no vLLM: TRL's colocated vLLM mode needs CUDA) on SmolLM2-135M, the same
     arithmetic prompts (chat template), B x G, generation length, float32, one thread."""
-    import trl
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig
 
     sys.path.insert(0, os.path.join(ROOT, "examples", "real_model"))
     import arith
@@ -214,24 +219,7 @@ def bench_trl_real(work, steps, warmup):
         num_generations=REAL_G, max_completion_length=REAL_NEW, learning_rate=1e-5, beta=0.0,
         max_steps=warmup + steps, logging_steps=1, save_strategy="no", report_to=[], temperature=1.0, use_cpu=True,
         seed=0, bf16=False, fp16=False, dataloader_num_workers=0, disable_tqdm=True, use_vllm=False)
-    times, cpu = [], []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, a, state, control, **kw):
-            self.t, self.c = time.perf_counter(), time.process_time()
-
-        def on_step_end(self, a, state, control, **kw):
-            times.append(time.perf_counter() - self.t)
-            cpu.append(time.process_time() - self.c)
-
-    tr = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok,
-                     callbacks=[Timer()])
-    tr.train()
-    t = statistics.median(times[warmup:])
-    lens = [h.get("completions/mean_length") for h in tr.state.log_history[warmup:] if "completions/mean_length" in h]
-    return {"trl_version": trl.__version__, "time_step": t, "samples_per_s": REAL_B * REAL_G / t,
-            "cpu_time_step": statistics.median(cpu[warmup:]),
-            "response_length": float(statistics.mean(lens)) if lens else None, "steps_timed": len(times[warmup:])}
+    return _run_trl(model, tok, ds, reward, args, warmup, REAL_B * REAL_G)
 
 
 def _partial(args, out):

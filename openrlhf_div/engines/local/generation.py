@@ -170,6 +170,16 @@ def encode_prompts(tokenizer, prompts: Sequence[Union[str, Sequence[int]]]) -> L
     return out
 
 
+def check_sampling_args(n_samples: int, max_new_tokens: int, top_p: float) -> None:
+    """The arguments every sampler of the local engine (KV-cache or vLLM) refuses alike."""
+    if n_samples < 1:
+        raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]], *, n_samples: int = 1,
              max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0,
@@ -186,12 +196,7 @@ def generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]], *, 
     sees them. Randomness comes only from ``generator`` (``torch.multinomial``), so a seeded
     generator reproduces the samples. ``batch_size`` splits very large requests into chunks.
     """
-    if n_samples < 1:
-        raise ValueError(f"n_samples must be >= 1, got {n_samples}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    check_sampling_args(n_samples, max_new_tokens, top_p)
     enc = encode_prompts(tokenizer, prompts)
     rows = [p for p in enc for _ in range(n_samples)]
     if batch_size is not None and len(rows) > batch_size:

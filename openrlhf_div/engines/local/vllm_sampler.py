@@ -215,14 +215,9 @@ class VLLMSampler:
         a prompt contiguous). ``batch_size`` is ignored: vLLM schedules its own batches."""
         from vllm import SamplingParams
 
-        from .generation import GenerationOutput, encode_prompts, pack_sequences
+        from .generation import GenerationOutput, check_sampling_args, encode_prompts, pack_sequences
 
-        if n_samples < 1:
-            raise ValueError(f"n_samples must be >= 1, got {n_samples}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        check_sampling_args(n_samples, max_new_tokens, top_p)
         if self.sleeps and not self.awake:
             raise RuntimeError("VLLMSampler.generate while asleep: call sync(model) first")
         rows = [p for p in encode_prompts(self.tokenizer, prompts) for _ in range(n_samples)]
