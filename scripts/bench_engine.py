@@ -18,6 +18,7 @@ interleaved across repeats so machine-load drift hits them alike; medians are re
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -133,7 +134,8 @@ def bench_trl(work, steps, warmup):
 
 
 # ------------------------------------------------------------------------------ samplers
-REAL_B, REAL_G, REAL_NEW = 4, 8, 64
+REAL_B, REAL_G, REAL_NEW = 4, 8, 64  # --real-shape
+THREADS = 1  # torch threads of the runs (--threads)
 
 
 def _smollm2():
@@ -147,7 +149,7 @@ def _smollm2():
 
 def backend_overrides(work, which, backend):
     common = ["eval.at_start=false", "logging.tensorboard=false", "logging.progress=false", "checkpoint.every=0",
-              "method.name=grpo", "num_threads=1", f"rollout.backend={backend}", "seed=0",
+              "method.name=grpo", f"num_threads={THREADS}", f"rollout.backend={backend}", "seed=0",
               f"output_dir={work}/run_{which}_{backend}"]
     if which == "tiny":  # the demo-sized model at head size 32 (vLLM's CPU attention needs >= 32)
         return common + ["task=toy_copy", f"model.tiny_vocab={VOCAB}", "model.tiny_heads=2", "model.tiny_kv_heads=1",
@@ -155,11 +157,12 @@ def backend_overrides(work, which, backend):
                          f"rollout.group_size={G}", f"rollout.max_new_tokens={MAX_NEW}", "optim.learning_rate=1e-3"]
     return common + ["task=arith", f"model.path={_smollm2()[0]}", f"data.train={work}/arith.jsonl",
                      f"rollout.prompts_per_step={REAL_B}", f"rollout.group_size={REAL_G}",
-                     f"rollout.max_new_tokens={REAL_NEW}", "optim.learning_rate=1e-5"]
+                     f"rollout.max_new_tokens={REAL_NEW}", "optim.learning_rate=1e-5",
+                     "optim.micro_batch_size=16"]  # 64 rows x 190 tokens x 49k vocab in one backward: > 24 GiB
 
 
-def time_backend(work, which, backend, steps, warmup):
-    tr = Trainer(load_config(None, backend_overrides(work, which, backend)))
+def time_backend(work, which, backend, steps, warmup, extra=()):
+    tr = Trainer(load_config(None, backend_overrides(work, which, backend) + list(extra)))
     try:
         start = getattr(tr.sampler, "start_seconds", 0.0)
         for _ in range(warmup):
@@ -194,7 +197,7 @@ def time_backend(work, which, backend, steps, warmup):
 
 def bench_trl_real(work, steps, warmup):
     """TRL's GRPOTrainer (no vLLM: TRL's colocated vLLM mode needs CUDA) on SmolLM2-135M, the same
-    arithmetic prompts (chat template), B x G, generation length, float32, one thread."""
+    arithmetic prompts (chat template), B x G, generation length, float32, the bench's torch threads."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
@@ -238,18 +241,23 @@ def bench_backends(work, args):
     for which in args.backend_models:
         steps, warmup = (args.real_steps, args.real_warmup) if which == "smollm2" else (args.steps, args.warmup)
         out[which] = {}
-        for backend in ("hf", "vllm"):
+        variants = [("hf", ())] + [("vllm" if not v else f"vllm[{v}]", tuple(v.split())) for v in args.vllm_variants]
+        for key, extra in variants:
             t0 = time.perf_counter()
-            r = time_backend(work, which, backend, steps, warmup)
+            r = time_backend(work, which, key.split("[")[0], steps, warmup, extra)
             r["wall_s_total"] = time.perf_counter() - t0
-            out[which][backend] = r
+            r["overrides"] = list(extra)
+            gc.collect()  # the run's trainer (and its vLLM engine) go before the next one starts
+            out[which][key] = r
             _partial(args, out)
-            print(f"  {which:8s} {backend:4s} step {r['time_step']:.2f} s, CPU {r['cpu_time_step']:.2f} s (generate "
+            print(f"  {which:8s} {key:4s} step {r['time_step']:.2f} s, CPU {r['cpu_time_step']:.2f} s (generate "
                   f"{r['time_generate']:.2f}, CPU {r['cpu_time_generate']:.2f}; experience "
                   f"{r['time_experience']:.2f}, train {r['time_train']:.2f} incl. weight push "
                   f"{r['time_weight_sync']:.3f}), resp len {r['response_length']:.1f}, engine start "
                   f"{r['engine_start_s']:.1f} s", flush=True)
-        h, v = out[which]["hf"], out[which]["vllm"]
+        h, v = out[which]["hf"], out[which][variants[1][0]]
+        for key, _ in variants[2:]:
+            out[which][f"generate_hf_over_{key}"] = h["time_generate"] / out[which][key]["time_generate"]
         out[which]["generate_hf_over_vllm"] = h["time_generate"] / v["time_generate"]
         out[which]["generate_tokens_per_s_vllm_over_hf"] = v["tokens_per_generate_s"] / h["tokens_per_generate_s"]
         out[which]["step_hf_over_vllm"] = h["time_step"] / v["time_step"]
@@ -271,6 +279,7 @@ def bench_backends(work, args):
 
 
 def main():
+    global REAL_B, REAL_G, REAL_NEW, THREADS
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
@@ -284,11 +293,26 @@ def main():
     ap.add_argument("--backend-models", nargs="+", default=["tiny", "smollm2"], choices=["tiny", "smollm2"])
     ap.add_argument("--real-steps", type=int, default=2, help="timed steps on SmolLM2")
     ap.add_argument("--real-warmup", type=int, default=1, help="warm-up steps on SmolLM2")
+    ap.add_argument("--real-shape", type=int, nargs=3, default=[REAL_B, REAL_G, REAL_NEW], metavar=("B", "G", "NEW"),
+                    help="SmolLM2 runs: prompts per step, samples per prompt, max new tokens")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: 1 for the method / tiny TRL benchmarks, the cores available to "
+                         "this process for --backends, what `num_threads: null` gives a user)")
+    ap.add_argument("--vllm-variants", nargs="+", default=[""],
+                    help="--backends: one vllm row per entry, each a space-separated list of config overrides "
+                         "('' = defaults), e.g. '' 'rollout.vllm_seeding=request'")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    REAL_B, REAL_G, REAL_NEW = args.real_shape
+    if args.threads is not None:
+        THREADS = args.threads
+    elif args.backends:
+        from openrlhf_div.engines.local.realmodel import resolve_num_threads
+
+        THREADS = resolve_num_threads(None)
+    torch.set_num_threads(THREADS)
     work = tempfile.mkdtemp(prefix="bench_engine_")
     atomic_write_jsonl(f"{work}/train.jsonl", make_examples(256, seed=1))
-    out = {"machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": 1,
+    out = {"machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": THREADS,
                        "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()},
            "setup": {"B": B, "G": G, "max_new_tokens": MAX_NEW, "model": "Qwen2 2 layers, hidden 64, 4 heads, "
                      "2 kv heads, vocab 11", "task": "toy_copy"}}
@@ -309,8 +333,9 @@ def main():
             "tiny": f"toy_copy, Qwen2 2 layers hidden 64, 2 heads / 1 kv head (head size 32), {B} x {G}, <= {MAX_NEW} "
                     f"new tokens, grpo",
             "smollm2": f"arith (examples/real_model), SmolLM2-135M-Instruct GGUF de-quantized to float32, {REAL_B} x "
-                       f"{REAL_G}, <= {REAL_NEW} new tokens, grpo, lr 1e-5",
-            "common": "float32, one torch thread, CPU, vLLM enforce_eager (no inductor compile), KV cache 1 GiB"}
+                       f"{REAL_G}, <= {REAL_NEW} new tokens, grpo, lr 1e-5, micro-batches of 16 rows",
+            "common": f"float32, {THREADS} torch thread(s), CPU, vLLM enforce_eager (no inductor compile), KV cache 1 GiB "
+                      f"(unless a vllm row's overrides say otherwise)"}
     elif args.trl:
         trl_runs, ours_runs, ours_nr_runs = [], [], []
         for rep in range(args.repeats):  # interleaved

@@ -111,9 +111,20 @@ def test_vllm_sampler_follows_the_trainer(tmp_path):
             g = torch.Generator().manual_seed(seed)
             return tr.sample(prompts, n_samples=4, max_new_tokens=8, temperature=1.0, top_p=1.0, generator=g)
 
-        a, b = draw(7), draw(7)
+        assert tr.sampler.seeding == "batch"  # the default: one seed per call for vLLM's batched sampler
+        rng = torch.get_rng_state()
+        a = draw(7)
+        assert torch.equal(torch.get_rng_state(), rng)  # the trainer's own random state is untouched
+        tr.sample(prompts[:2] + [prompts[0][:-1]], n_samples=3, max_new_tokens=8, temperature=1.0, top_p=1.0,
+                  generator=torch.Generator().manual_seed(1))  # another call in between (a warm prefix cache)
+        b = draw(7)
         assert a.response_ids == b.response_ids and torch.equal(a.log_probs, b.log_probs)  # same seed, same samples
         assert draw(8).response_ids != a.response_ids
+        tr.sampler.seeding = "request"  # every sample its own seeded request
+        r7 = draw(7)
+        assert r7.response_ids == draw(7).response_ids and draw(8).response_ids != r7.response_ids
+        assert float((r7.log_probs - _trainer_log_probs(tr.model, r7)).abs().max()) < LOGPROB_TOL
+        tr.sampler.seeding = "batch"
         # the sampler's log-probs are the trainer's forward on the same tokens
         assert float((a.log_probs - _trainer_log_probs(tr.model, a)).abs().max()) < LOGPROB_TOL
 

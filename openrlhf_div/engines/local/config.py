@@ -109,6 +109,11 @@ class RolloutConfig:
                                         "untested, docs/scaling.md); on a GPU false gives CUDA graphs.")
     vllm_sleep: bool = _f(True, "vllm backend on a GPU: sleep mode level 2 between rollouts (KV cache and weights "
                                 "freed while the trainer runs; weights come back with the next push). Ignored on CPU.")
+    vllm_seeding: str = _f("batch", "vllm backend: how the trainer's seed reaches vLLM's sampler. `batch`: one seed "
+                                    "per generation call seeds vLLM's batched sampler (same seed + same run = same "
+                                    "samples; a sample also depends on the other requests of the call). `request`: "
+                                    "every sample its own seeded request (a sample depends on its seed only; vLLM then "
+                                    "samples row by row, ~25% slower generation here, docs/benchmarks.md).")
 
 
 @dataclass
@@ -237,6 +242,8 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be >= {lo}, got {val}")
         if r.backend not in ("auto", "vllm", "hf"):
             raise ConfigError(f"rollout.backend must be auto, vllm or hf, got {r.backend!r}")
+        if r.vllm_seeding not in ("batch", "request"):
+            raise ConfigError(f"rollout.vllm_seeding must be batch or request, got {r.vllm_seeding!r}")
         if not 0 < r.vllm_gpu_memory_utilization < 1:
             raise ConfigError(f"rollout.vllm_gpu_memory_utilization must be in (0, 1), got "
                               f"{r.vllm_gpu_memory_utilization}")

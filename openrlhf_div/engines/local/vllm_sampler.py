@@ -14,8 +14,14 @@ verl's hybrid engine use.
 * **Memory.** On a GPU the engine takes ``rollout.vllm_gpu_memory_utilization`` of the card and
   sleeps between rollouts (``enable_sleep_mode``; level 2: KV cache and weights dropped, the
   weights come back with the next push); on a CPU the KV cache is ``rollout.vllm_kv_cache_gb``.
-* **Same seed, same samples.** Each sample is its own request with a seed drawn from the
-  caller's ``torch.Generator``; the generator's state is what checkpoints save, as with ``hf``.
+* **Same seed, same samples.** The seeds come from the caller's ``torch.Generator`` (whose state
+  checkpoints save, as with ``hf``). ``seeding="batch"`` (default): one seed per call seeds the
+  RNG vLLM's batched sampler draws from (in this process: torch's default generator, saved and
+  restored around the call, so the trainer's own random state is untouched), and the prefix
+  cache is reset first so that the schedule, and with it the random stream, repeats.
+  ``seeding="request"``: every sample is its own request with its own seed, so a sample depends on
+  its seed alone - but vLLM then draws the noise row by row outside its compiled sampler
+  (~25% slower generation on this CPU, docs/benchmarks.md "Samplers").
 * **Log-probs.** ``logprobs_mode="processed_logprobs"``: the sampled token's log-prob under
   ``softmax(logits / T)``, the distribution the trainer's forward scores (greedy: ``T = 1``).
   With ``top_p < 1`` vLLM's processed log-probs are renormalised over the nucleus, unlike the
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import logging
 import os
 import random
 import shutil
@@ -120,12 +127,59 @@ def _hf_weights(model) -> List[Tuple[str, torch.Tensor]]:
 
 
 # ------------------------------------------------------------------------------------ sampler
+class _QuietExpected(logging.Filter):
+    """Drops two warnings vLLM logs for every in-process engine here that say nothing wrong: the
+    chat-template warm-up's traceback (there is no tokenizer: ``skip_tokenizer_init``, prompts
+    arrive as ids) and the CPU worker refusing ``torch.set_num_threads`` during start-up (the
+    trainer's thread count is put back right after, see ``VLLMSampler.__init__``)."""
+
+    LOGGERS = ("vllm.renderers.base", "vllm.v1.worker.cpu_worker")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not (msg.startswith("Chat template warmup failed") or "after the thread binding" in msg)
+
+    def __enter__(self):
+        for name in self.LOGGERS:
+            logging.getLogger(name).addFilter(self)
+        return self
+
+    def __exit__(self, *exc):
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeFilter(self)
+        return False
+
+
+class _seeded_default_rng:
+    """Seed torch's default generator(s) for a block and put the caller's state back after it:
+    vLLM's batched sampler (in this process) draws its noise from them."""
+
+    def __init__(self, seed: int, device: torch.device):
+        self.seed, self.cuda = int(seed), torch.device(device).type == "cuda"
+
+    def __enter__(self):
+        self.cpu_state = torch.get_rng_state()
+        self.cuda_states = torch.cuda.get_rng_state_all() if self.cuda else None
+        torch.manual_seed(self.seed)  # every device's default generator
+        return self
+
+    def __exit__(self, *exc):
+        torch.set_rng_state(self.cpu_state)
+        if self.cuda_states is not None:
+            torch.cuda.set_rng_state_all(self.cuda_states)
+        return False
+
+
 class VLLMSampler:
     """An in-process ``vllm.LLM`` that samples for ``model`` (a Hugging Face causal LM)."""
 
     def __init__(self, model, tokenizer, *, device: Union[str, torch.device] = "cpu", seed: int = 0,
                  gpu_memory_utilization: float = 0.3, kv_cache_gb: Optional[float] = 1.0,
-                 enforce_eager: bool = True, sleep: bool = True, max_model_len: Optional[int] = None):
+                 enforce_eager: bool = True, sleep: bool = True, max_model_len: Optional[int] = None,
+                 seeding: str = "batch"):
+        if seeding not in ("batch", "request"):
+            raise ValueError(f"seeding must be batch or request, got {seeding!r}")
+        self.seeding = seeding
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # do not pin the trainer's threads
         from .tokens import ensure_pad_token, stop_token_ids
@@ -160,7 +214,8 @@ class VLLMSampler:
         from vllm import LLM
 
         try:
-            self.llm = LLM(**kw)
+            with _QuietExpected():
+                self.llm = LLM(**kw)
         finally:
             torch.set_num_threads = set_threads
             torch.set_num_threads(n_threads)
@@ -223,14 +278,22 @@ class VLLMSampler:
         rows = [p for p in encode_prompts(self.tokenizer, prompts) for _ in range(n_samples)]
         greedy = temperature is None or temperature <= 0
         dev = generator.device if generator is not None else torch.device("cpu")
-        seeds = torch.randint(0, 2**31 - 1, (len(rows),), generator=generator, device=dev).tolist()
         stops = [int(s) for s in (self.stop_ids if stop_ids is None else stop_ids)]
-        params = [SamplingParams(n=1, max_tokens=int(max_new_tokens), temperature=0.0 if greedy else float(temperature),
-                                 top_p=1.0 if greedy else float(top_p), seed=int(s),
-                                 logprobs=0, stop_token_ids=stops, ignore_eos=False, detokenize=False,
-                                 skip_special_tokens=False)
-                  for s in seeds]
-        outs = self.llm.generate([{"prompt_token_ids": list(r)} for r in rows], params, use_tqdm=False)
+
+        def params(seed=None):
+            return SamplingParams(n=1, max_tokens=int(max_new_tokens), temperature=0.0 if greedy else float(temperature),
+                                  top_p=1.0 if greedy else float(top_p), seed=seed, logprobs=0, stop_token_ids=stops,
+                                  ignore_eos=False, detokenize=False, skip_special_tokens=False)
+
+        requests = [{"prompt_token_ids": list(r)} for r in rows]
+        if self.seeding == "request":
+            seeds = torch.randint(0, 2**31 - 1, (len(rows),), generator=generator, device=dev).tolist()
+            outs = self.llm.generate(requests, [params(int(s)) for s in seeds], use_tqdm=False)
+        else:
+            seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=dev))
+            self.llm.reset_prefix_cache()  # same cache state -> same schedule -> same random stream
+            with _seeded_default_rng(seed, self.device):
+                outs = self.llm.generate(requests, params(), use_tqdm=False)
         resp, lps, finished = [], [], []
         for o in outs:
             c = o.outputs[0]
@@ -262,7 +325,7 @@ def make_sampler(backend: str, model, tokenizer, rollout_cfg, *, device, seed: i
         return "vllm", VLLMSampler(model, tokenizer, device=device, seed=seed,
                                    gpu_memory_utilization=r.vllm_gpu_memory_utilization,
                                    kv_cache_gb=r.vllm_kv_cache_gb, enforce_eager=r.vllm_enforce_eager,
-                                   sleep=r.vllm_sleep)
+                                   sleep=r.vllm_sleep, seeding=r.vllm_seeding)
     except Exception as exc:  # noqa: BLE001 - auto falls back, an explicit vllm does not
         if r.backend == "vllm":
             raise
