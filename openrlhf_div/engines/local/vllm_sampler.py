@@ -21,7 +21,7 @@ verl's hybrid engine use.
   cache is reset first so that the schedule, and with it the random stream, repeats.
   ``seeding="request"``: every sample is its own request with its own seed, so a sample depends on
   its seed alone - but vLLM then draws the noise row by row outside its compiled sampler
-  (~25% slower generation on this CPU, docs/benchmarks.md "Samplers").
+  (~1.4x the time per generated token on SmolLM2 on this CPU, docs/benchmarks.md "Samplers").
 * **Log-probs.** ``logprobs_mode="processed_logprobs"``: the sampled token's log-prob under
   ``softmax(logits / T)``, the distribution the trainer's forward scores (greedy: ``T = 1``).
   With ``top_p < 1`` vLLM's processed log-probs are renormalised over the nucleus, unlike the
@@ -37,7 +37,6 @@ import importlib.util
 import logging
 import os
 import random
-import shutil
 import sys
 import tempfile
 import time
@@ -126,6 +125,27 @@ def _hf_weights(model) -> List[Tuple[str, torch.Tensor]]:
     return [(n, p.detach()) for n, p in model.named_parameters()]
 
 
+def _config_dir(cfg) -> str:
+    """A folder holding only ``cfg``'s ``config.json``, at a path fixed by its content
+    (``~/.cache/openrlhf_div/vllm_models/<hash>``): vLLM's compile cache is keyed by the model
+    path among other things, so a fresh temporary folder per start could never hit it. (On this
+    CPU, vLLM 0.29 + torch 2.13, the cached graph then fails to load - "'function' object has no
+    attribute 'finalize_loading'" - and vLLM compiles again; a GPU build may fare better.)"""
+    import hashlib
+
+    text = cfg.to_json_string(use_diff=False)
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    folder = os.path.join(root, "openrlhf_div", "vllm_models", hashlib.sha256(text.encode()).hexdigest()[:20])
+    path = os.path.join(folder, "config.json")
+    if not os.path.exists(path):
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)  # atomic: a concurrent start reads a whole file
+    return folder
+
+
 # ------------------------------------------------------------------------------------ sampler
 class _QuietExpected(logging.Filter):
     """Drops two warnings vLLM logs for every in-process engine here that say nothing wrong: the
@@ -175,7 +195,7 @@ class VLLMSampler:
 
     def __init__(self, model, tokenizer, *, device: Union[str, torch.device] = "cpu", seed: int = 0,
                  gpu_memory_utilization: float = 0.3, kv_cache_gb: Optional[float] = 1.0,
-                 enforce_eager: bool = True, sleep: bool = True, max_model_len: Optional[int] = None,
+                 enforce_eager: bool = False, sleep: bool = True, max_model_len: Optional[int] = None,
                  seeding: str = "batch"):
         if seeding not in ("batch", "request"):
             raise ValueError(f"seeding must be batch or request, got {seeding!r}")
@@ -189,15 +209,14 @@ class VLLMSampler:
         self.stop_ids = stop_token_ids(model, tokenizer)
         self.device = torch.device(device)
         self.dtype = next(model.parameters()).dtype
-        self._tmp = tempfile.mkdtemp(prefix="openrlhf_div_vllm_")
         cfg = copy.deepcopy(model.config)
         if not getattr(cfg, "architectures", None):  # a model built from a config names no class
             cfg.architectures = [type(model).__name__]
-        cfg.save_pretrained(self._tmp)  # the architecture only; weights are pushed
+        self._model_dir = _config_dir(cfg)  # the architecture only; weights are pushed
         ctx = int(max_model_len or getattr(cfg, "max_position_embeddings", 2048))
         on_gpu = self.device.type == "cuda"
         self.sleeps = bool(sleep and on_gpu)  # vLLM's CPU worker has no sleep mode
-        kw = dict(model=self._tmp, skip_tokenizer_init=True, load_format="dummy",
+        kw = dict(model=self._model_dir, skip_tokenizer_init=True, load_format="dummy",
                   dtype=str(self.dtype).replace("torch.", ""), seed=int(seed), max_model_len=ctx,
                   enforce_eager=bool(enforce_eager), logprobs_mode="processed_logprobs",
                   gpu_memory_utilization=float(gpu_memory_utilization), enable_sleep_mode=self.sleeps)
@@ -211,6 +230,10 @@ class VLLMSampler:
 
         np_rng = np.random.get_state()
         t0 = time.perf_counter()
+        if not enforce_eager:
+            print("[openrlhf-div] vLLM sampler: compiling the model graph (torch.compile; on a CPU this takes "
+                  "minutes - SmolLM2-135M ~2-3 min on 2 cores - and vLLM 0.29's CPU build does not reload its "
+                  "compile cache, so every start pays it; rollout.vllm_enforce_eager=true skips it)", flush=True)
         from vllm import LLM
 
         try:
@@ -258,7 +281,6 @@ class VLLMSampler:
             except Exception:  # noqa: BLE001 - best effort at exit
                 pass
             self.llm = None
-        shutil.rmtree(self._tmp, ignore_errors=True)
 
     # -------------------------------------------------------------- sampling
     @torch.no_grad()
