@@ -334,8 +334,8 @@ def main():
                     f"new tokens, grpo",
             "smollm2": f"arith (examples/real_model), SmolLM2-135M-Instruct GGUF de-quantized to float32, {REAL_B} x "
                        f"{REAL_G}, <= {REAL_NEW} new tokens, grpo, lr 1e-5, micro-batches of 16 rows",
-            "common": f"float32, {THREADS} torch thread(s), CPU, vLLM enforce_eager (no inductor compile), KV cache 1 GiB "
-                      f"(unless a vllm row's overrides say otherwise)"}
+            "common": f"float32, {THREADS} torch thread(s), CPU, vLLM with the config's defaults (compiled engine, "
+                      f"batch seeding, KV cache 1 GiB) unless a vllm row's overrides say otherwise"}
     elif args.trl:
         trl_runs, ours_runs, ours_nr_runs = [], [], []
         for rep in range(args.repeats):  # interleaved

@@ -170,26 +170,6 @@ class _QuietExpected(logging.Filter):
         return False
 
 
-class _seeded_default_rng:
-    """Seed torch's default generator(s) for a block and put the caller's state back after it:
-    vLLM's batched sampler (in this process) draws its noise from them."""
-
-    def __init__(self, seed: int, device: torch.device):
-        self.seed, self.cuda = int(seed), torch.device(device).type == "cuda"
-
-    def __enter__(self):
-        self.cpu_state = torch.get_rng_state()
-        self.cuda_states = torch.cuda.get_rng_state_all() if self.cuda else None
-        torch.manual_seed(self.seed)  # every device's default generator
-        return self
-
-    def __exit__(self, *exc):
-        torch.set_rng_state(self.cpu_state)
-        if self.cuda_states is not None:
-            torch.cuda.set_rng_state_all(self.cuda_states)
-        return False
-
-
 class VLLMSampler:
     """An in-process ``vllm.LLM`` that samples for ``model`` (a Hugging Face causal LM)."""
 
@@ -314,7 +294,11 @@ class VLLMSampler:
         else:
             seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=dev))
             self.llm.reset_prefix_cache()  # same cache state -> same schedule -> same random stream
-            with _seeded_default_rng(seed, self.device):
+            # vLLM's batched sampler (in this process) draws from torch's default generator(s):
+            # seed them for the call, the caller's state comes back afterwards
+            cuda = [self.device.index or 0] if self.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=cuda):
+                torch.manual_seed(seed)
                 outs = self.llm.generate(requests, params(), use_tqdm=False)
         resp, lps, finished = [], [], []
         for o in outs:
