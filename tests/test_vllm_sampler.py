@@ -78,6 +78,8 @@ def test_backend_config_validation():
     assert load_config(None, ["task=toy_copy"]).rollout.backend == "auto"
     with pytest.raises(ConfigError, match="rollout.backend must be auto, vllm or hf"):
         load_config(None, ["task=toy_copy", "rollout.backend=trt"])
+    with pytest.raises(ConfigError, match="rollout.vllm_seeding must be batch or request, got 'row'"):
+        load_config(None, ["task=toy_copy", "rollout.vllm_seeding=row"])
     with pytest.raises(ConfigError, match="top_p < 1 needs rollout.backend=hf"):
         load_config(None, ["task=toy_copy", "rollout.recompute_old_log_probs=false", "rollout.top_p=0.9"])
     load_config(None, ["task=toy_copy", "rollout.recompute_old_log_probs=false", "rollout.top_p=0.9",
