@@ -3,7 +3,7 @@ split into family bases and per-method files (tests/fixtures/configs_resolved.js
 the loaders and the config files of that time): the resolved mapping, the driver's final
 flags (config + method-implied flags, validated by OpenRLHF's own checks), the GPU count, the
 pre-sampling stage's flags, the demo settings and the local engine's TrainConfig, with the
-``${VAR}`` variables unset and set. scripts/resolve_configs.py computes it.
+``${VAR}`` variables unset and set. tests/tools/resolve_configs.py computes it.
 
 Kept (issue 24 weighed retiring it): no other config test pins the resolved values of every
 experiment (tests/test_config_layout.py checks the files' structure, test_openrlhf_launch.py that
@@ -19,7 +19,7 @@ SNAPSHOT = os.path.join(ROOT, "tests", "fixtures", "configs_resolved.json")
 
 
 def _resolver():
-    spec = importlib.util.spec_from_file_location("resolve_configs", os.path.join(ROOT, "scripts", "resolve_configs.py"))
+    spec = importlib.util.spec_from_file_location("resolve_configs", os.path.join(ROOT, "tests", "tools", "resolve_configs.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
