@@ -306,8 +306,6 @@ class _PhaseTimer:
     def __init__(self, ctx: Ctx, trainer, shape: Dict[str, Any]):
         import torch
 
-        from openrlhf_div.engines.local import trainer as trainer_mod
-
         self.ctx, self.tr, self.shape = ctx, trainer, shape
         self.t: Dict[str, float] = {}
         self.seqlens: List[int] = []
@@ -323,15 +321,15 @@ class _PhaseTimer:
         clip = torch.nn.utils.clip_grad_norm_
         torch.nn.utils.clip_grad_norm_ = self._timed("optimizer", clip)
         self._restore.append(lambda: setattr(torch.nn.utils, "clip_grad_norm_", clip))
-        gen = trainer_mod.generate
+        gen = tr.sampler.generate  # the sampler seam (engines/local/sampler_registry.py)
 
         def generate(*a, **k):
             out = self._timed("generation", gen)(*a, **k)
             self.gen_tokens += int(out.response_lengths.sum())
             return out
 
-        trainer_mod.generate = generate
-        self._restore.append(lambda: setattr(trainer_mod, "generate", gen))
+        tr.sampler.generate = generate
+        self._restore.append(lambda: setattr(tr.sampler, "generate", gen))
         tr.hooks.append(self._hook)
 
     def _timed(self, key: str, fn):
