@@ -86,5 +86,6 @@ def test_cli_ends_with_one_line_when_vllm_cannot_run_the_model(capsys, tmp_path)
                f"output_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2, err
-    assert err[-1].startswith("openrlhf-div train: error: rollout.backend=vllm but vLLM cannot sample here: head size")
+    assert err[-1].lower().startswith("openrlhf-div train: error: rollout.backend=vllm but vllm cannot sample here: "
+                                      "head size"), err
     assert "Traceback" not in "\n".join(err)

@@ -13,7 +13,7 @@ process would die on an AMX one:
 * in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the local sampler, evaluation);
 * EngineCore forked (vLLM's default on CPU) and spawned (what vLLM does inside a Ray actor,
   OpenRLHF's rollout engines and our pre-sampling on Ray);
-* the guard itself: with our plugin left out (``VLLM_PLUGINS`` naming only vLLM's own), the same
+* the guard itself: with our plugin left out (``VLLM_PLUGINS`` naming only the forcing one), the same
   forced engine is refused -- the failure an AMX CPU turns into SIGILL.
 * ``vec16`` (head size 48) runs for real on any x86 CPU.
 
@@ -35,20 +35,34 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "vllm_cpu_attn.py")
 
 
+#: the fixture's files, for _run: the two models and the folder registering the forcing plug-in
+MODELS = {}
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     sys.path.insert(0, HERE)
     import vllm_cpu_attn as A
 
     base = tmp_path_factory.mktemp("amx_models")
-    return {"bf16": A.save_model(str(base / "bf16_hd64")), "hd48": A.save_model(str(base / "f32_hd48"), head_dim=48,
-                                                                                  dtype="float32")}
+    MODELS.update(bf16=A.save_model(str(base / "bf16_hd64")),
+                  hd48=A.save_model(str(base / "f32_hd48"), head_dim=48, dtype="float32"),
+                  site=A.plugin_site(str(base / "force_site")))
+    return MODELS
 
 
 def _run(scenario, model, dtype, **env):
+    """``scenario`` "amx": every vLLM process of the engine is forced to the AMX attention ISA (through
+    a test entry point of vLLM's plugin group); "plain": this CPU's own choice."""
+    import vllm_cpu_attn as A
+
+    site = MODELS["site"]
     full = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
                 TOKENIZERS_PARALLELISM="false", PYTHONFAULTHANDLER="1",
                 VLLM_ALLOW_INSECURE_SERIALIZATION="1", **env)
+    full["PYTHONPATH"] = os.pathsep.join([site, HERE] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    if scenario == "amx":
+        full[A.FORCE_ENV] = "amx"
     proc = subprocess.run([sys.executable, SCRIPT, scenario, model, dtype], capture_output=True, text=True,
                           env=full, timeout=300)
     for line in proc.stdout.splitlines():
@@ -80,22 +94,18 @@ def test_forked_engine_core_has_the_permission(models):
 
 
 def test_spawned_engine_core_requests_it_itself(models):
-    """A spawned EngineCore inherits nothing: the plugin must have run in that process (its own
-    pid), as in a Ray actor. No forcing here (a spawned child does not see this test's patches):
-    this CPU's own ISA runs, and the request is checked directly."""
-    rep = _run("plain", models["bf16"], "bfloat16", VLLM_ENABLE_V1_MULTIPROCESSING="1",
+    """A spawned EngineCore inherits nothing (as in a Ray actor, where vLLM always spawns): our
+    plugin must have run in that process itself (its own pid)."""
+    rep = _run("amx", models["bf16"], "bfloat16", VLLM_ENABLE_V1_MULTIPROCESSING="1",
                VLLM_WORKER_MULTIPROC_METHOD="spawn")
-    assert "failed" not in rep, rep.get("failed")
-    assert rep["amx"]["pid"] != rep["front_pid"] and rep["amx"]["plugin_pid"] == rep["amx"]["pid"], rep
-    assert rep["amx"]["requested"], rep["amx"]
-    expected = "amx" if rep["amx"]["supported"] else "vec"
-    assert set(rep["isa"].values()) == {expected}, rep["isa"]
+    _assert_amx_engine(rep, engine_in_other_process=True)
+    assert rep["amx"]["plugin_pid"] == rep["amx"]["pid"], rep
 
 
 def test_without_the_plugin_amx_attention_is_refused(models):
     """The guard: the same forced engine with our plugin excluded is refused (SIGILL on AMX)."""
     rep = _run("amx", models["bf16"], "bfloat16", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               VLLM_PLUGINS="lora_filesystem_resolver")
+               VLLM_PLUGINS="openrlhf_div_test_force_attn")  # vLLM's allow-list: the forcing, not our fix
     if not rep.get("failed") and rep.get("used", {}).get("amx") == "kernel":
         pytest.skip("this CPU has AMX and something else granted the permission")
     assert "failed" in rep and any("AMXPermissionMissing" in c for c in rep["failed"]), rep

@@ -20,7 +20,10 @@ report of issue 29) -- then bf16 query and cache, ``head_size % 32 == 0``, ``blo
 -- and computes with the real ``vec`` kernel (the three ops consistently, so the KV-cache layout
 matches). On an AMX CPU nothing is replaced: the real ``amx`` kernel runs.
 
-Run as a script (``python tests/vllm_cpu_attn.py SCENARIO MODEL_DIR``) it builds one engine and
+The forcing reaches every process of an engine (the EngineCore, forked or spawned) the way our
+own fix does: through vLLM's ``vllm.general_plugins`` entry points (:func:`plugin_site`).
+
+Run as a script (``python tests/vllm_cpu_attn.py SCENARIO MODEL_DIR DTYPE``) it builds one engine and
 prints one JSON line: the ISA of each attention layer, the plugin's AMX state in the engine process
 and in this one, and the generated tokens (``tests/test_vllm_amx.py``).
 """
@@ -115,6 +118,30 @@ def force_amx() -> None:
 
 _LAST_ISA: Dict[str, object] = {}
 
+#: the environment variable :func:`force_from_env` reads ("amx": force the AMX ISA)
+FORCE_ENV = "OPENRLHF_DIV_FORCE_CPU_ATTN"
+#: the entry point that makes vLLM call :func:`force_from_env` in each of its processes
+FORCE_PLUGIN = "openrlhf_div_test_force_attn"
+
+
+def force_from_env() -> None:
+    """A ``vllm.general_plugins`` entry point (written by :func:`plugin_site`): vLLM runs it in every
+    process it starts, forked or spawned, before the model loads."""
+    if os.environ.get(FORCE_ENV) == "amx":
+        force_amx()
+
+
+def plugin_site(path: str) -> str:
+    """A folder that, on ``PYTHONPATH`` with ``tests/``, registers :func:`force_from_env` with
+    vLLM's own plugin mechanism (an installed distribution's entry point, as ours is)."""
+    info = os.path.join(path, "openrlhf_div_test_force-0.0.dist-info")
+    os.makedirs(info, exist_ok=True)
+    with open(os.path.join(info, "METADATA"), "w") as fh:
+        fh.write("Metadata-Version: 2.1\nName: openrlhf-div-test-force\nVersion: 0.0\n")
+    with open(os.path.join(info, "entry_points.txt"), "w") as fh:
+        fh.write(f"[vllm.general_plugins]\n{FORCE_PLUGIN} = vllm_cpu_attn:force_from_env\n")
+    return path
+
 
 def save_model(path: str, *, head_dim: int = 64, dtype: str = "bfloat16") -> str:
     """A tiny tied Qwen2 (2 layers, 2 heads of ``head_dim``) saved in ``dtype``."""
@@ -131,22 +158,21 @@ def save_model(path: str, *, head_dim: int = 64, dtype: str = "bfloat16") -> str
 
 
 def _engine_report(worker) -> dict:
+    import vllm_cpu_attn  # the module the plug-in forced this process with (pickled callers bring no state)
     from openrlhf_div.compat import vllm_plugin
 
     isas = {name: getattr(m, "isa", None) for name, m in worker.model_runner.model.named_modules()
             if type(m).__name__ == "Attention"}
-    return {"isa": isas, "amx": vllm_plugin.amx_state(), "used": dict(USED)}
+    return {"isa": isas, "amx": vllm_plugin.amx_state(), "used": dict(vllm_cpu_attn.USED)}
 
 
 def run(scenario: str, model_dir: str, dtype: str) -> dict:
     from vllm import LLM, SamplingParams
 
-    if scenario.startswith("amx"):
-        force_amx()
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, max_model_len=128,
               seed=0, enable_prefix_caching=False)
     out = llm.generate([{"prompt_token_ids": [3, 5, 7, 2, 9, 4]}] * 4,
-                       SamplingParams(max_tokens=8, temperature=1.0, seed=0, detokenize=False), use_tqdm=False)
+                       SamplingParams(max_tokens=8, temperature=1.0, seed=0, ignore_eos=True, detokenize=False), use_tqdm=False)
     from openrlhf_div.compat import vllm_plugin
 
     report = llm.collective_rpc(_engine_report)[0]
@@ -157,6 +183,7 @@ def run(scenario: str, model_dir: str, dtype: str) -> dict:
 
 if __name__ == "__main__":
     scenario, model_dir, dtype = sys.argv[1], sys.argv[2], sys.argv[3]
+    sys.modules.setdefault("vllm_cpu_attn", sys.modules["__main__"])  # one module, whoever imports it
     try:
         print("REPORT " + json.dumps(run(scenario, model_dir, dtype)), flush=True)
     except Exception as e:  # the scenario's failure, for the test to read

@@ -79,12 +79,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         if line is None or os.environ.get("OPENRLHF_DIV_DEBUG"):
             raise
         print(f"openrlhf-div {args.command}: error: {line}", file=sys.stderr)
-        return 2 if type(exc).__name__ == "BackendUnavailable" else 4
+        return 2 if _unavailable(exc) else 4
     return int(rc or 0)
 
 
+def _unavailable(exc: BaseException) -> bool:
+    """A sampler backend that cannot run here (engines/local: SamplerUnavailable, BackendUnavailable)."""
+    return any(c.__name__ in ("SamplerUnavailable", "BackendUnavailable") for c in type(exc).__mro__)
+
+
 def _one_line_failure(exc: BaseException) -> Optional[str]:
-    if type(exc).__name__ == "BackendUnavailable":  # engines/local/vllm_sampler.py: reason and fix
+    if _unavailable(exc):  # the sampler cannot run this model here: the message has reason and fix
         return str(exc)
     from openrlhf_div.compat.engine_death import explain
 

@@ -6,8 +6,8 @@ encountered an issue. See stack trace (above) for the root cause.") from every p
 Ray job's log fills with copies of it while the cause -- a signal -- is printed nowhere. vLLM knows
 the exit code (``CoreEngineProcManager.processes``) but does not say it.
 
-Our vLLM plugin (:mod:`openrlhf_div.compat.vllm_plugin`) remembers every engine-core process
-manager of the process it runs in and calls :func:`install` there, which makes each
+Our vLLM plugin (:mod:`openrlhf_div.compat.vllm_plugin`) calls :func:`install` in every vLLM
+process: it remembers every engine-core process manager built there and makes each
 ``EngineDeadError`` built afterwards carry the line of :func:`dead_engine_lines` in its message. So
 the line travels with the exception: through a Ray actor to the job's driver as well as to the
 local trainer. :func:`explain` turns any exception into that one line (or ``None`` when no engine
@@ -16,12 +16,15 @@ death is involved); the CLI and the Ray driver print it last.
 from __future__ import annotations
 
 import signal
+import weakref
 from typing import List, Optional
 
 __all__ = ["explain", "dead_engine_lines", "describe_exit", "install", "MARK"]
 
 #: the bracket our line travels in, inside an exception message
 MARK = "[openrlhf-div: "
+#: vLLM's engine-core process managers built in this process (alive or not)
+_MANAGERS: "weakref.WeakSet" = weakref.WeakSet()
 
 _ADVICE = {
     "SIGILL": ("illegal instruction: a CPU kernel used an instruction this process may not run - on an "
@@ -54,10 +57,8 @@ def describe_exit(name: str, pid, exitcode: int) -> str:
 
 def dead_engine_lines() -> List[str]:
     """A line per engine process of this process's vLLM engines that ended with a failure."""
-    from openrlhf_div.compat import vllm_plugin
-
     lines = []
-    for manager in vllm_plugin.engine_managers():
+    for manager in list(_MANAGERS):
         for proc in getattr(manager, "processes", ()):
             code = proc.exitcode
             if code not in (None, 0):
@@ -100,11 +101,23 @@ def explain(exc: BaseException) -> Optional[str]:
 
 
 def install() -> None:
-    """Make ``EngineDeadError`` carry :func:`dead_engine_lines` in its message (idempotent)."""
+    """Remember vLLM's engine-core process managers and make ``EngineDeadError`` carry
+    :func:`dead_engine_lines` in its message (idempotent)."""
     try:
         from vllm.v1.engine import exceptions
-    except Exception:
+        from vllm.v1.engine import utils as engine_utils
+    except Exception:  # another vLLM layout: the CLI falls back to the generic line
         return
+    manager_cls = getattr(engine_utils, "CoreEngineProcManager", None)
+    if manager_cls is not None and not getattr(manager_cls.__init__, "_openrlhf_div_tracked", False):
+        real_manager_init = manager_cls.__init__
+
+        def manager_init(self, *args, **kwargs):
+            real_manager_init(self, *args, **kwargs)
+            _MANAGERS.add(self)
+
+        manager_init._openrlhf_div_tracked = True
+        manager_cls.__init__ = manager_init
     cls = exceptions.EngineDeadError
     if getattr(cls, "_openrlhf_div_named", False):
         return

@@ -15,9 +15,9 @@ What it does:
   so unless an earlier oneDNN kernel happened to ask, the engine's first attention call dies with
   SIGILL. The request is per process, kept across ``fork`` and dropped by ``exec``; a process
   without AMX gets ``False`` and nothing changes.
-* **Engine processes remembered**, so that a dead engine can be named
-  (:mod:`openrlhf_div.compat.engine_death`): every ``CoreEngineProcManager`` vLLM builds in this
-  process is kept in a weak set (the processes it started, their exit codes).
+* **A dead engine named**: :func:`openrlhf_div.compat.engine_death.install` remembers every
+  engine-core process manager vLLM builds in this process and makes ``EngineDeadError`` carry the
+  line naming the dead process, its signal, the likely cause and the fix.
 
 It must stay cheap and safe to run more than once (vLLM may load plugins repeatedly).
 """
@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import os
 import platform
-import weakref
 from typing import Dict, Optional
 
-__all__ = ["register", "amx_state", "engine_managers"]
+__all__ = ["register", "amx_state"]
 
 #: what :func:`register` did in *this* process (inherited by a forked child together with the
 #: permission it describes; a spawned or exec'ed process starts empty, as its permission does)
 _STATE: Dict[str, object] = {}
-_MANAGERS: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def _request_amx() -> Optional[bool]:
@@ -48,31 +46,12 @@ def _request_amx() -> Optional[bool]:
     return bool(init())
 
 
-def _track_engine_managers() -> None:
-    try:
-        from vllm.v1.engine import utils as engine_utils
-    except Exception:  # another vLLM layout: naming a dead engine falls back to the exception
-        return
-    cls = getattr(engine_utils, "CoreEngineProcManager", None)
-    if cls is None or getattr(cls.__init__, "_openrlhf_div_tracked", False):
-        return
-    real_init = cls.__init__
-
-    def __init__(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        _MANAGERS.add(self)
-
-    __init__._openrlhf_div_tracked = True
-    cls.__init__ = __init__
-
-
 def register() -> None:
     """The ``vllm.general_plugins`` entry point (setup.py). Idempotent."""
     if _STATE.get("pid") == os.getpid():
         return
     granted = _request_amx()
     _STATE.update(pid=os.getpid(), amx_requested=granted is not None, amx_granted=granted)
-    _track_engine_managers()
     from openrlhf_div.compat import engine_death
 
     engine_death.install()
@@ -86,8 +65,3 @@ def amx_state() -> Dict[str, object]:
     supported = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
     return {"requested": bool(_STATE.get("amx_requested")), "granted": bool(_STATE.get("amx_granted")),
             "supported": supported, "pid": os.getpid(), "plugin_pid": _STATE.get("pid")}
-
-
-def engine_managers():
-    """The vLLM engine-core process managers built in this process (alive or not)."""
-    return list(_MANAGERS)
