@@ -59,7 +59,7 @@ import torch
 
 from ._utils import broadcast_seq, check_same_shape, fill_masked, masked_mean, unknown_name_error
 from .advantages import dynamic_sampling_mask, overlong_penalty
-from .authors import (ANCHOR_WEIGHTINGS, AUTHORS_RUN_SETTINGS, MICRO_BATCH_TOKEN_MEAN, STEP_LAYOUTS, anchor_weight,
+from .authors import (ANCHOR_WEIGHTINGS, AUTHORS_RUN_SETTINGS, MICRO_BATCH_TOKEN_MEAN, anchor_weight,
                       authors_modes, micro_batch_loss)
 from .losses import AGGREGATIONS, aggregate_loss
 
@@ -148,11 +148,10 @@ COMMON_HPARAMS: Dict[str, Any] = {
     "overlong_max_len": None,   # DAPO overlong shaping L_max (None: off)
     "overlong_cache_len": None,  # DAPO overlong shaping L_c
     "micro_batch_seqs": 2,      # sequences per group of aggregation "micro-batch-token-mean"
-    # engines (OpenRLHF, Megatron) under "micro-batch-token-mean": the authors' micro-batch layout
-    # (authors.plan_micro_batches, docs/ALGORITHMS.md section 9 rows 1, 1b, 2)
-    "step_layout": "spread",    # "authors": anchors in trailing optimiser steps of their own
-    "micro_batch_tokens": None,  # token budget per micro-batch (the authors' use_dynamic_bsz); None: rows
 }
+# engine layout, not method hyperparameters: an experiment's `engine:` section
+# (openrlhf_div.engines.layout; docs/ALGORITHMS.md section 9 rows 1, 1b)
+ENGINE_LAYOUT_KEYS = ("step_layout", "micro_batch_tokens")
 ESTIMATORS: Dict[str, Component] = {}
 REWARD_SHAPING: Dict[str, Component] = {}
 ADV_RESHAPING: Dict[str, Component] = {}
@@ -332,6 +331,9 @@ class Method:
                 setattr(m, key, overrides.pop(key))
         valid = m.hparam_defaults()
         for k, v in overrides.items():
+            if k in ENGINE_LAYOUT_KEYS:
+                raise ValueError(f"{k} is engine layout, not a hyperparameter of method {m.name!r}: set "
+                                 f"engine.{k} in the experiment's `engine:` section (--engine.{k} on the command line)")
             if k not in valid:
                 close = difflib.get_close_matches(k, list(valid) + ["aggregation", "dynamic_sampling"], n=3)
                 hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
@@ -350,11 +352,6 @@ class Method:
             raise unknown_name_error("loss aggregation", self.aggregation, AGGREGATIONS)
         if int(self.hparams.get("micro_batch_seqs", 2)) < 1:
             raise ValueError(f"micro_batch_seqs must be >= 1, got {self.hparams['micro_batch_seqs']}")
-        if self.hparams.get("step_layout", "spread") not in STEP_LAYOUTS:
-            raise unknown_name_error("step_layout", self.hparams["step_layout"], STEP_LAYOUTS)
-        mbt = self.hparams.get("micro_batch_tokens")
-        if mbt is not None and int(mbt) < 1:
-            raise ValueError(f"micro_batch_tokens must be >= 1 or null (micro-batches of micro_batch_seqs rows), got {mbt}")
         for c in self.components():
             if c.check is not None:
                 c.check(self.hparams)

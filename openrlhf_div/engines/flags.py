@@ -49,6 +49,8 @@ from openrlhf_div.algorithms.registry import (
 
 from openrlhf_div.plugins import load_plugins
 
+from .layout import add_engine_arguments
+
 TASKS = ("math", "sql", "countdown")
 from openrlhf_div.engines.contract import ANCHOR_FLAG, CORRECT_FLAG  # noqa: E402,F401 (Experience.info keys)
 DEFAULT_ANCHOR_RATIO = 8.0  # DPH-RL: 128 prompts x 16 rollouts : 256 anchors
@@ -64,7 +66,7 @@ TOKEN_LEVEL = {"token-mean": True, "seq-mean-token-mean": False,
                "micro-batch-token-mean": None}
 
 # Hyperparameters whose registry default is None need an explicit type.
-_NONE_DEFAULT_TYPES = {"overlong_max_len": int, "overlong_cache_len": int, "micro_batch_tokens": int}
+_NONE_DEFAULT_TYPES = {"overlong_max_len": int, "overlong_cache_len": int}
 
 
 def hparam_table() -> Dict[str, Tuple[Any, str]]:
@@ -161,6 +163,7 @@ def add_div_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
         else:
             kw.update(type=str)
         g.add_argument(f"--div.{name}", **kw)
+    add_engine_arguments(parser)  # --engine.* (the layout), next to the method's flags
     return g
 
 
@@ -352,7 +355,7 @@ def check_supported(method: Method, args, need_data: bool = True) -> None:
         if train is not None and getattr(train, "dynamic_batch_enable", False):
             raise NotImplementedError(
                 "--train.dynamic_batch_enable with aggregation micro-batch-token-mean is not supported: the "
-                "authors' layout makes its own micro-batches; for token budgets set --div.micro_batch_tokens N")
+                "authors' layout makes its own micro-batches; for token budgets set --engine.micro_batch_tokens N")
         if method.needs.anchor_batch and method.hparams.get("anchor_weighting") != "microbatch_share":
             raise ValueError(
                 f"method {method.name!r} with aggregation micro-batch-token-mean weights each anchor micro-batch "

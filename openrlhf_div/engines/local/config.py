@@ -20,6 +20,8 @@ import yaml
 
 from openrlhf_div.config import ConfigError, deep_merge, load, parse_overrides, unknown_key
 
+from ..layout import LAYOUT_KEYS, EngineLayout, refuse_on_local
+
 __all__ = ["ConfigError", "TrainConfig", "config_from_dict", "config_help", "dump_config", "load_config",
            "parse_overrides"]
 
@@ -183,6 +185,24 @@ class PresampleConfig:
 
 
 @dataclass
+class EngineConfig:
+    """Engine layout (:mod:`openrlhf_div.engines.layout`): the OpenRLHF / Megatron engines' micro-batch
+    layout under aggregation micro-batch-token-mean. The local engine lays micro-batches out with
+    ``optim.micro_batch_size`` / ``optim.mini_batches`` and refuses anything but the defaults here."""
+
+    step_layout: str = _f(LAYOUT_KEYS["step_layout"][0], LAYOUT_KEYS["step_layout"][1]
+                          + " (source: " + LAYOUT_KEYS["step_layout"][2] + ")")
+    micro_batch_tokens: Optional[int] = _f(LAYOUT_KEYS["micro_batch_tokens"][0], LAYOUT_KEYS["micro_batch_tokens"][1]
+                                           + " (source: " + LAYOUT_KEYS["micro_batch_tokens"][2] + ")")
+
+    def layout(self) -> EngineLayout:
+        try:
+            return EngineLayout(step_layout=self.step_layout, micro_batch_tokens=self.micro_batch_tokens)
+        except ValueError as e:
+            raise ConfigError(f"config section `engine`: {e}") from e
+
+
+@dataclass
 class TrainConfig:
     """Everything a local-engine run needs. Sections: model, data, method, rollout, optim,
     eval, checkpoint, logging, presample."""
@@ -204,6 +224,8 @@ class TrainConfig:
     checkpoint: CheckpointConfig = _f(factory=CheckpointConfig, help="Checkpoints.")
     logging: LoggingConfig = _f(factory=LoggingConfig, help="Metrics output.")
     presample: PresampleConfig = _f(factory=PresampleConfig, help="DPH pre-sampling (`openrlhf-div presample`).")
+    engine: EngineConfig = _f(factory=EngineConfig, help="Engine layout (the OpenRLHF / Megatron engines' "
+                                                         "micro-batch layout; the local engine keeps the defaults).")
 
     # ------------------------------------------------------------------ helpers
     def build_method(self):
@@ -220,12 +242,6 @@ class TrainConfig:
             method = get_method(str(name), **opts)
         except ValueError as e:  # name the config section the bad key came from
             raise ConfigError(f"config section `method`: {e}") from e
-        h = method.hparams
-        if h.get("step_layout", "spread") != "spread" or h.get("micro_batch_tokens") is not None:
-            raise ConfigError(
-                "config section `method`: step_layout / micro_batch_tokens lay micro-batches out as the DPH-RL "
-                "authors' update loop on the OpenRLHF and Megatron engines only; the local engine uses "
-                "optim.micro_batch_size and optim.mini_batches (drop them here)")
         return method
 
     def to_dict(self) -> Dict[str, Any]:
@@ -279,6 +295,9 @@ class TrainConfig:
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ConfigError(f"device must be cpu, cuda[:N] or auto, got {self.device!r}")
         method = self.build_method()  # validates method.name and its hyperparameters
+        refused = refuse_on_local(self.engine.layout())
+        if refused:
+            raise ConfigError(refused)
         from .guards import check_group_size
 
         err = check_group_size(method, r.group_size)

@@ -49,6 +49,7 @@ from ..flags import (
     method_from_args,
 )
 from ..anchor_data import anchor_count
+from ..layout import LAYOUT_KEYS, deprecation, layout_argv
 
 PROG = "python -m openrlhf_div.cli.train_ppo_ray"
 _OUR_OPTIONS = ("config", "dry_run")
@@ -170,14 +171,26 @@ load_config = load_experiment
 
 
 def config_argv(cfg: Dict[str, Any]) -> List[str]:
-    """The flags a config stands for: ``div:`` -> ``--div.*``, ``openrlhf:`` -> ``--<key>``."""
+    """The flags a config stands for: ``div:`` -> ``--div.*``, ``engine:`` -> ``--engine.*``
+    (the layout, :mod:`openrlhf_div.engines.layout`), ``openrlhf:`` -> ``--<key>``. A layout key
+    still under ``div:`` is read as ``engine.<key>`` with a one-line deprecation."""
     argv: List[str] = []
     hparams = hparam_table()
+    engine = dict(cfg.get("engine") or {})
+    unknown = sorted(set(engine) - set(LAYOUT_KEYS))
+    if unknown:
+        raise ValueError(f"config section `engine`: unknown key(s) {unknown}; the OpenRLHF driver reads "
+                         f"{sorted(LAYOUT_KEYS)} there")
     for k, v in (cfg.get("div") or {}).items():
+        if k in LAYOUT_KEYS:
+            print(deprecation(f"div.{k}", f"engine.{k}"), file=sys.stderr)
+            engine.setdefault(k, v)
+            continue
         if v is None and k in hparams:  # `dual_clip: null`: the method gets None, not its default
             argv += [f"--div.{k}", EXPLICIT_NONE]
             continue
         argv += _flag_values("div.", k, v, bool_values=True)
+    argv += layout_argv(engine)
     for k, v in (cfg.get("openrlhf") or {}).items():
         argv += _flag_values("", k, v)
     return argv
