@@ -44,6 +44,7 @@ from openrlhf_div.algorithms.registry import (
     REWARD_SHAPING,
     Method,
     get_method,
+    hparam_help,
     list_methods,
 )
 
@@ -144,10 +145,13 @@ def add_div_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
                    help="override the method's loss aggregation")
     g.add_argument("--div.dynamic_sampling", type=_bool, default=None, metavar="BOOL",
                    help="override the method's dynamic sampling (DAPO)")
+    helps = hparam_help()  # declared at registration: one line and its source
     for name, (default, owner) in sorted(hparam_table().items()):
         shown = "none" if default is None else default
+        line, source = helps.get(name, {}).get("help", ""), helps.get(name, {}).get("source", "")
         kw: Dict[str, Any] = {"default": None, "metavar": "V",
-                              "help": f"{owner} hyperparameter (unset: the method's default, e.g. {shown})"}
+                              "help": (f"{line} [source: {source}] " if line else "")
+                              + f"({owner}; unset: the method's default, e.g. {shown})"}
         if not isinstance(default, (bool, str)):
             kw["help"] += "; none or null: no value (None)"
         if name == "lad_clip":

@@ -215,7 +215,8 @@ class TrainConfig:
     num_threads: Optional[int] = _f(None, "torch intra-op threads (null: the cores available to this process; the "
                                            "demo uses 1, its tiny model is fastest single-threaded).")
     method: Dict[str, Any] = _f(factory=lambda: {"name": "grpo"},
-                                help="`name` of a registered method plus any of its hyperparameters.")
+                                help="`name` of a registered method plus any of its hyperparameters (each with its help and "
+                                     "source: `openrlhf-div methods --hparams`, docs/hyperparameters.md).")
     model: ModelConfig = _f(factory=ModelConfig, help="The initial policy.")
     data: DataConfig = _f(factory=DataConfig, help="Datasets.")
     rollout: RolloutConfig = _f(factory=RolloutConfig, help="Sampling.")
