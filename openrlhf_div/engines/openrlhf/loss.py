@@ -33,7 +33,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 
 from openrlhf_div.algorithms.authors import MICRO_BATCH_TOKEN_MEAN
-from openrlhf_div.algorithms.registry import LossInputs, Method
+from openrlhf_div.algorithms.registry import Method
 from openrlhf_div.compat.flash_attn_standin import install as _install_flash_attn_standin
 
 _install_flash_attn_standin()  # no-op when the real flash-attn is installed
@@ -110,15 +110,9 @@ def authors_micro_batches(items: List, method: Method, layout: EngineLayout, *, 
 
 def metric_keys(method: Method) -> List[str]:
     """The metric names :func:`div_actor_loss` reports for ``method``, whatever the micro-batch
-    holds (data-parallel ranks all-reduce metrics key by key, so every rank needs the same set).
-    Found by running the method's online loss once on a 1x2 dummy batch."""
-    z = torch.zeros(1, 2)
-    dummy = LossInputs(log_probs=z - 1.0, old_log_probs=z - 1.0, advantages=torch.ones(1, 2),
-                       mask=torch.ones(1, 2), correct=torch.ones(1, dtype=torch.bool),
-                       ref_log_probs=z - 1.0, entropy=z + 1.0, log_z=torch.zeros(1),
-                       generator=torch.Generator().manual_seed(0))
-    _, m = method.online_loss(dummy)
-    return [f"div/{k}" for k in m] + ["div/loss_exp", "div/loss_pef", "div/loss"]
+    holds (data-parallel ranks all-reduce metrics key by key, so every rank needs the same set):
+    the components' declarations (:meth:`Method.metric_names`), then the loss parts."""
+    return [f"div/{k}" for k in method.metric_names()] + ["div/loss_exp", "div/loss_pef", "div/loss"]
 
 
 def _counts(info: Optional[Dict], mask: torch.Tensor) -> Tuple[Optional[float], Optional[float]]:
