@@ -52,7 +52,6 @@ from openrlhf_div.plugins import load_plugins
 
 from .layout import add_engine_arguments
 
-TASKS = ("math", "sql", "countdown")
 from openrlhf_div.engines.contract import ANCHOR_FLAG, CORRECT_FLAG  # noqa: E402,F401 (Experience.info keys)
 DEFAULT_ANCHOR_RATIO = 8.0  # DPH-RL: 128 prompts x 16 rollouts : 256 anchors
 
@@ -122,9 +121,12 @@ def add_div_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     load_plugins()  # OPENRLHF_DIV_PLUGINS: their methods are choices too
     g.add_argument("--div.method", default="grpo", choices=list(list_methods()), metavar="NAME",
                    help="registered method: " + ", ".join(list_methods()) + " (default: grpo)")
-    g.add_argument("--div.task", default=None, choices=TASKS,
-                   help="reward through openrlhf_div/tasks/reward_funcs/<task>.py "
-                        "(sets --reward.remote_url unless given)")
+    from openrlhf_div.tasks import list_tasks
+
+    g.add_argument("--div.task", default=None, choices=list_tasks(), metavar="TASK",
+                   help="a registered task (" + ", ".join(list_tasks()) + "; plug-ins' too): reward through "
+                        "openrlhf_div/tasks/reward_funcs/<task>.py, or reward_funcs/registered.py for a task "
+                        "without its own file (sets --reward.remote_url unless given)")
     g.add_argument("--div.anchor_data", default=None, metavar="PATH",
                    help="D_pef from presample_ray (a presample output directory or its d_pef.jsonl); "
                         "required by anchor methods (dph_*)")
@@ -240,12 +242,21 @@ DERIVED_UPSTREAM = ("--algo.advantage.estimator", "--algo.kl.init_coef", "--algo
                     "--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range")
 
 
+TASK_ENV = "OPENRLHF_DIV_TASK"  # read by tasks/reward_funcs/registered.py in the reward workers
+
+
 def reward_func_path(task: str) -> str:
-    """Absolute path of our reward-function file for ``task`` (the tasks branch provides it)."""
+    """Absolute path of the reward-function file for ``task``: ``tasks/reward_funcs/<task>.py``
+    where the package has one, else ``registered.py``, which builds the registered task named by
+    ``OPENRLHF_DIV_TASK`` (set here for the Ray workers; a plug-in's task)."""
     import openrlhf_div
 
-    root = os.path.dirname(os.path.abspath(openrlhf_div.__file__))
-    return os.path.join(root, "tasks", "reward_funcs", f"{task}.py")
+    folder = os.path.join(os.path.dirname(os.path.abspath(openrlhf_div.__file__)), "tasks", "reward_funcs")
+    own = os.path.join(folder, f"{task}.py")
+    if os.path.isfile(own):
+        return own
+    os.environ[TASK_ENV] = task
+    return os.path.join(folder, "registered.py")
 
 
 @dataclass

@@ -208,6 +208,9 @@ class TrainConfig:
     eval, checkpoint, logging, presample."""
 
     task: Optional[str] = _f(None, "Registered task name (openrlhf_div.tasks.get_task).")
+    plugins: List[str] = _f(factory=list, help="Modules or .py files (relative to the config file) that register "
+                                                "methods, components or tasks; imported before the method and task "
+                                                "are resolved (openrlhf_div.plugins).")
     task_options: Dict[str, Any] = _f(factory=dict, help="Keyword arguments of the task factory.")
     seed: int = _f(0, "Seed of every random stream (prompt order, sampling, anchors, tiny-model init).")
     output_dir: str = _f("runs/local", "Run directory: config, metrics, checkpoints, TensorBoard.")
@@ -234,7 +237,7 @@ class TrainConfig:
         from openrlhf_div.algorithms import get_method
         from openrlhf_div.plugins import load_plugins
 
-        load_plugins()  # methods registered by the modules of OPENRLHF_DIV_PLUGINS
+        load_plugins([self.plugins] if isinstance(self.plugins, str) else list(self.plugins or ()))  # + OPENRLHF_DIV_PLUGINS
         opts = dict(self.method)
         name = opts.pop("name", None)
         if not name:
@@ -394,7 +397,12 @@ def config_from_dict(data: Dict[str, Any], overrides: Sequence[str] = ()) -> Tra
 def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> TrainConfig:
     """Read a YAML config (``extends:`` followed; the defaults when ``path`` is None), apply
     ``key=value`` overrides and validate."""
-    return config_from_dict(load(path, overrides, merge=_merge))
+    data = load(path, overrides, merge=_merge)
+    if path and data.get("plugins"):  # relative .py paths are the config file's
+        from openrlhf_div.plugins import config_plugins
+
+        data["plugins"] = config_plugins(data["plugins"], path)
+    return config_from_dict(data)
 
 
 def dump_config(cfg: TrainConfig) -> str:

@@ -271,9 +271,13 @@ def count_gpus(args, reference: bool) -> Dict[str, int]:
 
 def plan(argv: Sequence[str], parser: Optional[argparse.ArgumentParser] = None) -> Plan:
     """Merge config + command line + method-implied flags; validate; count GPUs."""
-    parser = parser or build_parser()
     cfg_path, rest = _split_config(list(argv))
     cfg = load_config(cfg_path) if cfg_path else {}
+    if cfg.get("plugins"):  # before the parser: their methods and tasks are choices
+        from openrlhf_div.plugins import config_plugins, load_plugins
+
+        load_plugins(config_plugins(cfg["plugins"], cfg_path))
+    parser = parser or build_parser()
     user_argv = config_argv(cfg) + rest
     first = parser.parse_args(user_argv)
     dry_run = bool(first.dry_run)
@@ -285,7 +289,9 @@ def plan(argv: Sequence[str], parser: Optional[argparse.ArgumentParser] = None) 
     if getattr(parsed, "actor.model_name_or_path", None) is None:
         raise ValueError("--actor.model_name_or_path is required (the policy to train)")
     if not getattr(parsed, "reward.remote_url", None):
-        raise ValueError("no reward: pass --div.task math|sql|countdown or --reward.remote_url FILE.py")
+        from openrlhf_div.tasks import list_tasks
+
+        raise ValueError(f"no reward: pass --div.task {'|'.join(list_tasks())} or --reward.remote_url FILE.py")
     args = finalize(parsed)
     check_supported(method, args)
     _check_batches(method, args)
@@ -361,12 +367,16 @@ def run(p: Plan) -> None:
 
 
 def load_argv_plugins(argv: Sequence[str]) -> None:
-    """Import the ``--plugin`` modules of ``argv`` (and ``OPENRLHF_DIV_PLUGINS``) before the
-    parser is built (``--div.method`` lists the registered methods) and export them to the Ray
-    workers (:mod:`openrlhf_div.plugins`)."""
-    from openrlhf_div.plugins import load_plugins, split_plugin_args
+    """Import the ``--plugin`` modules of ``argv``, the ``plugins:`` of its ``--config`` file (and
+    ``OPENRLHF_DIV_PLUGINS``) before the parser is built (``--div.method`` / ``--div.task`` list
+    the registered ones) and export them to the Ray workers (:mod:`openrlhf_div.plugins`)."""
+    from openrlhf_div.plugins import config_plugins, load_plugins, split_plugin_args
 
-    load_plugins(split_plugin_args(argv)[0])
+    specs, rest = split_plugin_args(argv)
+    cfg_path, _ = _split_config(rest)
+    if cfg_path:
+        specs += config_plugins(load_config(cfg_path).get("plugins"), cfg_path)
+    load_plugins(specs)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
