@@ -54,9 +54,15 @@ def test_engine_flags_and_the_deprecated_div_spelling(capsys):
 def test_config_engine_section_and_old_div_keys(capsys):
     from openrlhf_div.engines.openrlhf.launch import config_argv
 
-    new = config_argv({"div": {"method": "dph_f"}, "engine": {"step_layout": "authors", "micro_batch_tokens": 64}})
+    new = config_argv({"method": {"name": "dph_f"}, "engine": {"step_layout": "authors", "micro_batch_tokens": 64}})
+    assert capsys.readouterr().err == ""  # the new spelling: no deprecation
     old = config_argv({"div": {"method": "dph_f", "step_layout": "authors", "micro_batch_tokens": 64}})
-    assert capsys.readouterr().err.count("deprecated") == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["openrlhf-div: `div.method` is deprecated and will be refused in the next release; write `method.name`",
+                   "openrlhf-div: `div.step_layout` is deprecated and will be refused in the next release; write "
+                   "`engine.step_layout`",
+                   "openrlhf-div: `div.micro_batch_tokens` is deprecated and will be refused in the next release; write "
+                   "`engine.micro_batch_tokens`"]
     for argv in (new, old):
         a = _parser().parse_args(argv)
         assert EngineLayout.from_args(a) == EngineLayout("authors", 64)

@@ -15,6 +15,7 @@ import pytest
 
 from openrlhf_div.algorithms import get_method, list_methods
 from openrlhf_div.engines import flags as F
+from openrlhf_div.engines.experiment import method_section
 from openrlhf_div.engines.layout import EngineLayout
 from openrlhf_div.engines.openrlhf import launch as L
 
@@ -153,7 +154,7 @@ def test_every_config_maps_to_a_valid_command(parser, path, monkeypatch):
     a = p.args
     assert p.gpus["total"] <= cfg["cluster"]["nodes"] * cfg["cluster"]["gpus_per_node"]
     assert a.vllm.num_engines >= 1 and a.critic.model_name_or_path is None
-    assert p.method.name == cfg["div"]["method"]
+    assert p.method.name == method_section(cfg)["name"]
     # the papers' settings as ALGORITHMS.md / the configs' headers state them
     m, h = p.method, p.method.hparams
     name = os.path.basename(path)[:-5]

@@ -147,7 +147,7 @@ def test_an_experiment_file_names_its_plugins_for_the_ray_driver(tmp_path, monke
     cfg = tmp_path / "exp.yaml"
     cfg.write_text(f"extends: {ROOT}/configs/openrlhf/_tiny_cpu.yaml\nexperiment: plug\n"
                    f"plugins: [{os.path.join(ROOT, FIXTURE)}, {os.path.relpath(os.path.join(ROOT, TASK_FIXTURE), tmp_path)}]\n"
-                   "div: {method: plugin_grpo, task: plugin_math}\n")
+                   "method: {name: plugin_grpo}\ntask: plugin_math\n")
     try:
         p = L.plan(["--config", str(cfg), "--dry-run"])
         assert p.method.name == "plugin_grpo"

@@ -86,6 +86,12 @@ def hparam_table() -> Dict[str, Tuple[Any, str]]:
     return table
 
 
+def METHOD_KEYS_IN_DIV() -> set:
+    """The keys of an experiment's ``method:`` section (hyperparameters, aggregation,
+    dynamic_sampling) that the old spelling put under ``div:``."""
+    return set(hparam_table()) | {"aggregation", "dynamic_sampling"}
+
+
 #: what an explicit ``none`` / ``null`` parses to: the string ``"none"``, not ``None`` (argparse's
 #: "flag not given"), so the override reaches the method, which reads it as ``None``
 #: (:meth:`Method.with_overrides`). A plain string keeps the namespace picklable and JSON-safe.

@@ -45,6 +45,7 @@ from ..flags import (
     check_supported,
     derive_upstream_flags,
     div_namespace,
+    METHOD_KEYS_IN_DIV,
     hparam_table,
     method_from_args,
 )
@@ -171,11 +172,37 @@ load_config = load_experiment
 
 
 def config_argv(cfg: Dict[str, Any]) -> List[str]:
-    """The flags a config stands for: ``div:`` -> ``--div.*``, ``engine:`` -> ``--engine.*``
+    """The flags a config stands for: ``method:`` (name + hyperparameters) and ``task:`` ->
+    ``--div.method`` / ``--div.<key>`` / ``--div.task``, ``div:`` -> ``--div.*`` (its method keys and
+    task: the old spelling, read with a one-line deprecation), ``engine:`` -> ``--engine.*``
     (the layout, :mod:`openrlhf_div.engines.layout`), ``openrlhf:`` -> ``--<key>``. A layout key
     still under ``div:`` is read as ``engine.<key>`` with a one-line deprecation."""
     argv: List[str] = []
     hparams = hparam_table()
+    method = dict(cfg.get("method") or {})
+    method_argv: List[str] = []  # after div:'s flags: the new spelling wins (argparse keeps the last)
+    if "name" in method:
+        method_argv += ["--div.method", str(method.pop("name"))]
+    if cfg.get("task"):
+        method_argv += ["--div.task", str(cfg["task"])]
+    for k, v in method.items():  # the method section: its hyperparameters, as --div.<key>
+        if v is None and k in hparams:
+            method_argv += [f"--div.{k}", EXPLICIT_NONE]
+        else:
+            method_argv += _flag_values("div.", k, v, bool_values=True)
+    div = cfg.get("div") or {}
+    new = dict(cfg.get("method") or {}, **({"task": cfg["task"]} if cfg.get("task") else {}))
+    for k, v in div.items():  # both spellings in one (merged) experiment must agree
+        nk = "name" if k == "method" else k
+        if nk in new and new[nk] != v and (k in ("method", "task") or k in METHOD_KEYS_IN_DIV()):
+            where = "task" if k == "task" else f"method.{nk}"
+            raise ValueError(f"config: div.{k}={v} and {where}={new[nk]} (one experiment, two spellings, e.g. a file "
+                             f"in the old spelling over a base in the new one); write {where} only")
+    old = [k for k in div if k == "method" or k == "task" or k in METHOD_KEYS_IN_DIV()]
+    if old:
+        print(deprecation(", ".join(f"div.{k}" for k in old),
+                          ", ".join("method.name" if k == "method" else "task" if k == "task" else f"method.{k}"
+                                    for k in old)), file=sys.stderr)
     engine = dict(cfg.get("engine") or {})
     unknown = sorted(set(engine) - set(LAYOUT_KEYS))
     if unknown:
@@ -190,7 +217,7 @@ def config_argv(cfg: Dict[str, Any]) -> List[str]:
             argv += [f"--div.{k}", EXPLICIT_NONE]
             continue
         argv += _flag_values("div.", k, v, bool_values=True)
-    argv += layout_argv(engine)
+    argv += method_argv + layout_argv(engine)
     for k, v in (cfg.get("openrlhf") or {}).items():
         argv += _flag_values("", k, v)
     return argv
