@@ -95,3 +95,30 @@ def test_overrides_mean_the_same_on_the_ray_engines():
     p = argparse.ArgumentParser()
     add_div_arguments(p)
     assert method_from_args(p.parse_args(argv)).hparams["anchor_eta"] == 0.3
+
+
+def test_one_experiment_resolves_to_one_method_on_every_engine(tmp_path, monkeypatch):
+    """tiny_cpu_dph_js with `method.anchor_eta=0.3`: the local engine's TrainConfig, the OpenRLHF
+    driver's plan (what its policy actor builds from the flags) and the Megatron actor's
+    resolve_method give the same method, aggregation and hyperparameters, and the same layout."""
+    from openrlhf_div.cli.run import override_argv
+    from openrlhf_div.engines import experiment as E
+    from openrlhf_div.engines.layout import EngineLayout
+    from openrlhf_div.engines.local.config import config_from_dict
+    from openrlhf_div.engines.megatron.actor import resolve_method
+    from openrlhf_div.engines.openrlhf import launch as L
+
+    for var in ("DATA_DIR", "RUN_DIR", "PRESAMPLE_DIR", "SEED", "TINY_MODEL"):
+        monkeypatch.delenv(var, raising=False)
+    path = E.find_experiment("tiny_cpu_dph_js")
+    over = ["method.anchor_eta=0.3"]
+    local_cfg, _ = E.to_local(E.load(path, over, toy=True), run_dir=str(tmp_path), toy=True)
+    local = config_from_dict(local_cfg).build_method()
+    ray = L.plan(["--config", path, *override_argv(over), "--dry-run"])
+    mg = L.plan(["--config", path, *override_argv(over), "--div.actor_backend", "megatron", "--dry-run"])
+    megatron = resolve_method(mg.args)
+    for m in (ray.method, megatron):
+        assert (m.name, m.aggregation, m.dynamic_sampling, m.hparams) == \
+            (local.name, local.aggregation, local.dynamic_sampling, local.hparams)
+    assert local.hparams["anchor_eta"] == 0.3
+    assert EngineLayout.from_args(ray.args) == EngineLayout.from_args(mg.args) == EngineLayout()
