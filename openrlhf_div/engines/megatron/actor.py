@@ -42,7 +42,6 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from openrlhf_div.algorithms.authors import MICRO_BATCH_TOKEN_MEAN
 from openrlhf_div.algorithms.registry import Method, get_method
 from openrlhf_div.compat.flash_attn_standin import install as _install_flash_attn_standin
 

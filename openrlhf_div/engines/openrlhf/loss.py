@@ -32,7 +32,6 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from openrlhf_div.algorithms.authors import MICRO_BATCH_TOKEN_MEAN
 from openrlhf_div.algorithms.registry import Method
 from openrlhf_div.compat.flash_attn_standin import install as _install_flash_attn_standin
 
