@@ -6,7 +6,7 @@ sampling and overlong shaping, LAD with its clip, the SQL family under the autho
 ``OPENRLHF_DIV_TOY_ALL=1`` walks every experiment under configs/ (anchor methods on the SQL
 families are refused by name: a tiny random model writes no correct SQL, so pre-sampling finds no
 D_pef). Measured on the shared 2-core machine, one process: the 43 experiments in 42 s (1-12 s each;
-19 of them SQL anchor experiments refused by name), the CI subset in about 10 s.
+21 of them, the anchor methods of the SQL families, refused by name), the CI subset in about 10 s.
 """
 from __future__ import annotations
 
