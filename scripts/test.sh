@@ -10,6 +10,9 @@ export OPENRLHF_DIV_REQUIRE_REAL_MODEL=1
 # text files are UTF-8 whatever the locale (a non-UTF-8 LANG would change open()'s default encoding
 # in the tests and in every process they start)
 export PYTHONUTF8=1
+# a native crash in any process the suite starts (a vLLM engine's kernel: SIGILL, SIGSEGV) prints
+# its Python frame ("Fatal Python error: ...") into the test output
+export PYTHONFAULTHANDLER=1
 # one line about this machine (CPU model and flag families, cores, Python, torch, vLLM), so that a
 # failure report carries it (scripts/machine_info.py: standard library only)
 "$ROOT/.venv/bin/python" "$ROOT/scripts/machine_info.py" || true

@@ -16,6 +16,10 @@ if _HERE not in sys.path:
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# every process the suite starts (vLLM engines, Ray workers) prints the Python frame of a native
+# crash (SIGILL in an AMX kernel, SIGSEGV); scripts/test.sh sets it too
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+
 
 # ------------------------------------------------------------------ a home directory that is not writable
 # The stack caches under $HOME (~/.cache/openrlhf_div for de-quantized GGUF files, ~/.cache/vllm,

@@ -286,11 +286,11 @@ def test_methods_cli_shows_the_mode_and_its_source(capsys):
 
 
 def test_measurement_script_reproduces_the_documented_figures(capsys):
-    """scripts/measure_authors_diffs.py prints the figures docs/ALGORITHMS.md section 9 quotes."""
+    """benchmarks/measure_authors_diffs.py prints the figures docs/ALGORITHMS.md section 9 quotes."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "measure_authors_diffs.py"
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "measure_authors_diffs.py"
     spec = importlib.util.spec_from_file_location("measure_authors_diffs", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

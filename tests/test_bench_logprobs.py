@@ -1,11 +1,11 @@
-"""scripts/bench_logprobs.py: both paths run (in-process and in a fresh interpreter), the table puts
+"""benchmarks/bench_logprobs.py: both paths run (in-process and in a fresh interpreter), the table puts
 them side by side, and rewriting docs/benchmarks.md replaces only its own section (figures are
 not asserted)."""
 import argparse
 import importlib.util
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_logprobs.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_logprobs.py"
 
 
 def test_bench_cases_table_and_section_rewrite(tmp_path):
@@ -21,7 +21,7 @@ def test_bench_cases_table_and_section_rewrite(tmp_path):
     args = argparse.Namespace(vocab=512, hidden=16, temperature=0.7, threads=1, chunk=4, repeats=1, case_timeout=600)
     peak, sec = bench.run_case("new", "nograd", 8, args)  # the fresh-interpreter path
     assert peak > 0 and sec > 0
-    md = bench.render(res, args, "python scripts/bench_logprobs.py --test", 1.0)
+    md = bench.render(res, args, "python benchmarks/bench_logprobs.py --test", 1.0)
     assert "| training (fwd + bwd, entropy) | 32 | ~" in md and "(extrapolated, not run)" in md
     assert "| no-grad (log-probs) | 16 |" in md
     out = tmp_path / "benchmarks.md"

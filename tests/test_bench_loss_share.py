@@ -1,9 +1,9 @@
-"""scripts/bench_loss_share.py: it runs end to end at toy sizes and rewriting docs/benchmarks.md
+"""benchmarks/bench_loss_share.py: it runs end to end at toy sizes and rewriting docs/benchmarks.md
 replaces only its own section (timings themselves are not asserted)."""
 import importlib.util
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_loss_share.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_loss_share.py"
 
 
 def load():

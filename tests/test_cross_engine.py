@@ -462,7 +462,8 @@ def _local_trainer(name, overrides, files, tmp_path, monkeypatch, extra=()):
     events = []
     tr = Trainer(cfg, hooks=[events.append])
     tr.task = _FixedTask(ROLL.rewards)
-    monkeypatch.setattr(local_trainer, "generate", _fake_generate())
+    fake = _fake_generate()
+    monkeypatch.setattr(tr.sampler, "generate", lambda prompts, **kw: fake(tr.model, tr.tokenizer, prompts, **kw))
     return tr, events
 
 

@@ -3,7 +3,7 @@ fault campaign and failed before its fix. Also issue 16 item 5 (strict grading b
 
 The time bounds below are functional limits (a stalled trainer), set 4x or more above what the
 fixed code needs on a loaded 2-core machine and far below what the faulty code took (5-50 s);
-the figures themselves are measured by ``scripts/measure_threats.py`` (docs/tasks.md)."""
+the figures themselves are measured by ``benchmarks/measure_threats.py`` (docs/tasks.md)."""
 import os
 import signal
 import subprocess
@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def db_root(tmp_path_factory):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("make_fixture_db", os.path.join(ROOT, "scripts", "make_fixture_db.py"))
+    spec = importlib.util.spec_from_file_location("make_fixture_db", os.path.join(ROOT, "tests", "tools", "make_fixture_db.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     root = tmp_path_factory.mktemp("dbs")

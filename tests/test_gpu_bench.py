@@ -1,12 +1,12 @@
-"""The CPU rehearsal of the GPU benchmark (``scripts/gpu_bench.sh``), so that a lent GPU only finds
+"""The CPU rehearsal of the GPU benchmark (``benchmarks/gpu_bench.sh``), so that a lent GPU only finds
 GPU problems.
 
-* the carry kit (``scripts/gpu_kit.py``): built (downloaded from PyPI once, then reused from
+* the carry kit (``benchmarks/gpu_kit.py``): built (downloaded from PyPI once, then reused from
   ``.whl/`` while ``kit.json`` matches), every wheel's tags install on CPython 3.12 /
   manylinux x86_64 (``packaging.tags``, no network), one version each, kit + working tree
   <= 64 MiB; a wrong-tag wheel, a second version and an oversize kit are refused;
 * every case of the bench runs at toy size on the CPU inside the *device view*: ``python -S`` with
-  only the distributions of ``scripts/gpu_device_packages.txt`` and of the kit importable (and the
+  only the distributions of ``benchmarks/gpu_device_packages.txt`` and of the kit importable (and the
   standard-library modules Python 3.12 removed gone); every module imported comes from the
   standard library, the repository, the device list, the kit or our import stubs, and every kit
   distribution is imported by some case (nothing carried in vain);
@@ -27,7 +27,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = os.path.join(ROOT, "scripts")
+SCRIPTS = os.path.join(ROOT, "benchmarks")
 
 
 def _load(name):

@@ -93,7 +93,7 @@ def _cfg(out, train, extra=()):
         "num_threads=1",
         # the hf sampler: auto would start vLLM here (SmolLM2 is supported), ~30 s more per run; the vLLM
         # sampler is tested on a tiny model (tests/test_vllm_sampler.py) and timed on this model by
-        # scripts/bench_engine.py --backends
+        # benchmarks/bench_engine.py --backends
         "rollout.backend=hf", *extra])
 
 

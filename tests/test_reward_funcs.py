@@ -24,7 +24,7 @@ def load_reward_file(name):
 
 @pytest.fixture(scope="module")
 def db_root(tmp_path_factory):
-    spec = importlib.util.spec_from_file_location("mk", os.path.join(ROOT, "scripts", "make_fixture_db.py"))
+    spec = importlib.util.spec_from_file_location("mk", os.path.join(ROOT, "tests", "tools", "make_fixture_db.py"))
     mk = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mk)
     root = tmp_path_factory.mktemp("dbs")

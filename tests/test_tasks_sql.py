@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("make_fixture_db", os.path.join(ROOT, "scripts", "make_fixture_db.py"))
+    spec = importlib.util.spec_from_file_location("make_fixture_db", os.path.join(ROOT, "tests", "tools", "make_fixture_db.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -19,8 +19,8 @@ import torch
 from openrlhf_div.engines.local.config import ConfigError, load_config
 from openrlhf_div.engines.local.tiny import build_tiny_model
 from openrlhf_div.engines.local.toy import VOCAB, make_examples
-from openrlhf_div.engines.local.vllm_sampler import (BackendUnavailable, select_backend,
-                                                     vllm_unsupported_reason)
+from openrlhf_div.engines.local.sampler_registry import SamplerUnavailable, resolve_backend
+from openrlhf_div.engines.local.vllm_sampler import vllm_unsupported_reason
 from openrlhf_div.io import atomic_write_jsonl
 
 # float32 on CPU, a 2-layer model: vLLM's kernels (its own attention, fused qkv / gate_up GEMMs)
@@ -33,20 +33,20 @@ def test_backend_selection_without_importing_vllm(monkeypatch):
     imported_before = "vllm" in sys.modules
     lines = []
     tiny16, _ = build_tiny_model(VOCAB, seed=0)  # hidden 64 / 4 heads: head size 16
-    assert select_backend("hf", tiny16, "cpu", log=lines.append) == "hf" and lines == []
-    assert select_backend("auto", tiny16, "cpu", log=lines.append) == "hf"
+    assert resolve_backend("hf", tiny16, "cpu", log=lines.append) == "hf" and lines == []
+    assert resolve_backend("auto", tiny16, "cpu", log=lines.append) == "hf"
     assert len(lines) == 1 and "head size 16" in lines[0] and "rollout.backend=auto" in lines[0]
-    with pytest.raises(BackendUnavailable, match="head size 16.*rollout.backend=hf"):
-        select_backend("vllm", tiny16, "cpu")
-    with pytest.raises(ValueError, match="auto, vllm, hf"):
-        select_backend("sglang", tiny16, "cpu")
+    with pytest.raises(SamplerUnavailable, match="head size 16.*rollout.backend=auto or hf"):
+        resolve_backend("vllm", tiny16, "cpu")
+    with pytest.raises(ValueError, match="auto, hf, vllm"):
+        resolve_backend("sglang", tiny16, "cpu")
 
     tiny32, _ = build_tiny_model(VOCAB, seed=0, num_heads=2, num_kv_heads=1)  # head size 32
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
     assert vllm_unsupported_reason(tiny32, "cpu") == "vllm is not installed"
     lines.clear()
-    assert select_backend("auto", tiny32, "cpu", log=lines.append) == "hf"
+    assert resolve_backend("auto", tiny32, "cpu", log=lines.append) == "hf"
     assert lines and "vllm is not installed" in lines[0]
     monkeypatch.setattr(importlib.util, "find_spec", real_find_spec)
 
@@ -58,7 +58,7 @@ def test_backend_selection_without_importing_vllm(monkeypatch):
 
 
 def test_auto_falls_back_to_hf_when_the_engine_does_not_start(monkeypatch):
-    from openrlhf_div.engines.local import vllm_sampler
+    from openrlhf_div.engines.local import sampler_registry, vllm_sampler
 
     def boom(*a, **kw):
         raise ValueError("bfloat16 is not supported on this CPU")
@@ -66,17 +66,18 @@ def test_auto_falls_back_to_hf_when_the_engine_does_not_start(monkeypatch):
     monkeypatch.setattr(vllm_sampler, "VLLMSampler", boom)
     lines = []
     auto = load_config(None, ["task=toy_copy"]).rollout
-    assert vllm_sampler.make_sampler("vllm", None, None, auto, device="cpu", seed=0, log=lines.append) == ("hf", None)
+    s = sampler_registry.build_sampler("vllm", None, None, auto, device="cpu", seed=0, fallback="hf", log=lines.append)
+    assert s.name == "hf"
     assert len(lines) == 1 and "did not start (ValueError: bfloat16 is not supported" in lines[0]
-    assert vllm_sampler.make_sampler("hf", None, None, auto, device="cpu", seed=0) == ("hf", None)
+    assert sampler_registry.build_sampler("hf", None, None, auto, device="cpu", seed=0).name == "hf"
     explicit = load_config(None, ["task=toy_copy", "rollout.backend=vllm"]).rollout
     with pytest.raises(ValueError, match="bfloat16"):
-        vllm_sampler.make_sampler("vllm", None, None, explicit, device="cpu", seed=0)
+        sampler_registry.build_sampler("vllm", None, None, explicit, device="cpu", seed=0)
 
 
 def test_backend_config_validation():
     assert load_config(None, ["task=toy_copy"]).rollout.backend == "auto"
-    with pytest.raises(ConfigError, match="rollout.backend must be auto, vllm or hf"):
+    with pytest.raises(ConfigError, match="rollout.backend must be one of auto, hf, vllm"):
         load_config(None, ["task=toy_copy", "rollout.backend=trt"])
     with pytest.raises(ConfigError, match="rollout.vllm_seeding must be batch or request, got 'row'"):
         load_config(None, ["task=toy_copy", "rollout.vllm_seeding=row"])
@@ -144,3 +145,5 @@ def test_vllm_sampler_follows_the_trainer(tmp_path, eager):
         assert float((c.log_probs - _trainer_log_probs(before, c)).abs().max()) > 100 * LOGPROB_TOL
     finally:
         tr.close_sampler()
+    with pytest.raises(RuntimeError, match="the vLLM sampler was closed"):
+        draw(7)

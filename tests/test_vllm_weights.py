@@ -1,10 +1,13 @@
 """Weight updates into a live vLLM CPU engine under every CPU GEMM dispatch of vLLM 0.29 (issue 21).
 
-One in-process vLLM engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, eager, float32) on a tiny tied
-Qwen2 built from a config. Its linear layers are forced through each branch of
+One in-process vLLM engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, eager) on a tiny tied Qwen2
+built from a config. Its linear layers are forced through each branch of
 ``dispatch_cpu_unquantized_gemm`` in turn (``tests/vllm_cpu_gemm.py``: the capability answers are
-patched, vLLM's branch code runs; oneDNN's real kernel runs in float32 even on an AVX2 CPU,
-sgl-kernel and zentorch kernels are stand-ins where this CPU lacks them). After each update through
+patched as the CPU family of that branch gives them, vLLM's branch code runs; oneDNN's real kernel
+runs in float32 on any x86 CPU, sgl-kernel's real kernels on any AVX-512 CPU, stand-ins that keep
+the real kernels' input checks elsewhere). Each branch runs in a configuration vLLM's dispatch can
+choose: sgl-kernel in **bfloat16** (vLLM's ``check_cpu_sgl_kernel`` admits bf16/fp16/int8 only,
+the real ``convert_weight_packed`` refuses float32), the others in float32. After each update through
 :func:`openrlhf_div.compat.vllm_weights.update_vllm_weights` (one tensor at a time, as OpenRLHF
 syncs, or the full set), vLLM's prompt log-probs must have moved and must equal a transformers
 forward of the new weights. The plain ``model.load_weights`` that OpenRLHF calls is shown to fail
@@ -24,17 +27,24 @@ import vllm_cpu_gemm as G  # noqa: E402  (tests/ helper)
 
 PROMPT = [3, 5, 7, 2, 9, 4, 11, 6, 8, 3, 12, 5]
 TOL = 2e-3  # nats: float32 on both sides (vLLM's CPU attention vs transformers' sdpa)
+#: bf16 engine (sgl-kernel) vs a float32 forward of the same bf16-rounded weights: bf16 activations
+TOL_BF16 = 0.08
+#: the engine dtype per branch: the one vLLM's dispatch takes that branch for (module docstring)
+DTYPE = {"sgl": "bfloat16"}
 
 
 def _config():
     from transformers import Qwen2Config
 
-    return Qwen2Config(vocab_size=19, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    # vocab 32: every projection, the tied lm_head included, tiles for sgl-kernel (n % 16 == 0)
+    return Qwen2Config(vocab_size=32, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=64,
                        tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=1)
 
 
-def _hf_model(seed: int):
+def _hf_model(seed: int, dtype: str = "float32"):
+    """float32 weights; for a bf16 engine rounded to bf16 first, so the float32 reference forward
+    sees the weights the engine holds."""
     from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(seed)
@@ -43,6 +53,8 @@ def _hf_model(seed: int):
         for p in model.parameters():
             if p.dim() == 2:
                 p.mul_(6.0)
+            if dtype == "bfloat16":
+                p.copy_(p.to(torch.bfloat16).float())
     return model
 
 
@@ -63,6 +75,28 @@ def _vllm_logprobs(llm):
 def _branches(worker):
     return {name: G.branch_of(m) for name, m in worker.model_runner.model.named_modules()
             if hasattr(m, "cpu_linear")}
+
+
+def _layer_shapes():
+    """[n, k] of every dispatched GEMM of the tiny model (fused as vLLM fuses them)."""
+    c = _config()
+    hd, h, i = c.head_dim, c.hidden_size, c.intermediate_size
+    return {"qkv_proj": ((c.num_attention_heads + 2 * c.num_key_value_heads) * hd, h),
+            "o_proj": (h, c.num_attention_heads * hd), "gate_up_proj": (2 * i, h), "down_proj": (h, i),
+            "lm_head": (c.vocab_size, h)}
+
+
+def test_each_forced_branch_is_one_vllms_dispatch_chooses():
+    """The forced configurations are real ones: on the CPU family each branch stands for, vLLM's own
+    conditions send every layer of the test model (in the branch's dtype) there, and sgl-kernel
+    would never take the float32 engine (the real kernel refuses float32: the Xeon report)."""
+    for branch in G.BRANCHES:
+        dtype = getattr(torch, DTYPE.get(branch, "float32"))
+        got = {name: G.expected_branch(branch, n, k, dtype) for name, (n, k) in _layer_shapes().items()}
+        assert set(got.values()) == {branch}, (branch, got)
+    assert {G.expected_branch("sgl", n, k, torch.float32) for n, k in _layer_shapes().values()} == {"onednn"}
+    with pytest.raises(RuntimeError, match="expect weight to be bfloat16"):
+        G.sgl_pack_contract(torch.zeros(32, 128))  # what the real convert_weight_packed says
 
 
 def _update(worker, named, per_tensor):
@@ -104,10 +138,10 @@ def _plain_load_weights(worker, named):
     return ""
 
 
-def _engine(path):
+def _engine(path, dtype):
     from vllm import LLM
 
-    return LLM(model=path, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=64,
+    return LLM(model=path, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, max_model_len=64,
                seed=0, enable_prefix_caching=False)
 
 
@@ -123,7 +157,9 @@ def _close(llm):
 
 
 def _check_update(llm, branch, seed, per_tensor, before):
-    new = _hf_model(seed)
+    dtype = DTYPE.get(branch, "float32")
+    tol = TOL_BF16 if dtype == "bfloat16" else TOL
+    new = _hf_model(seed, dtype)
     named = [(n, p.detach().clone()) for n, p in new.named_parameters()]
     assert llm.collective_rpc(_update, args=(named, per_tensor))[0]
     layers = llm.collective_rpc(_branches)[0]
@@ -131,7 +167,7 @@ def _check_update(llm, branch, seed, per_tensor, before):
     after = _vllm_logprobs(llm)
     moved = max(abs(a - b) for a, b in zip(after, before))
     err = max(abs(a - b) for a, b in zip(after, _reference_logprobs(new)))
-    assert moved > 0.1 and err < TOL, (branch, seed, per_tensor, moved, err, G.USED)
+    assert moved > 0.1 and err < tol, (branch, seed, per_tensor, moved, err, G.USED)
     return after, new
 
 
@@ -144,18 +180,20 @@ def test_weight_updates_reach_vllm_under_each_cpu_gemm_branch(branch, tmp_path_f
     for k, v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                  "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TOKENIZERS_PARALLELISM": "false"}.items():
         monkeypatch.setenv(k, v)
-    path = tmp_path_factory.getbasetemp() / "vllm_weights_model"
-    base = _hf_model(0)
+    dtype = DTYPE.get(branch, "float32")
+    tol = TOL_BF16 if dtype == "bfloat16" else TOL
+    path = tmp_path_factory.getbasetemp() / f"vllm_weights_model_{dtype}"
+    base = _hf_model(0, dtype)
     if not (path / "config.json").exists():
         base.save_pretrained(str(path))
     G.set_branch(branch)
     llm = None
     try:
-        llm = _engine(str(path))
+        llm = _engine(str(path), dtype)
         layers = llm.collective_rpc(_branches)[0]
         assert set(layers.values()) == {branch} and "lm_head" in layers, layers
         before = _vllm_logprobs(llm)
-        assert max(abs(a - b) for a, b in zip(before, _reference_logprobs(base))) < TOL
+        assert max(abs(a - b) for a, b in zip(before, _reference_logprobs(base))) < tol
 
         named = [(n, p.detach().clone()) for n, p in _hf_model(1).named_parameters()]
         failure = llm.collective_rpc(_plain_load_weights, args=(named,))[0]
@@ -168,14 +206,14 @@ def test_weight_updates_reach_vllm_under_each_cpu_gemm_branch(branch, tmp_path_f
             return
         # a fused layer's tensors over several calls: the update waits for them, a forward between
         # them is refused with the layer named, and the call that completes it applies everything
-        new = _hf_model(4)
+        new = _hf_model(4, dtype)
         named = [(n, p.detach().clone()) for n, p in new.named_parameters()]
         pending, refused, left = llm.collective_rpc(_half_update, args=(named,))[0]
         assert pending and "layers.0.self_attn.qkv_proj" in pending[0], pending
         assert "incomplete" in refused and "qkv_proj" in refused, refused
         assert left == []
         after = _vllm_logprobs(llm)
-        assert max(abs(a - b) for a, b in zip(after, _reference_logprobs(new))) < TOL
+        assert max(abs(a - b) for a, b in zip(after, _reference_logprobs(new))) < tol
     finally:
         if llm is not None:
             _close(llm)

@@ -5,24 +5,32 @@ load time and again whenever a layer is re-processed:
 
 * ``zentorch`` when ``current_platform.is_zen_cpu()`` and zentorch's ops exist,
 * ``sgl`` (sgl-kernel ``weight_packed_linear``) when ``check_cpu_sgl_kernel`` (AMX, small
-  bf16/fp16 weights),
+  bf16/fp16/int8 weights whose shape tiles: ``k % 32 == 0 and n % 16 == 0`` or ``n < 16``),
 * ``onednn`` when vLLM's ops carry ``create_onednn_mm_handler`` and the handle builds for
   the dtype,
 * ``fallback`` ``F.linear`` otherwise.
 
 :func:`set_branch` wraps that function so that, while it runs, the capability answers it reads
-(``is_zen_cpu``, ``check_cpu_sgl_kernel``, ``ops._supports_onednn``) pick the requested
-branch; vLLM's own branch code then runs unchanged (the packing, the removal of
+pick the requested branch *as the CPU family that takes it would*: ``sgl`` makes
+``torch.cpu._is_amx_tile_supported()`` answer True and leaves vLLM's own ``check_cpu_sgl_kernel``
+to judge dtype and shape (so a float32 engine never lands on sgl-kernel, as on a real AMX Xeon;
+:func:`expected_branch` says what each layer gets), ``onednn`` answers "no AMX",
+``zentorch`` ``is_zen_cpu()``, ``fallback`` "no AMX, no oneDNN". vLLM's own branch code then
+runs unchanged (the packing, the removal of
 ``layer.weight``, the ``cpu_linear`` closure). Only a **kernel** this CPU cannot run is replaced,
 by the smallest stand-in that keeps the branch's contract (a packed copy owned by the kernel,
-the live ``layer.weight`` never read):
+the live ``layer.weight`` never read) and **refuses what the real kernel refuses** (read from
+vLLM 0.29's ``csrc/cpu`` sources and Python wrappers: dtypes, shapes, the fp32 bias sgl-kernel
+expects), so a test that the real kernel would fail fails on every CPU:
 
 * oneDNN: the real ``create_onednn_mm`` / ``onednn_mm`` run wherever the handle builds
   (float32 on an AVX2 CPU, bf16 on AVX-512-BF16); only where it raises (bf16 on AVX2) a
   stand-in handle keeps a transposed copy and multiplies with it.
 * sgl-kernel: ``torch.ops._C.convert_weight_packed`` / ``weight_packed_linear`` exist only in
-  vLLM's AVX-512 build (``_C_AVX512``, which an AVX2 CPU cannot load); where missing, the
-  stand-ins pack to a transposed copy and multiply with it.
+  vLLM's AVX-512 build (``_C_AVX512``, which an AVX2 CPU cannot load; an AVX-512 CPU, AMD or
+  Intel, runs the real ones); where missing, the stand-ins pack to a transposed copy and multiply
+  with it, after the real kernel's checks (weight bf16/fp16/int8, 2-D; activation of the weight's
+  dtype; bias float32).
 * zentorch: not installed here; where missing, ``torch.ops.zentorch.zentorch_linear_unary`` /
   ``zentorch_weight_prepack_for_linear`` stand-ins do the same.
 
@@ -63,6 +71,8 @@ class StandinOneDNNHandle:
     """What ``create_onednn_mm`` returns where oneDNN cannot build the handle for the dtype."""
 
     def __init__(self, weight_kn: torch.Tensor):
+        if weight_kn.dtype not in (torch.float32, torch.bfloat16):  # what oneDNN's CPU matmul packs
+            raise RuntimeError(f"oneDNN stand-in: unsupported weight dtype {weight_kn.dtype}")
         self.packed = weight_kn.detach().contiguous().clone()  # [K, N], owned by the "kernel"
         self.k, self.n = self.packed.shape
 
@@ -72,6 +82,34 @@ def _standin_mm(x: torch.Tensor, packed_kn: torch.Tensor, bias, n: int) -> torch
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+#: the weight dtypes sgl-kernel's convert_weight_packed accepts (csrc/cpu/sgl-kernels/gemm.cpp)
+SGL_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.int8)
+SGL_DTYPE_ERROR = "expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8(mxfp4 or int4)"
+
+
+def sgl_pack_contract(weight: torch.Tensor) -> torch.Tensor:
+    """The real ``convert_weight_packed``'s checks, then a [K, N] copy (float32 where N < 16, as
+    the real kernel transposes to fp32 instead of VNNI-packing below one tile)."""
+    if weight.dtype not in SGL_WEIGHT_DTYPES:
+        raise RuntimeError(SGL_DTYPE_ERROR)  # the real kernel's message, verbatim
+    if weight.dim() != 2:
+        raise RuntimeError(f"convert_weight_packed: expect a 2-D weight, got {tuple(weight.shape)}")
+    packed = weight.detach().t().contiguous().clone()
+    return packed.float() if weight.shape[0] < 16 else packed
+
+
+def sgl_linear_contract(out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, bias) -> None:
+    """The real ``weight_packed_linear``'s checks on its inputs."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise RuntimeError(f"weight_packed_linear: expect the activation in bf16/fp16, got {x.dtype}")
+    if packed.dtype not in (x.dtype, torch.float32):
+        raise RuntimeError(f"weight_packed_linear: weight {packed.dtype} does not match activation {x.dtype}")
+    if bias is not None and bias.dtype != torch.float32:
+        raise RuntimeError(f"weight_packed_linear: expect a float32 bias, got {bias.dtype}")
+    if x.size(-1) != packed.shape[0] or out.dtype != x.dtype:
+        raise RuntimeError("weight_packed_linear: shape or output dtype mismatch")
 
 
 def _install_kernels() -> List[Callable[[], None]]:
@@ -93,6 +131,9 @@ def _install_kernels() -> List[Callable[[], None]]:
 
         def onednn_mm(handler, x, bias):
             if isinstance(handler, StandinOneDNNHandle):
+                if x.dtype != handler.packed.dtype or x.size(-1) != handler.k:
+                    raise RuntimeError(f"onednn_mm stand-in: activation {x.dtype} {tuple(x.shape)} does not "
+                                       f"match the handle ({handler.packed.dtype}, K={handler.k})")
                 return _standin_mm(x, handler.packed, bias, handler.n)
             return real_mm(handler, x, bias)
 
@@ -108,9 +149,10 @@ def _install_kernels() -> List[Callable[[], None]]:
     if not hasattr(c_ops, "convert_weight_packed"):
         def convert_weight_packed(weight):
             USED["sgl"] = "stand-in"
-            return weight.detach().t().contiguous().clone()  # [K, N]
+            return sgl_pack_contract(weight)
 
         def weight_packed_linear(out, x, packed, bias, is_vnni):
+            sgl_linear_contract(out, x, packed, bias)
             out.copy_(_standin_mm(x, packed, bias, packed.shape[1]).reshape(out.shape))
 
         setattr(c_ops, "convert_weight_packed", convert_weight_packed)
@@ -142,18 +184,39 @@ def _choose(branch: str):
     from vllm.model_executor.layers import utils
 
     platform = utils.current_platform
-    saved = (utils.check_cpu_sgl_kernel, ops._supports_onednn, platform.__dict__.get("is_zen_cpu"))
+    saved = (utils.check_cpu_sgl_kernel, ops._supports_onednn, platform.__dict__.get("is_zen_cpu"),
+             torch.cpu._is_amx_tile_supported)
     platform.is_zen_cpu = lambda: branch == "zentorch"
-    utils.check_cpu_sgl_kernel = lambda n, k, dtype: branch == "sgl"
-    ops._supports_onednn = branch == "onednn"
+    if branch == "sgl":  # an AMX CPU: vLLM's own check judges dtype and shape
+        torch.cpu._is_amx_tile_supported = lambda: True
+    else:
+        utils.check_cpu_sgl_kernel = lambda n, k, dtype: False
+    ops._supports_onednn = branch == "onednn" or (branch == "sgl" and saved[1])
     try:
         yield
     finally:
         utils.check_cpu_sgl_kernel, ops._supports_onednn = saved[0], saved[1]
+        torch.cpu._is_amx_tile_supported = saved[3]
         if saved[2] is None:
             del platform.is_zen_cpu
         else:
             platform.is_zen_cpu = saved[2]
+
+
+def expected_branch(branch: str, n: int, k: int, dtype: torch.dtype) -> str:
+    """The branch vLLM's dispatch gives an [n, k] ``dtype`` weight on the CPU family that
+    ``branch`` stands for (sgl: an AMX CPU, where vLLM's own ``check_cpu_sgl_kernel`` decides and
+    the rest goes to oneDNN)."""
+    if branch != "sgl":
+        return branch
+    from vllm.model_executor.layers import utils
+
+    real = torch.cpu._is_amx_tile_supported
+    torch.cpu._is_amx_tile_supported = lambda: True
+    try:
+        return "sgl" if utils.check_cpu_sgl_kernel(n, k, dtype) else "onednn"
+    finally:
+        torch.cpu._is_amx_tile_supported = real
 
 
 _STATE: Dict[str, object] = {"branch": None, "undo": []}

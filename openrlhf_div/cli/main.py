@@ -47,6 +47,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     from openrlhf_div.plugins import load_plugins, split_plugin_args
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    import faulthandler
+
+    if not faulthandler.is_enabled():  # a native crash (an in-process vLLM engine's kernel) names its frame
+        faulthandler.enable()
     try:  # before the parsers are built: the plug-ins' methods and tasks are then known everywhere
         plugins, argv = split_plugin_args(argv)
         load_plugins(plugins)
@@ -69,7 +73,23 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise
         print(f"openrlhf-div {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        # the sampler cannot run this model, or a vLLM engine process died: one line, no wall of
+        # EngineDeadError frames (OPENRLHF_DIV_DEBUG=1 for the traceback)
+        line = _one_line_failure(exc)
+        if line is None or os.environ.get("OPENRLHF_DIV_DEBUG"):
+            raise
+        print(f"openrlhf-div {args.command}: error: {line}", file=sys.stderr)
+        return 2 if type(exc).__name__ == "BackendUnavailable" else 4
     return int(rc or 0)
+
+
+def _one_line_failure(exc: BaseException) -> Optional[str]:
+    if type(exc).__name__ == "BackendUnavailable":  # engines/local/vllm_sampler.py: reason and fix
+        return str(exc)
+    from openrlhf_div.compat.engine_death import explain
+
+    return explain(exc)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -3,7 +3,7 @@
 OpenRLHF 0.11.2 defines its trainer classes next to their Ray actors: ``ActorPPOTrainer`` lives in
 ``openrlhf.trainer.ray.ppo_actor``, which imports ``ray`` and decorates ``PolicyModelActor`` with
 ``@ray.remote(num_gpus=1)`` at import time (``launcher.py`` and ``vllm_engine.py`` likewise, and
-``from ray.util.placement_group import ...``). The GPU bench (``scripts/gpu_bench.py``) runs one
+``from ray.util.placement_group import ...``). The GPU bench (``benchmarks/gpu_bench.py``) runs one
 actor training step in one process, where no actor is ever started, on a machine where Ray's wheel
 (~74 MB) cannot be carried. :func:`install` registers a module that satisfies exactly those
 imports: ``ray.remote`` returns a handle whose ``__ray_actor_class__`` is the decorated class (as
@@ -22,7 +22,7 @@ import types
 
 STUB_VERSION = "0.0.0+openrlhf_div.stub"
 _MSG = ("Ray is not installed: this is openrlhf_div.compat.ray_stub, an import stub for one-process runs "
-        "(scripts/gpu_bench.py). Install ray (see docker/Dockerfile) to start actors.")
+        "(benchmarks/gpu_bench.py). Install ray (see docker/Dockerfile) to start actors.")
 
 
 def _unavailable(*args, **kwargs):

@@ -10,7 +10,7 @@ It is installed **only on request** and **only when the real package is absent**
 the training path installs it. The CPU set-up (scripts/setup_env.sh) installs vLLM's CPU build,
 so there :func:`install` does nothing and the unit tests that call it import the real vLLM
 without starting an engine (they test classes, not rollouts: an engine is what tests/e2e starts).
-It remains for machines without vLLM: the GPU bench's one-process actor step (scripts/gpu_bench.py) and minimal
+It remains for machines without vLLM: the GPU bench's one-process actor step (benchmarks/gpu_bench.py) and minimal
 installs.
 """
 from __future__ import annotations

@@ -13,6 +13,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 import torch
 
 from ..eval.evaluate import evaluate
+from ..engines.local.sampler_registry import open_sampler
 from ..engines.local.samplers import local_generate_fn
 from ..tasks import get_task
 
@@ -25,7 +26,7 @@ def evaluate_model(model, tokenizer, examples: Sequence[Mapping[str, Any]], *, b
     batch), score and summarise; keep / explore against ``base_problems`` (``is_base`` for
     the base itself). Returns the :func:`~openrlhf_div.eval.evaluate.evaluate` result."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(int(seed))
-    generate_fn = local_generate_fn(model, tokenizer, gen)
+    generate_fn = local_generate_fn(open_sampler("hf", model, tokenizer, None, device=gen.device, seed=int(seed)), gen)
 
     was_training = model.training
     model.eval()

@@ -263,8 +263,10 @@ class TrainConfig:
                               ("rollout.dynamic_sampling_max_tries", r.dynamic_sampling_max_tries, 1)):
             if int(val) < lo:
                 raise ConfigError(f"{name} must be >= {lo}, got {val}")
-        if r.backend not in ("auto", "vllm", "hf"):
-            raise ConfigError(f"rollout.backend must be auto, vllm or hf, got {r.backend!r}")
+        from .sampler_registry import backend_choices  # the sampler registry names the backends
+
+        if r.backend not in backend_choices():
+            raise ConfigError(f"rollout.backend must be one of {', '.join(backend_choices())}, got {r.backend!r}")
         if r.vllm_seeding not in ("batch", "request"):
             raise ConfigError(f"rollout.vllm_seeding must be batch or request, got {r.vllm_seeding!r}")
         if not 0 < r.vllm_gpu_memory_utilization < 1:

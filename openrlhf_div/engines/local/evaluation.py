@@ -19,6 +19,7 @@ import torch
 from openrlhf_div.eval.evaluate import evaluate
 from openrlhf_div.eval.results import write_eval
 
+from .sampler_registry import open_sampler
 from .samplers import local_generate_fn
 
 EVAL_SEED_OFFSET = 12345  # evaluation samples with its own stream: seed + this
@@ -36,16 +37,16 @@ def eval_settings(cfg) -> Dict[str, Any]:
 
 @torch.no_grad()
 def evaluate_policy(model, tokenizer, task, examples: Sequence[Dict[str, Any]], cfg, *, run_dir: str,
-                    name: str, step: int, model_path: Optional[str] = None, sampler=None) -> Dict[str, Any]:
+                    name: str, step: int, sampler, model_path: Optional[str] = None) -> Dict[str, Any]:
     """Evaluate ``model`` on ``examples`` with the settings of ``cfg`` (:func:`eval_settings`,
     ``data.prompt_template`` / ``data.system_prompt``), write ``run_dir/eval.json`` (+ samples,
     table) and return the result. Sampling uses its own generator seeded ``seed + 12345``, so
-    every evaluation of a run draws the same random numbers. ``sampler``: the trainer's vLLM
-    sampler (``rollout.backend: vllm``), holding ``model``'s current weights; None: the hf sampler."""
+    every evaluation of a run draws the same random numbers. ``sampler``: a :mod:`.sampler_registry`
+    sampler holding ``model``'s current weights (the trainer's own)."""
     s = eval_settings(cfg)
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(int(cfg.seed) + EVAL_SEED_OFFSET)
-    generate_fn = local_generate_fn(model, tokenizer, gen, sampler=sampler)
+    generate_fn = local_generate_fn(sampler, gen)
 
     was_training = model.training
     model.eval()
@@ -96,8 +97,10 @@ def evaluate_run_dir(run_dir: str) -> str:
         examples = examples[:cfg.eval.max_prompts]
     if step is None:
         step = cfg.optim.steps
+    # the KV-cache sampler, as before the registry: starting a vLLM engine costs more than this evaluation
+    sampler = open_sampler("hf", model, tok, cfg.rollout, device=device, seed=cfg.seed)
     evaluate_policy(model, tok, task, examples, cfg, run_dir=run_dir, name=str(cfg.method.get("name")),
-                    step=step, model_path=path)
+                    step=step, model_path=path, sampler=sampler)
     return os.path.join(run_dir, "eval.json")
 
 

@@ -42,7 +42,7 @@ from openrlhf_div.engines.anchor_data import Sample, ShardStore, format_summary,
 from .config import TrainConfig
 
 from .data import data_fingerprint, example_key, load_task_examples, max_prompt_tokens, prepare_prompts
-from .generation import generate, pack_sequences, sequence_log_probs
+from .generation import pack_sequences, sequence_log_probs
 
 
 def chunk_seed(seed: int, chunk: int, stream: int = 0) -> int:
@@ -69,15 +69,15 @@ def _settings(cfg: TrainConfig, train_path: str, n_examples: int) -> Dict[str, A
 
 @torch.no_grad()
 def _process_chunk(model, tokenizer, task, examples: List[Dict[str, Any]], chunk: int, s: Dict[str, Any],
-                   device, prompts: Dict[Any, List[int]], prompt_texts: Dict[Any, str], sampler=None) -> Dict[str, Any]:
-    """Sample (``rollout.backend``'s sampler), score and split one chunk (the rule: :func:`~openrlhf_div.engines.anchor_data.split_chunk`),
+                   device, prompts: Dict[Any, List[int]], prompt_texts: Dict[Any, str], sampler) -> Dict[str, Any]:
+    """Sample (``sampler``: ``rollout.backend``'s, from :mod:`.sampler_registry`), score and split one chunk (the rule: :func:`~openrlhf_div.engines.anchor_data.split_chunk`),
     then add the kept responses' base log-probs from the training forward."""
     n_pre = s["n_pre"]
     prompt_ids = [prompts[example_key(ex)] for ex in examples]
     texts = [prompt_texts[example_key(ex)] for ex in examples]
     gen = torch.Generator(device=device).manual_seed(chunk_seed(s["seed"], chunk))
-    out = _sample_fn(model, tokenizer, sampler)(prompt_ids, n_samples=n_pre, max_new_tokens=s["max_new_tokens"],
-                                                temperature=s["temperature"], top_p=s["top_p"], generator=gen)
+    out = sampler.generate(prompt_ids, n_samples=n_pre, max_new_tokens=s["max_new_tokens"],
+                           temperature=s["temperature"], top_p=s["top_p"], generator=gen)
     samples = []
     for i, ex in enumerate(examples):
         rows = range(i * n_pre, (i + 1) * n_pre)
@@ -99,24 +99,16 @@ def _process_chunk(model, tokenizer, task, examples: List[Dict[str, Any]], chunk
     return {"pef": pef, "exp": exp, "n_correct": n_correct}
 
 
-def _sample_fn(model, tokenizer, sampler):
-    """``rollout.backend``'s sampler: the vLLM engine's ``generate`` or :func:`.generation.generate`."""
-    if sampler is not None:
-        return sampler.generate
-    return lambda prompts, **kw: generate(model, tokenizer, prompts, **kw)
-
-
 def _resample_anchors(model, tokenizer, task, examples, prompt_ids, hot: List[int], chunk: int, s: Dict[str, Any],
-                      device, sampler=None) -> List[Optional[Sample]]:
+                      device, sampler) -> List[Optional[Sample]]:
     """One fresh sample (seeded from ``(seed, chunk, 1)``) for each near-perfect prompt ``hot``;
     ``None`` for the others."""
     fresh: List[Optional[Sample]] = [None] * len(examples)
     if not hot:
         return fresh
     gen = torch.Generator(device=device).manual_seed(chunk_seed(s["seed"], chunk, stream=1))
-    out = _sample_fn(model, tokenizer, sampler)([prompt_ids[i] for i in hot], n_samples=1,
-                                                max_new_tokens=s["max_new_tokens"], temperature=s["temperature"],
-                                                top_p=s["top_p"], generator=gen)
+    out = sampler.generate([prompt_ids[i] for i in hot], n_samples=1, max_new_tokens=s["max_new_tokens"],
+                           temperature=s["temperature"], top_p=s["top_p"], generator=gen)
     ok = task.reward_results(out.texts, [examples[i].get("label") for i in hot])
     for k, (i, res) in enumerate(zip(hot, ok)):
         fresh[i] = Sample(out.response_ids[k], out.texts[k], correct=bool(res.correct))
@@ -144,14 +136,14 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
                                                  "prompt_template", "system_prompt") if getattr(cfg.data, k)})
     if not 1 <= s["tau"] <= s["n_pre"]:
         raise ValueError(f"presample.tau must be in [1, n_pre={s['n_pre']}], got {s['tau']}")
-    from .vllm_sampler import make_sampler, select_backend
+    from .sampler_registry import build_sampler, resolve_backend
 
     device = resolve_device(cfg.device)
     model, tokenizer = build_policy(cfg, device)
     model.eval()
-    backend = select_backend(cfg.rollout.backend, model, device)
-    if backend == "vllm":  # recorded only when on, so runs started before the option existed still resume
-        s["sampler"] = "vllm"
+    backend = resolve_backend(cfg.rollout.backend, model, device)
+    if backend != "hf":  # recorded only when not hf, so runs started before the option existed still resume
+        s["sampler"] = backend
     store = ShardStore(out_dir, s, len(examples), overwrite=overwrite, engine="local",
                        hint="use another output directory or --overwrite")
     task = get_task(cfg.task, **(cfg.task_options or {}))
@@ -167,11 +159,14 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
     bar = progress_bar(total=len(examples), initial=initial, desc="presample", unit="prompt",
                        disable=not progress, dynamic_ncols=True)
     sampler = None
-    if todo:
-        started, sampler = make_sampler(backend, model, tokenizer, cfg.rollout, device=device, seed=cfg.seed)
-        if started != backend:  # auto, and the engine did not start: the settings must say which sampler ran
-            raise RuntimeError("presample: rollout.backend=auto chose vllm but its engine did not start (see the line "
-                               "above); run again with rollout.backend=hf")
+    if todo:  # no fallback: the settings above name the sampler, so another one must not run under them
+        try:
+            sampler = build_sampler(backend, model, tokenizer, cfg.rollout, device=device, seed=cfg.seed)
+        except Exception as exc:
+            if cfg.rollout.backend != "auto":
+                raise
+            raise RuntimeError(f"presample: rollout.backend=auto chose {backend} but it did not start "
+                               f"({type(exc).__name__}: {str(exc)[:300]}); run again with rollout.backend=hf") from exc
     try:
         for c in todo:
             lo, hi = store.bounds(c)
@@ -181,7 +176,7 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
             n_done += 1
             bar.update(hi - lo)
     finally:
-        if sampler is not None:
+        if todo:
             sampler.close()
     bar.close()
     if n_done < store.n_chunks:

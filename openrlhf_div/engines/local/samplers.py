@@ -18,18 +18,12 @@ from openrlhf_div.eval.generate import Completion, GenerateFn, vllm_available
 __all__ = ["generate", "generate_local", "local_generate_fn", "generate_vllm", "make_generate_fn"]
 
 
-def generate_local(model, tokenizer, prompts: Sequence[str], n: int = 1, temperature: float = 1.0,
+def generate_local(sampler, prompts: Sequence[str], n: int = 1, temperature: float = 1.0,
                    top_p: float = 1.0, max_new_tokens: int = 512, greedy: bool = False, batch_size: int = 8,
-                   generator=None, sampler=None) -> List[List[str]]:
-    """The local engine's KV-cache sampler (:func:`.generation.generate`, the one training uses),
-    or its in-process vLLM sampler when ``sampler`` (a :class:`.vllm_sampler.VLLMSampler`) is
-    given, with the :func:`generate` contract. ``batch_size`` counts prompts per call; greedy
-    decodes once per prompt and repeats it ``n`` times."""
-    from .generation import generate as hf_generate
-
-    engine_generate = (lambda model, tokenizer, prompts, **kw: sampler.generate(prompts, **kw)) if sampler is not None \
-        else hf_generate
-
+                   generator=None) -> List[List[str]]:
+    """A local-engine sampler (:mod:`.sampler_registry`: ``hf``, the KV-cache sampler training uses,
+    or ``vllm``, the in-process engine) with the :func:`generate` contract. ``batch_size`` counts
+    prompts per call; greedy decodes once per prompt and repeats it ``n`` times."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if not greedy and temperature <= 0:
@@ -38,24 +32,22 @@ def generate_local(model, tokenizer, prompts: Sequence[str], n: int = 1, tempera
     out: List[List[str]] = []
     for start in range(0, len(prompts), batch_size):
         chunk = list(prompts[start:start + batch_size])
-        g = engine_generate(model, tokenizer, chunk, n_samples=reps, max_new_tokens=max_new_tokens,
-                            temperature=0.0 if greedy else float(temperature), top_p=1.0 if greedy else float(top_p),
-                            generator=generator)
+        g = sampler.generate(chunk, n_samples=reps, max_new_tokens=max_new_tokens,
+                             temperature=0.0 if greedy else float(temperature), top_p=1.0 if greedy else float(top_p),
+                             generator=generator)
         for i in range(len(chunk)):
             group = [Completion(g.texts[j], truncated=not bool(g.finished[j])) for j in range(i * reps, (i + 1) * reps)]
             out.append(group * n if greedy else group)
     return out
 
 
-def local_generate_fn(model, tokenizer, generator=None, batch_size: Optional[int] = None,
-                      sampler=None) -> GenerateFn:
-    """``generate_fn`` over an in-memory model with the local engine's sampler
-    (:func:`generate_local`; its vLLM sampler when ``sampler`` is given), drawing from
+def local_generate_fn(sampler, generator=None, batch_size: Optional[int] = None) -> GenerateFn:
+    """``generate_fn`` over a local-engine ``sampler`` (:func:`generate_local`), drawing from
     ``generator``; ``batch_size`` prompts per call (default: all prompts of a call in one batch)."""
     def fn(prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=512, greedy=False):
-        return generate_local(model, tokenizer, prompts, n=n, temperature=temperature, top_p=top_p,
+        return generate_local(sampler, prompts, n=n, temperature=temperature, top_p=top_p,
                               max_new_tokens=max_new_tokens, greedy=greedy,
-                              batch_size=batch_size or max(1, len(prompts)), generator=generator, sampler=sampler)
+                              batch_size=batch_size or max(1, len(prompts)), generator=generator)
 
     return fn
 
@@ -196,5 +188,8 @@ def make_generate_fn(model_path: str, engine: str = "auto", device: str = "auto"
 
         return fn, tokenizer, "hf"
 
+    from .sampler_registry import open_sampler
+
     gen = torch.Generator(device=device).manual_seed(int(seed or 0))
-    return local_generate_fn(model, tokenizer, gen, batch_size), tokenizer, "local"
+    return local_generate_fn(open_sampler("hf", model, tokenizer, None, device=device, seed=int(seed or 0)), gen,
+                             batch_size), tokenizer, "local"

@@ -64,12 +64,12 @@ from .data import (Cursor, example_key, load_task_examples, max_prompt_tokens, p
                    render_prompt)
 from .generation import (
     encode_prompts,
-    generate,
     pack_sequences,
     response_forward,
     sequence_log_probs,
 )
 from .evaluation import eval_row, evaluate_policy
+from .sampler_registry import open_sampler
 from .checkpoint import (CorruptCheckpointError, NonFiniteWeightsError, check_weights,  # noqa: F401
                          latest_pointer, read_trainer_state, restore_rng_states, resume_checkpoint, rng_states,
                          weight_norm, write_checkpoint)
@@ -175,12 +175,10 @@ class Trainer:
         if m.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
-        # ---- the sampler: hf (generation.generate over self.model) or an in-process vLLM engine
-        from .vllm_sampler import make_sampler, select_backend
-
-        self.backend = select_backend(cfg.rollout.backend, self.model, self.device)
-        self.backend, self.sampler = make_sampler(self.backend, self.model, self.tokenizer, cfg.rollout,
-                                                  device=self.device, seed=cfg.seed)
+        # ---- the sampler: rollout.backend from the sampler registry (hf: the KV-cache sampler over
+        # self.model; vllm: an in-process engine); every sampling call below goes through it
+        self.sampler = open_sampler(cfg.rollout.backend, self.model, self.tokenizer, cfg.rollout,
+                                    device=self.device, seed=cfg.seed)
         self.ref_model = None
         if self.needs.ref_log_probs:
             self.ref_model, _ = build_policy(cfg, self.device)
@@ -270,14 +268,15 @@ class Trainer:
         return torch.cat(outs, 0)
 
     # ------------------------------------------------------------------ rollouts
+    @property
+    def backend(self) -> str:
+        """The registered name of the sampler in use (``hf`` or ``vllm``; ``auto`` resolved)."""
+        return self.sampler.name
+
     def sample(self, prompts, **kw):
-        """``rollout.backend``'s sampler: :func:`.generation.generate` over the policy (hf) or the
-        in-process vLLM engine (vllm), same arguments and :class:`.generation.GenerationOutput`."""
-        if self.backend == "vllm":
-            if self.sampler is None:
-                raise RuntimeError("the vLLM sampler was closed (Trainer.close_sampler); build a new Trainer")
-            return self.sampler.generate(prompts, **kw)
-        return generate(self.model, self.tokenizer, prompts, **kw)
+        """``rollout.backend``'s sampler (:mod:`.sampler_registry`): same arguments and
+        :class:`.generation.GenerationOutput` for every backend."""
+        return self.sampler.generate(prompts, **kw)
 
     def make_experience(self):
         """Sample, score, shape, filter and compute advantages for one RL step.
@@ -472,16 +471,14 @@ class Trainer:
         exp, stats = self.make_experience()
         t1, c1 = time.perf_counter(), time.process_time()
         self._weights_changed = False
-        if self.sampler is not None:
-            self.sampler.sleep()  # GPU: free vLLM's memory while the trainer runs
+        self.sampler.sleep()  # GPU vLLM: free its memory while the trainer runs (hf: nothing to free)
         if exp is not None:
             stats.update(self.optimise(exp))
         else:
             stats["skipped"] = 1.0  # dynamic sampling found no informative group
-        if self.sampler is not None:
-            if self._weights_changed or not self.sampler.awake:
-                self.sampler.sync(self.model)  # the new weights reach the sampler before the next rollout
-            stats["time_weight_sync"] = self.sampler.push_seconds
+        if self._weights_changed or not self.sampler.awake:
+            self.sampler.sync(self.model)  # the new weights reach the sampler before the next rollout
+        stats["time_weight_sync"] = self.sampler.push_seconds
         self.step += 1
         t2 = time.perf_counter()
         n = self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
@@ -610,10 +607,10 @@ class Trainer:
         return {"metrics": last, "eval": last_eval, "run_dir": self.run_dir}
 
     def close_sampler(self) -> None:
-        """Shut the vLLM engine down (no-op for hf)."""
+        """Release the sampler (vLLM: shut its engine down; hf: nothing held). Sampling afterwards
+        is the backend's to refuse (vLLM raises)."""
         if getattr(self, "sampler", None) is not None:
             self.sampler.close()
-            self.sampler = None
 
 
 # =============================================================================== entry point

@@ -27,8 +27,9 @@ verl's hybrid engine use.
   With ``top_p < 1`` vLLM's processed log-probs are renormalised over the nucleus, unlike the
   ``hf`` sampler's; the config refuses ``recompute_old_log_probs: false`` there.
 
-:func:`select_backend` decides ``auto`` (vLLM when it imports and supports the model, else
-``hf`` with one line saying why) without importing vLLM when a cheap check already rules it out.
+:func:`vllm_unsupported_reason` is the ``vllm`` entry's check in the sampler registry
+(:mod:`.sampler_registry`, which also decides ``auto``); it rules vLLM out without importing it
+when a cheap check suffices.
 """
 from __future__ import annotations
 
@@ -44,15 +45,9 @@ from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-BACKENDS = ("auto", "vllm", "hf")
-
 # head sizes of vLLM 0.29's CPU attention kernel (vllm/v1/attention/backends/cpu_attn.py); a cheap
 # pre-check so that `auto` on the demo's tiny models (head size 16) does not import vLLM (10-20 s)
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-
-
-class BackendUnavailable(RuntimeError):
-    """``rollout.backend=vllm`` was asked for and cannot be used here; the message says why."""
 
 
 def _head_dim(config) -> int:
@@ -89,24 +84,6 @@ def vllm_unsupported_reason(model, device: Union[str, torch.device], *, check_re
         if not any(a in supported for a in archs):
             return f"architecture {archs[0]} is not in vLLM's model registry"
     return None
-
-
-def select_backend(requested: str, model, device, *, log=print) -> str:
-    """``"vllm"`` or ``"hf"`` for ``rollout.backend = requested``. ``auto`` falls back to ``hf``
-    with one log line naming the reason; an explicit ``vllm`` that cannot run raises
-    :class:`BackendUnavailable` with the reason and the fix."""
-    if requested not in BACKENDS:
-        raise ValueError(f"rollout.backend must be one of {', '.join(BACKENDS)}, got {requested!r}")
-    if requested == "hf":
-        return "hf"
-    reason = vllm_unsupported_reason(model, device)
-    if reason is None:
-        return "vllm"
-    if requested == "vllm":
-        raise BackendUnavailable(f"rollout.backend=vllm but vLLM cannot sample here: {reason}. "
-                                 f"Use rollout.backend=hf (the local KV-cache sampler) or auto")
-    log(f"[openrlhf-div] rollout.backend=auto: sampling with hf (the local KV-cache sampler): {reason}")
-    return "hf"
 
 
 # ------------------------------------------------------------------------------------ weights
@@ -171,7 +148,10 @@ class _QuietExpected(logging.Filter):
 
 
 class VLLMSampler:
-    """An in-process ``vllm.LLM`` that samples for ``model`` (a Hugging Face causal LM)."""
+    """An in-process ``vllm.LLM`` that samples for ``model`` (a Hugging Face causal LM); the
+    ``vllm`` entry of :mod:`.sampler_registry` (its :class:`~.sampler_registry.Sampler` protocol)."""
+
+    name = "vllm"
 
     def __init__(self, model, tokenizer, *, device: Union[str, torch.device] = "cpu", seed: int = 0,
                  gpu_memory_utilization: float = 0.3, kv_cache_gb: Optional[float] = 1.0,
@@ -275,6 +255,8 @@ class VLLMSampler:
         from .generation import GenerationOutput, check_sampling_args, encode_prompts, pack_sequences
 
         check_sampling_args(n_samples, max_new_tokens, top_p)
+        if getattr(self, "llm", None) is None:
+            raise RuntimeError("the vLLM sampler was closed (Trainer.close_sampler); build a new Trainer")
         if self.sleeps and not self.awake:
             raise RuntimeError("VLLMSampler.generate while asleep: call sync(model) first")
         rows = [p for p in encode_prompts(self.tokenizer, prompts) for _ in range(n_samples)]
@@ -317,24 +299,3 @@ class VLLMSampler:
         return GenerationOutput(ids.to(dev_out), attn.to(dev_out), rmask.to(dev_out), lp.to(dev_out),
                                 [list(r) for r in rows], resp, texts,
                                 torch.tensor(finished, dtype=torch.bool, device=dev_out))
-
-
-def make_sampler(backend: str, model, tokenizer, rollout_cfg, *, device, seed: int, log=print):
-    """``(backend, sampler)``: a :class:`VLLMSampler` with the ``rollout.vllm_*`` settings for
-    ``backend == "vllm"``, else None. When ``rollout.backend`` was ``auto`` and the engine fails
-    to start (e.g. a dtype vLLM's CPU build lacks), hf is used instead, with one line saying why;
-    an explicit ``vllm`` re-raises."""
-    if backend != "vllm":
-        return backend, None
-    r = rollout_cfg
-    try:
-        return "vllm", VLLMSampler(model, tokenizer, device=device, seed=seed,
-                                   gpu_memory_utilization=r.vllm_gpu_memory_utilization,
-                                   kv_cache_gb=r.vllm_kv_cache_gb, enforce_eager=r.vllm_enforce_eager,
-                                   sleep=r.vllm_sleep, seeding=r.vllm_seeding)
-    except Exception as exc:  # noqa: BLE001 - auto falls back, an explicit vllm does not
-        if r.backend == "vllm":
-            raise
-        log(f"[openrlhf-div] rollout.backend=auto: the vLLM engine did not start ({type(exc).__name__}: "
-            f"{str(exc)[:300]}); sampling with hf (the local KV-cache sampler)")
-        return "hf", None

@@ -427,5 +427,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(p.command)
     if p.dry_run:
         return 0
-    run(p)
+    try:
+        run(p)
+    except Exception as exc:  # a dead vLLM engine: end with the one line that names it
+        from openrlhf_div.compat.engine_death import explain
+
+        line = explain(exc)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return 4
     return 0

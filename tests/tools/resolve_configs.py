@@ -1,8 +1,8 @@
 """Resolve every experiment config in ``configs/`` to what its launcher would run.
 
-    python scripts/resolve_configs.py                      # JSON of every config, to stdout
-    python scripts/resolve_configs.py --out FILE           # ... into FILE
-    python scripts/resolve_configs.py --check FILE         # exit 1 and list the differences
+    python tests/tools/resolve_configs.py                      # JSON of every config, to stdout
+    python tests/tools/resolve_configs.py --out FILE           # ... into FILE
+    python tests/tools/resolve_configs.py --check FILE         # exit 1 and list the differences
 
 For each config the output holds, under two fixed environments (the variables unset, so the
 ``${VAR:-default}`` defaults apply, and set to fixed absolute paths as the end-to-end tests do):
@@ -28,7 +28,7 @@ import os
 import sys
 from typing import Any, Dict, Iterator
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 

@@ -1,6 +1,6 @@
 """Re-measure the threat table of docs/tasks.md (issue 14's fault campaign, after the fixes).
 
-    python scripts/measure_threats.py [--out FILE.md] [--skip-training]
+    python benchmarks/measure_threats.py [--out FILE.md] [--skip-training]
 
 Each row runs the attack for real (hostile SQL on the fixture databases in sandbox workers,
 hostile responses through the verifiers, a plain script in a subprocess, tiny training runs
@@ -238,7 +238,7 @@ def measure_pools(tmp):
         f"reward {out.stdout.split('RESULT')[-1].strip() if 'RESULT' in out.stdout else '?'}")
     marker = os.path.join(tmp, "m")
     with WorkerPool(1, name="retry", context="fork") as pool:
-        res = pool.run("scripts.measure_threats:_crash_first", [(marker,)], timeout=5)
+        res = pool.run("benchmarks.measure_threats:_crash_first", [(marker,)], timeout=5)
     row("a crashed worker's item scores 0", "a job whose worker dies on the first attempt",
         f"{'ok' if res[0].ok else res[0].error} after {pool.retries} retry")
 
@@ -346,7 +346,7 @@ def main():
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="threats-")
     try:
-        spec_path = os.path.join(ROOT, "scripts", "make_fixture_db.py")
+        spec_path = os.path.join(ROOT, "tests", "tools", "make_fixture_db.py")
         import importlib.util
 
         spec = importlib.util.spec_from_file_location("make_fixture_db", spec_path)

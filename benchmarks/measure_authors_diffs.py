@@ -19,7 +19,7 @@ cited code does (read from the public repositories; no code copied):
 * volcengine/verl core_algos.py ``agg_loss`` (``seq-mean-token-sum-norm``),
   ``compute_policy_loss_kl_cov`` and ``compute_grpo_outcome_advantage``.
 
-The library side calls the library. Run: ``python scripts/measure_authors_diffs.py`` (CPU,
+The library side calls the library. Run: ``python benchmarks/measure_authors_diffs.py`` (CPU,
 a few seconds); it prints one line per figure quoted in docs/ALGORITHMS.md.
 """
 from __future__ import annotations

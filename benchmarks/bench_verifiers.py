@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Throughput of the verifiers (samples per second per core): math, SQL, Countdown.
 
-    python scripts/bench_verifiers.py                # writes docs/benchmarks_verifiers.md
-    python scripts/bench_verifiers.py --quick --out /tmp/bench.md
+    python benchmarks/bench_verifiers.py                # writes docs/benchmarks_verifiers.md
+    python benchmarks/bench_verifiers.py --quick --out /tmp/bench.md
 
 Per core: the math and SQL verifiers run with ONE worker process, and the rate is reported two
 ways -- per wall-clock second, and per CPU second (the parent's plus the worker's user+system
@@ -160,7 +160,7 @@ SQL_PAIRS = [
 def bench_sql(n, repeats, rng):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("mk", os.path.join(HERE, "make_fixture_db.py"))
+    spec = importlib.util.spec_from_file_location("mk", os.path.join(os.path.dirname(HERE), "tests", "tools", "make_fixture_db.py"))
     mk = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mk)
     root = tempfile.mkdtemp(prefix="bench-dbs-")
@@ -272,7 +272,7 @@ def write_report(rows, path, args):
     lines = [
         "# Verifier throughput",
         "",
-        "Samples per second per core, from `python scripts/bench_verifiers.py` "
+        "Samples per second per core, from `python benchmarks/bench_verifiers.py` "
         f"({'--quick, ' if args.quick else ''}{args.n} samples per workload, best of {args.repeats}).",
         "\"per CPU s\" divides by the user+system CPU time of the caller and its one worker process",
         "(the fair per-core figure on a shared machine); \"per wall s\" is the elapsed-time rate.",

@@ -1,13 +1,13 @@
-"""The carry kit of ``scripts/gpu_bench.sh``: the wheels a lent GPU machine lacks, and a view of
+"""The carry kit of ``benchmarks/gpu_bench.sh``: the wheels a lent GPU machine lacks, and a view of
 this environment with only what that machine will have.
 
-The lent machine (``scripts/gpu_device_packages.txt``: Python 3.12.3, torch 2.11, transformers
+The lent machine (``benchmarks/gpu_device_packages.txt``: Python 3.12.3, torch 2.11, transformers
 5.17, no network, no vLLM / Ray / DeepSpeed / megatron-core / TE / flash-attn) installs the kit
 with ``pip install --no-index --no-deps --target``; at most 64 MiB travel with the working tree.
 
-    python scripts/gpu_kit.py build [--out .whl]     # download / build the wheels (cached by kit.json)
-    python scripts/gpu_kit.py check [--out .whl]     # tags (cp312, manylinux x86_64), one version each, size
-    python scripts/gpu_kit.py device-view [--record imports.json] -- SCRIPT ARGS...
+    python benchmarks/gpu_kit.py build [--out .whl]     # download / build the wheels (cached by kit.json)
+    python benchmarks/gpu_kit.py check [--out .whl]     # tags (cp312, manylinux x86_64), one version each, size
+    python benchmarks/gpu_kit.py device-view [--record imports.json] -- SCRIPT ARGS...
                                                      # run SCRIPT seeing only the device's packages + the kit
 
 * **build** downloads, for Python 3.12 / manylinux x86_64 and without dependencies, the version of
@@ -44,7 +44,7 @@ import tempfile
 from typing import Dict, Iterable, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEVICE_PACKAGES = os.path.join(ROOT, "scripts", "gpu_device_packages.txt")
+DEVICE_PACKAGES = os.path.join(ROOT, "benchmarks", "gpu_device_packages.txt")
 DEFAULT_OUT = os.path.join(ROOT, ".whl")
 LIMIT_BYTES = 64 * 2**20          # what travels with one device command: working tree + carried paths
 DEVICE_PYTHON = (3, 12)
@@ -219,7 +219,7 @@ def check(out: str = DEFAULT_OUT, root: str = ROOT, limit: int = LIMIT_BYTES) ->
             problems.append(f"two versions of {name}: {seen[name]} and {version} (pip --target refuses the install)")
         seen[name] = str(version)
     missing = [s for s in kit_spec() if norm(s.split("==")[0]) not in seen]
-    problems += [f"no wheel for {s}: run `python scripts/gpu_kit.py build`" for s in missing]
+    problems += [f"no wheel for {s}: run `python benchmarks/gpu_kit.py build`" for s in missing]
     for s in kit_spec():
         n, v = s.split("==")
         if norm(n) in seen and seen[norm(n)] != v:

@@ -13,7 +13,7 @@ x = r exp(-z), has d loss / d lp = r f'(x); for JS, f'(x) = 0.5 log(2x / (x + 1)
 This script measures, on one batch of the demo's base model, the per-sample weights and the
 cosine between each method's parameter gradient and GRPO's.
 
-    python scripts/demo_lad_gradients.py [--base DIR] [--prompts 64]
+    python benchmarks/demo_lad_gradients.py [--base DIR] [--prompts 64]
 """
 from __future__ import annotations
 

@@ -9,8 +9,8 @@
     weight push, engine start) on a tiny model and on SmolLM2-135M; with --trl as well, TRL's
     GRPOTrainer on SmolLM2 (samples/s ratio).
 
-    .venv/bin/python scripts/bench_engine.py --steps 20 --repeats 3 [--trl]
-    .venv/bin/python scripts/bench_engine.py --skip-methods --backends --trl --json docs/benchmarks_backends.json
+    .venv/bin/python benchmarks/bench_engine.py --steps 20 --repeats 3 [--trl]
+    .venv/bin/python benchmarks/bench_engine.py --skip-methods --backends --trl --json docs/benchmarks_backends.json
 
 Steps are timed inside the process (``time.perf_counter``) after warm-up steps; methods are
 interleaved across repeats so machine-load drift hits them alike; medians are reported.

@@ -1,0 +1,93 @@
+"""openrlhf-div's vLLM general plugin: runs in every process vLLM starts, before its first forward.
+
+vLLM loads every entry point of the ``vllm.general_plugins`` group in each of its processes (the
+``LLM`` front end via ``EngineArgs``, the EngineCore process -- forked or spawned -- and every
+worker; ``vllm/plugins/__init__.py``). setup.py registers :func:`register` there, so this module
+runs wherever a vLLM engine of ours runs: the local engine's in-process sampler, DPH
+pre-sampling, evaluation, and OpenRLHF's rollout actors on Ray (whose EngineCore vLLM spawns).
+
+What it does:
+
+* **AMX permission.** On Linux a process may execute AMX tile instructions only after asking the
+  kernel (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``; PyTorch:
+  ``torch.cpu._init_amx()``). vLLM 0.29's CPU attention picks its ``amx`` kernels for bf16 on AMX
+  CPUs (``_get_attn_isa`` in ``vllm/v1/attention/backends/cpu_attn.py``) and nothing in vLLM asks,
+  so unless an earlier oneDNN kernel happened to ask, the engine's first attention call dies with
+  SIGILL. The request is per process, kept across ``fork`` and dropped by ``exec``; a process
+  without AMX gets ``False`` and nothing changes.
+* **Engine processes remembered**, so that a dead engine can be named
+  (:mod:`openrlhf_div.compat.engine_death`): every ``CoreEngineProcManager`` vLLM builds in this
+  process is kept in a weak set (the processes it started, their exit codes).
+
+It must stay cheap and safe to run more than once (vLLM may load plugins repeatedly).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import weakref
+from typing import Dict, Optional
+
+__all__ = ["register", "amx_state", "engine_managers"]
+
+#: what :func:`register` did in *this* process (inherited by a forked child together with the
+#: permission it describes; a spawned or exec'ed process starts empty, as its permission does)
+_STATE: Dict[str, object] = {}
+_MANAGERS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _request_amx() -> Optional[bool]:
+    """Ask for AMX tile data in this process: True granted, False refused / no AMX, None not x86."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "i386"):
+        return None
+    import torch
+
+    init = getattr(torch.cpu, "_init_amx", None)
+    if init is None:  # a torch without the call: nothing to do (it has no AMX kernels either)
+        return False
+    return bool(init())
+
+
+def _track_engine_managers() -> None:
+    try:
+        from vllm.v1.engine import utils as engine_utils
+    except Exception:  # another vLLM layout: naming a dead engine falls back to the exception
+        return
+    cls = getattr(engine_utils, "CoreEngineProcManager", None)
+    if cls is None or getattr(cls.__init__, "_openrlhf_div_tracked", False):
+        return
+    real_init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        _MANAGERS.add(self)
+
+    __init__._openrlhf_div_tracked = True
+    cls.__init__ = __init__
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point (setup.py). Idempotent."""
+    if _STATE.get("pid") == os.getpid():
+        return
+    granted = _request_amx()
+    _STATE.update(pid=os.getpid(), amx_requested=granted is not None, amx_granted=granted)
+    _track_engine_managers()
+    from openrlhf_div.compat import engine_death
+
+    engine_death.install()
+
+
+def amx_state() -> Dict[str, object]:
+    """What this process knows: ``requested`` (the plugin asked in this process or in the parent it
+    was forked from), ``granted`` (the kernel said yes), ``supported`` (the CPU has AMX tiles)."""
+    import torch
+
+    supported = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    return {"requested": bool(_STATE.get("amx_requested")), "granted": bool(_STATE.get("amx_granted")),
+            "supported": supported, "pid": os.getpid(), "plugin_pid": _STATE.get("pid")}
+
+
+def engine_managers():
+    """The vLLM engine-core process managers built in this process (alive or not)."""
+    return list(_MANAGERS)
