@@ -56,4 +56,13 @@ def hparam_markdown(builtin_only: bool = True) -> str:
         default = "null" if h["default"] is None else h["default"]
         lines.append(f"| `{name}` | `{cell(default)}` | {cell(h['help'])} | {cell(h['source'])} | "
                      f"{cell(', '.join(h['owners']))} |")
+    from openrlhf_div.engines.layout import LAYOUT_KEYS
+
+    lines += ["", "## Engine layout (`engine:`)", "",
+              "Not method hyperparameters: how the OpenRLHF and Megatron engines lay out micro-batches under "
+              "aggregation `micro-batch-token-mean` (`openrlhf_div/engines/layout.py`; `engine.<name>: V` in an "
+              "experiment file, `--engine.<name> V` on the driver's command line).", "",
+              "| key | default | what it is | source |", "|---|---|---|---|"]
+    for name, (default, text, source) in LAYOUT_KEYS.items():
+        lines.append(f"| `{name}` | `{'null' if default is None else default}` | {cell(text)} | {cell(source)} |")
     return "\n".join(lines) + "\n"
