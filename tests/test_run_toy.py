@@ -123,3 +123,14 @@ def test_one_experiment_resolves_to_one_method_on_every_engine(tmp_path, monkeyp
             (local.name, local.aggregation, local.dynamic_sampling, local.hparams)
     assert local.hparams["anchor_eta"] == 0.3
     assert EngineLayout.from_args(ray.args) == EngineLayout.from_args(mg.args) == EngineLayout()
+
+
+def test_ray_engines_get_the_overrides_as_driver_flags(capfd, monkeypatch):
+    """`run EXPERIMENT --engine megatron method.anchor_eta=0.3 -- FLAGS` goes through the one Ray
+    launcher (examples/scripts/run.sh; DRY_RUN=1 prints its commands instead of running them)."""
+    monkeypatch.setenv("DRY_RUN", "1")
+    assert main(["run", "tiny_cpu_dph_js", "--engine", "megatron", "method.anchor_eta=0.3", "--",
+                 "--train.num_episodes", "2"]) == 0
+    out = capfd.readouterr()
+    train = [line for line in (out.out + out.err).splitlines() if "openrlhf_div.cli.train_ppo_ray" in line][-1]
+    assert train.rstrip().endswith("tiny_cpu_dph_js.yaml --div.anchor_eta 0.3 --train.num_episodes 2 --div.actor_backend megatron")
