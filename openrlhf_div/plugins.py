@@ -6,7 +6,8 @@ hook that imports it everywhere a method is resolved:
 
 * ``openrlhf-div --plugin my_pkg.methods train ...`` (repeatable; anywhere on the command line),
   and the Ray driver (``python -m openrlhf_div.cli.train_ppo_ray --plugin ...``, also
-  ``presample_ray``, and a config's ``plugins: [...]`` list);
+  ``presample_ray``), and an experiment file's ``plugins: [...]`` list (module names or ``.py``
+  paths relative to the file; every engine reads it: :func:`config_plugins`);
 * ``OPENRLHF_DIV_PLUGINS=my_pkg.methods,other.module``: read by every process that resolves a
   method (:func:`load_plugins` is called by the local engine and by
   :func:`openrlhf_div.engines.flags.method_from_args`, which the OpenRLHF driver, its policy,
@@ -95,6 +96,20 @@ def load_plugins(specs: Iterable[str] = (), *, env: bool = True, export: bool = 
         new = [os.path.abspath(os.path.expanduser(s)) if _is_file(s) else s for s in specs]
         os.environ[ENV_VAR] = ",".join(have + [s for s in new if s not in have])
     return list(_loaded)
+
+
+def config_plugins(value, config_path: str) -> List[str]:
+    """The ``plugins:`` entry of an experiment file as plug-in specs: a list of module names or
+    ``.py`` paths (one string is a list of one); a relative path is taken from the file's folder
+    (as ``extends:`` is)."""
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) and v.strip() for v in items):
+        raise PluginError(f"{config_path}: `plugins` takes a list of module names or .py paths, got {value!r}")
+    here = os.path.dirname(os.path.abspath(config_path))
+    return [os.path.normpath(os.path.join(here, v)) if _is_file(v) and not os.path.isabs(os.path.expanduser(v)) else v
+            for v in items]
 
 
 def split_plugin_args(argv: Sequence[str]) -> Tuple[List[str], List[str]]:

@@ -207,11 +207,11 @@ CONFIG_KEYS = {"plan_gpu_fit_gib": ("gpu_fit_gib", 1), "plan_gpu_peak_gib": ("gp
 def config_micro_batch(cfg: dict) -> float:
     """Sequences of ``data.max_len`` tokens per training micro-batch: ``train.micro_batch_size``,
     or under the authors' layout (``div.aggregation: micro-batch-token-mean``) its token budget
-    ``micro_batch_tokens / data.max_len`` (a micro-batch of that many tokens in all) or
+    ``engine.micro_batch_tokens / data.max_len`` (a micro-batch of that many tokens in all) or
     ``micro_batch_seqs`` rows."""
     div, flags = cfg.get("div") or {}, cfg["openrlhf"]
     if div.get("aggregation") == "micro-batch-token-mean":
-        tokens = div.get("micro_batch_tokens")
+        tokens = (cfg.get("engine") or {}).get("micro_batch_tokens")
         return float(tokens) / float(flags["data.max_len"]) if tokens else float(div.get("micro_batch_seqs", 2))
     return float(flags.get("train.micro_batch_size", 1))
 

@@ -48,7 +48,8 @@ def _tiny_model_dir(path) -> str:
     return str(path)
 
 
-def _args(micro: int, train_batch: int, method_name: str):
+def _args(micro: int, train_batch: int, method_name: str, layout=None):
+    """``layout``: the run's ``engine:`` section (``{"step_layout": "authors"}``; None: defaults)."""
     return NS(
         ds=NS(param_dtype="bf16", zero_stage=0, adam_offload=False, zpg=1, use_universal_ckpt=False,
               grad_accum_dtype=None, overlap_comm=False, deepcompile=False, tensor_parallel_size=1,
@@ -60,7 +61,7 @@ def _args(micro: int, train_batch: int, method_name: str):
         algo=NS(advantage=NS(is_correction_level="off", is_correction_mode="mask", is_correction_gating="ratio",
                              is_correction_threshold=(0.5, 5.0)), kl=NS(use_loss=False)),
         vllm=NS(sync_backend="gloo"), local_rank=-1,
-        div=NS(method=method_name, anchor_data=None),
+        div=NS(method=method_name, anchor_data=None), engine=NS(**(layout or {})),
     )
 
 
@@ -113,7 +114,7 @@ def world(tmp_path_factory):
     env.__exit__()
 
 
-def _build_trainer(world, monkeypatch, *, micro: int, train_batch: int, method):
+def _build_trainer(world, monkeypatch, *, micro: int, train_batch: int, method, layout=None):
     from torch.distributed.device_mesh import init_device_mesh
 
     from openrlhf.trainer.ray import ppo_actor
@@ -122,7 +123,7 @@ def _build_trainer(world, monkeypatch, *, micro: int, train_batch: int, method):
     # what DivPolicyModelActor builds instead of OpenRLHF's Actor: log-probs from hidden states
     from openrlhf_div.engines.openrlhf.logprob_actor import HiddenLogProbActor as Actor
 
-    args = _args(micro, train_batch, method.name)
+    args = _args(micro, train_batch, method.name, layout)
     strategy = DeepspeedStrategy(seed=0, micro_train_batch_size=micro, train_batch_size=train_batch,
                                  zero_stage=0, args=args)
     # setup_distributed() minus its CUDA device mesh: the same fields on a CPU mesh.

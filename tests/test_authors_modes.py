@@ -261,10 +261,13 @@ def test_presets_options_validation_and_modes():
     d = get_method("dph_js").describe()["authors_modes"]
     assert d["anchor_weighting"]["follows"] == "spec" and "seamoke/DPH-RL" in d["anchor_weighting"]["source"]
     auth = get_method("dph_js", anchor_eta=0.01, anchor_weighting="microbatch_share",
-                      aggregation="micro-batch-token-mean", step_layout="authors")
-    assert A.mode_summary(auth.with_overrides(step_layout="spread")).startswith("mixed: ")
-    assert d["step_layout"]["authors"] == "authors" and d["micro_batch_tokens"]["authors"] == 32384
-    assert A.mode_summary(auth).startswith("the authors' code: ")
+                      aggregation="micro-batch-token-mean")
+    authors_layout = {"step_layout": "authors", "micro_batch_tokens": 32384}  # the run's engine: section
+    assert A.mode_summary(auth, dict(authors_layout, step_layout="spread")).startswith("mixed: ")
+    lm = A.authors_modes(auth, authors_layout)
+    assert lm["step_layout"]["authors"] == "authors" and lm["micro_batch_tokens"]["authors"] == 32384
+    assert "step_layout" not in d  # engine layout, not the method's: shown only with a run's layout
+    assert A.mode_summary(auth, authors_layout).startswith("the authors' code: ")
     assert A.mode_summary(get_method("dph_js")).startswith("the spec's clean form: ")
     cc = get_method("clip_cov", eps_low=1.0, eps_high=1.0, dual_clip=None).describe()["authors_modes"]
     assert cc["eps_low/eps_high/dual_clip"]["follows"] == "authors"
@@ -277,7 +280,7 @@ def test_methods_cli_shows_the_mode_and_its_source(capsys):
     out = capsys.readouterr().out
     assert '"anchor_weighting"' in out and '"follows": "spec"' in out
     assert "dp_actor.py update_policy" in out and '"authors": "microbatch_share"' in out
-    for opt in ('"step_layout"', '"micro_batch_tokens"', '"anchor_eta"', "presample.anchor_top_p", "div.eval_top_p",
+    for opt in ('"anchor_eta"', "presample.anchor_top_p", "div.eval_top_p",
                 "resample_anchor_responses", "offline_sampling.sh"):
         assert opt in out, opt  # every authors'-code difference with its option
 

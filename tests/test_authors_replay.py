@@ -1,6 +1,6 @@
 """Replay one rollout step through the OpenRLHF and Megatron engines' loss paths under the DPH-RL
 authors' aggregation (aggregation ``micro-batch-token-mean``, ``anchor_weighting:
-microbatch_share``, ``step_layout: authors``) and compare every token's gradient weight, per
+microbatch_share``, ``engine.step_layout: authors``) and compare every token's gradient weight, per
 optimiser step, with an independent transcription of the authors' update loop (issue 23, item 1;
 docs/ALGORITHMS.md section 9 rows 1, 1b, 2). Pure torch: no Ray, vLLM, DeepSpeed or Megatron start.
 
@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from openrlhf_div.algorithms import AnchorInputs, LossInputs, get_method
+from openrlhf_div.engines.layout import EngineLayout
 
 torch.set_num_threads(1)
 
@@ -106,9 +107,10 @@ def _data(seed):
 
 
 def _method(micro, budget):
-    return get_method("dph_f", anchor_eta=ETA, anchor_weighting="microbatch_share",
-                      aggregation="micro-batch-token-mean", micro_batch_seqs=micro, micro_batch_tokens=budget,
-                      step_layout="authors")
+    """The method (dph_f as the authors run it) and the engine layout (``engine:``) of a case."""
+    return (get_method("dph_f", anchor_eta=ETA, anchor_weighting="microbatch_share",
+                       aggregation="micro-batch-token-mean", micro_batch_seqs=micro),
+            EngineLayout(step_layout="authors", micro_batch_tokens=budget))
 
 
 def _token_derivative(method, d):
@@ -168,7 +170,7 @@ def _experience_rows(d):
     return items
 
 
-def _openrlhf_step_grads(method, d, gas):
+def _openrlhf_step_grads(method, layout, d, gas):
     from openrlhf.trainer.ppo_utils.experience import make_experience_batch
 
     from openrlhf_div.engines.contract import anchor_rows
@@ -177,7 +179,7 @@ def _openrlhf_step_grads(method, d, gas):
     items = _experience_rows(d)
     lp = d["lp"].clone().requires_grad_(True)
     grads, acc = [], None
-    it = authors_micro_batches(items, method, mini_batch_rows=M, gas=gas, collate=make_experience_batch,
+    it = authors_micro_batches(items, method, layout, mini_batch_rows=M, gas=gas, collate=make_experience_batch,
                                anchor_fn=lambda e: float(e.info["div_anchor"]) > 0.5,
                                tokens_fn=lambda e: int(e.attention_mask.sum()))
     for exp, info in it:
@@ -199,15 +201,15 @@ def _openrlhf_step_grads(method, d, gas):
 @pytest.mark.parametrize("micro,budget", CASES, ids=IDS)
 def test_openrlhf_loss_path_gives_the_authors_token_weights(micro, budget):
     d = _data(seed=micro + (budget or 0))
-    method = _method(micro, budget)
+    method, layout = _method(micro, budget)
     types = [2 if a else 1 for a in d["is_anchor"].tolist()]
     expected = authors_weights(types, _attn_len(d), d["resp_len"].tolist(), micro, budget)
     assert expected.shape[0] == 3  # 16 rollouts in 2 mini-batches of 8, the 4 anchors in a third
-    _compare(_openrlhf_step_grads(method, d, gas=M // micro), method, d, expected)
+    _compare(_openrlhf_step_grads(method, layout, d, gas=M // micro), method, d, expected)
 
 
 # ------------------------------------------------------------------ Megatron loss path
-def _megatron_step_grads(method, d):
+def _megatron_step_grads(method, layout, d):
     from openrlhf_div.engines.megatron.actor import authors_steps
     from openrlhf_div.engines.megatron.loss import loss_scale, registry_loss, step_counts
 
@@ -234,7 +236,7 @@ def _megatron_step_grads(method, d):
         rows.append(r)
     lp = d["lp"].clone().requires_grad_(True)
     grads = []
-    for batches in authors_steps(rows, method, M):
+    for batches in authors_steps(rows, method, M, layout=layout):
         counts = step_counts(batches)
         scale = loss_scale(batches, dp_size=1)
         acc = None
@@ -253,18 +255,18 @@ def _megatron_step_grads(method, d):
 @pytest.mark.parametrize("micro,budget", CASES, ids=IDS)
 def test_megatron_loss_path_gives_the_authors_token_weights(micro, budget):
     d = _data(seed=100 + micro + (budget or 0))
-    method = _method(micro, budget)
+    method, layout = _method(micro, budget)
     types = [2 if a else 1 for a in d["is_anchor"].tolist()]
     expected = authors_weights(types, _attn_len(d), d["resp_len"].tolist(), micro, budget)
-    _compare(_megatron_step_grads(method, d), method, d, expected)
+    _compare(_megatron_step_grads(method, layout, d), method, d, expected)
 
 
 def test_spread_layout_has_the_authors_total_but_two_steps():
     """``step_layout: spread``: the same weight per token over the rollout step (at world 1), in
     two optimiser steps instead of the authors' three."""
     d = _data(seed=7)
-    method = _method(2, None).with_overrides(step_layout="spread")
-    grads = _openrlhf_step_grads(method, d, gas=M // 2)
+    method, _ = _method(2, None)
+    grads = _openrlhf_step_grads(method, EngineLayout(step_layout="spread"), d, gas=M // 2)
     assert len(grads) == 2
     types = [2 if a else 1 for a in d["is_anchor"].tolist()]
     expected = authors_weights(types, _attn_len(d), d["resp_len"].tolist(), 2)
@@ -359,5 +361,7 @@ def test_engines_refuse_what_the_layout_cannot_do():
     args.train.dynamic_batch_enable = True
     with pytest.raises(NotImplementedError, match="micro_batch_tokens"):
         check_supported(m.with_overrides(anchor_weighting="microbatch_share"), args)
-    with pytest.raises(ConfigError, match="engines only|OpenRLHF and Megatron engines only"):
+    with pytest.raises(ConfigError, match="step_layout is engine layout.*engine.step_layout"):
         config_from_dict({"task": "demo", "method": {"name": "grpo", "step_layout": "authors"}}).build_method()
+    with pytest.raises(ConfigError, match="engine.step_layout=authors: the local engine cannot honour"):
+        config_from_dict({"task": "demo", "method": {"name": "grpo"}, "engine": {"step_layout": "authors"}})

@@ -92,8 +92,12 @@ def test_the_engines_read_through_the_one_loader(tmp_path):
     demo = _w(tmp_path / "demo.yaml", f"extends: {os.path.join(ROOT, 'configs', 'demo.yaml')}\nseeds: [5]\n")
     assert load_demo_config(demo)["seeds"] == [5]
     exp = _w(tmp_path / "exp.yaml", f"extends: {os.path.join(ROOT, 'configs', 'openrlhf', 'tiny_cpu_grpo.yaml')}\n"
-                                   "div: {method: rkl}\n")
-    assert launch.load_config(exp)["div"] == {"method": "rkl", "task": "math"}
+                                   "method: {name: rkl}\n")
+    assert launch.load_config(exp)["method"] == {"name": "rkl"} and launch.load_config(exp)["task"] == "math"
+    old = _w(tmp_path / "old.yaml", f"extends: {os.path.join(ROOT, 'configs', 'openrlhf', 'tiny_cpu_grpo.yaml')}\n"
+                                   "div: {method: rkl}\n")  # the old spelling over a base in the new one
+    with pytest.raises(ValueError, match="div.method=rkl and method.name=grpo"):
+        launch.config_argv(launch.load_config(old))
     typo = _w(tmp_path / "typo.yaml", "opnerlhf: {}\n")
     with pytest.raises(ConfigError, match="Did you mean 'openrlhf'"):
         launch.load_config(typo)

@@ -204,7 +204,7 @@ def _window_registry_loss(method, window, n_on, n_an):
 
 def test_ppo_train_authors_layout_steps_and_micro_batch_losses(world):
     """The DPH-RL authors' layout through OpenRLHF's own ppo_train and a real DeepSpeed engine
-    (micro 2, train batch 4: gas 2; 4 rollout rows + 2 anchor rows, step_layout authors): two
+    (micro 2, train batch 4: gas 2; 4 rollout rows + 2 anchor rows, engine.step_layout authors): two
     optimiser steps -- the rollout rows, then the anchors alone in a step of ONE micro-batch,
     whose end the layout sets as DeepSpeed's accumulation boundary -- and each micro-batch's
     applied loss is gas x (1 / (4 // 2)) x its own token-mean (x eta for the anchor one), written
@@ -215,11 +215,11 @@ def test_ppo_train_authors_layout_steps_and_micro_batch_losses(world):
 
     eta = 0.3
     method = get_method("dph_f", anchor_eta=eta, anchor_weighting="microbatch_share",
-                        aggregation="micro-batch-token-mean", micro_batch_seqs=2, step_layout="authors")
+                        aggregation="micro-batch-token-mean", micro_batch_seqs=2)
     h = method.hparams
     mp = pytest.MonkeyPatch()
     try:
-        tr = _build_trainer(world, mp, micro=2, train_batch=4, method=method)
+        tr = _build_trainer(world, mp, micro=2, train_batch=4, method=method, layout={"step_layout": "authors"})
         exp = append_rows(_rollout(tr, method, [1.0, 0.0, 1.0, 1.0], seed=31, resp_lens=(4, 2, 5, 3)),
                           _anchor_rows(tr, n=2, seed=32), pad_token_id=0)
         tr.replay_buffer.append(exp)

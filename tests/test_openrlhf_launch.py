@@ -15,6 +15,8 @@ import pytest
 
 from openrlhf_div.algorithms import get_method, list_methods
 from openrlhf_div.engines import flags as F
+from openrlhf_div.engines.experiment import method_section
+from openrlhf_div.engines.layout import EngineLayout
 from openrlhf_div.engines.openrlhf import launch as L
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -152,7 +154,7 @@ def test_every_config_maps_to_a_valid_command(parser, path, monkeypatch):
     a = p.args
     assert p.gpus["total"] <= cfg["cluster"]["nodes"] * cfg["cluster"]["gpus_per_node"]
     assert a.vllm.num_engines >= 1 and a.critic.model_name_or_path is None
-    assert p.method.name == cfg["div"]["method"]
+    assert p.method.name == method_section(cfg)["name"]
     # the papers' settings as ALGORITHMS.md / the configs' headers state them
     m, h = p.method, p.method.hparams
     name = os.path.basename(path)[:-5]
@@ -176,11 +178,12 @@ def test_every_config_maps_to_a_valid_command(parser, path, monkeypatch):
         assert a.train.batch_size == 1024 and a.rollout.top_p == 0.9
         from openrlhf_div.engines.openrlhf.evaluate import defaults_from_config
         assert defaults_from_config(path)["top_p"] == 0.95  # evaluated as the paper / offline_sampling.sh
-        assert m.aggregation == "micro-batch-token-mean" and h["step_layout"] == "authors"
+        layout = EngineLayout.from_args(a)  # the engine: section, as the policy actors read it
+        assert m.aggregation == "micro-batch-token-mean" and layout.step_layout == "authors"
         if name == "llama8b_bird_dph_f":  # forward_kl.sh: use_dynamic_bsz=False, fixed micro-batches of 2
-            assert h["micro_batch_tokens"] is None and h["micro_batch_seqs"] == 2
+            assert layout.micro_batch_tokens is None and h["micro_batch_seqs"] == 2
         else:  # ppo_trainer.yaml: use_dynamic_bsz true, ppo_max_token_len_per_gpu 32384
-            assert h["micro_batch_tokens"] == 32384
+            assert layout.micro_batch_tokens == 32384
     if name.endswith("_spec"):
         assert m.aggregation == "token-mean"
     if m.name == "rkl":

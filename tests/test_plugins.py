@@ -108,3 +108,78 @@ def test_ray_driver_takes_the_plugin_before_parsing(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "plugin_grpo" in out and f"--plugin {FIXTURE}" in out  # the printed command keeps it
     assert os.environ[PL.ENV_VAR] == os.path.join(ROOT, FIXTURE)  # what the workers' runtime env carries
+
+
+TASK_FIXTURE = os.path.join("tests", "fixtures", "plugins", "plugin_task.py")
+
+
+def _forget_task(name):
+    from openrlhf_div.tasks import base as TB
+
+    TB._FACTORIES.pop(name, None)
+
+
+def test_get_task_loads_the_plugins_of_the_environment(monkeypatch):
+    from openrlhf_div.tasks import get_task, list_tasks
+
+    monkeypatch.setenv(PL.ENV_VAR, os.path.join(ROOT, TASK_FIXTURE))
+    try:
+        assert "plugin_math" not in list_tasks()  # nothing imported it yet
+        task = get_task("plugin_math", extract="lenient")  # a Ray reward worker's first call
+        assert type(task).__name__ == "PluginMathTask" and task.reward("so 7", "7") == 1.0
+    finally:
+        _forget_task("plugin_math")
+    monkeypatch.setenv(PL.ENV_VAR, "")
+    with pytest.raises(ValueError, match="unknown task 'plugin_mth'"):
+        get_task("plugin_mth")
+
+
+def test_an_experiment_file_names_its_plugins_for_the_ray_driver(tmp_path, monkeypatch):
+    """`plugins:` in an experiment file: a plug-in method and a plug-in task become --div.method /
+    --div.task choices, the reward goes through reward_funcs/registered.py with OPENRLHF_DIV_TASK,
+    and both reach the workers' runtime env; registered.py scores with the plug-in task."""
+    from openrlhf_div.engines import flags as F
+    from openrlhf_div.engines.openrlhf import launch as L
+    from openrlhf_div.engines.openrlhf.jobs import job_runtime_env_vars
+
+    monkeypatch.setenv(PL.ENV_VAR, "")
+    monkeypatch.delenv(F.TASK_ENV, raising=False)
+    cfg = tmp_path / "exp.yaml"
+    cfg.write_text(f"extends: {ROOT}/configs/openrlhf/_tiny_cpu.yaml\nexperiment: plug\n"
+                   f"plugins: [{os.path.join(ROOT, FIXTURE)}, {os.path.relpath(os.path.join(ROOT, TASK_FIXTURE), tmp_path)}]\n"
+                   "method: {name: plugin_grpo}\ntask: plugin_math\n")
+    try:
+        p = L.plan(["--config", str(cfg), "--dry-run"])
+        assert p.method.name == "plugin_grpo"
+        assert p.args.reward.remote_url[0].endswith(os.path.join("reward_funcs", "registered.py"))
+        env = job_runtime_env_vars()
+        assert env[F.TASK_ENV] == "plugin_math" and TASK_FIXTURE in env[PL.ENV_VAR]
+        from openrlhf_div.tasks.reward_funcs import registered
+
+        monkeypatch.setenv("OPENRLHF_DIV_MATH_EXTRACT", "lenient")
+        out = registered.reward_func(["1 + 2 = 3", "1 + 2 = 4"], ["1 + 2 =", "1 + 2 ="], ["3", "3"])
+        assert out["rewards"].tolist() == [1.0, 0.0]
+        assert F.reward_func_path("math").endswith(os.path.join("reward_funcs", "math.py"))  # its own file
+    finally:
+        _forget_task("plugin_math")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"extends: {ROOT}/configs/openrlhf/_tiny_cpu.yaml\nplugins: {{a: 1}}\n")
+    with pytest.raises(PL.PluginError, match="`plugins` takes a list"):
+        L.plan(["--config", str(bad), "--dry-run"])
+
+
+def test_a_local_config_names_its_plugins(tmp_path, monkeypatch):
+    from openrlhf_div.engines.local.config import load_config
+
+    monkeypatch.setenv(PL.ENV_VAR, "")
+    cfg = tmp_path / "local.yaml"
+    cfg.write_text(f"task: plugin_math\nplugins: [{os.path.relpath(os.path.join(ROOT, FIXTURE), tmp_path)}, "
+                   f"{os.path.join(ROOT, TASK_FIXTURE)}]\nmethod: {{name: plugin_grpo}}\n")
+    try:
+        c = load_config(str(cfg))
+        assert c.build_method().name == "plugin_grpo" and c.plugins[0] == os.path.join(ROOT, FIXTURE)
+        from openrlhf_div.tasks import get_task
+
+        assert type(get_task(c.task)).__name__ == "PluginMathTask"
+    finally:
+        _forget_task("plugin_math")

@@ -99,3 +99,15 @@ def test_an_undeclared_metric_is_an_error():
             get_method("test_chatty_m").online_loss(_dummy())
     finally:
         _unregister(("test_chatty_m",), policy_losses=("test_chatty",))
+
+
+def test_openrlhf_metric_keys_are_the_declared_metrics():
+    """The OpenRLHF actor's metric keys (every data-parallel rank all-reduces the same set) come
+    from Method.metric_names(), not from a dummy loss run: they are the keys a real loss reports."""
+    pytest.importorskip("openrlhf")
+    from openrlhf_div.engines.openrlhf.loss import metric_keys
+
+    for name in [n for n in list_methods() if not n.startswith("test_")]:
+        m = get_method(name)
+        _, metrics = m.online_loss(_dummy())
+        assert metric_keys(m) == [f"div/{k}" for k in metrics] + ["div/loss_exp", "div/loss_pef", "div/loss"], name

@@ -191,7 +191,7 @@ def _segment_micro_batches(rows: List[int], anchor: bool, tokens: Optional[Seque
 
 def plan_micro_batches(is_anchor: Sequence[bool], tokens: Optional[Sequence[int]] = None, *,
                        mini_batch_rows: int, micro_batch_seqs: int = 2,
-                       micro_batch_tokens: Optional[int] = None, step_layout: str = "authors",
+                       micro_batch_tokens: Optional[int] = None, step_layout: str = "spread",
                        sync: Optional[Callable[[int], int]] = None) -> List[List[PlannedMicroBatch]]:
     """The optimiser steps of one rollout step on one data-parallel rank, as seamoke/DPH-RL's
     ``DataParallelPPOActor.update_policy`` lays them out (docs/ALGORITHMS.md section 9, rows 1, 1b, 2).
@@ -373,10 +373,12 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def authors_modes(method) -> dict:
+def authors_modes(method, layout: Optional[dict] = None) -> dict:
     """For each spec-vs-authors option a method has: its value, the spec's and the authors'
-    value, which one it follows (``spec`` / ``authors`` / ``both`` / ``other``) and the source."""
+    value, which one it follows (``spec`` / ``authors`` / ``both`` / ``other``) and the source.
+    ``layout``: the run's engine layout (``EngineLayout.to_dict()``: step_layout, micro_batch_tokens)."""
     h = dict(getattr(method, "hparams", {}) or {})
+    h.update(layout or {})
     h["aggregation"] = getattr(method, "aggregation", "token-mean")
     out = {}
     for opt, (spec, auth, src) in AUTHORS_OPTIONS.items():
@@ -405,10 +407,10 @@ def authors_modes(method) -> dict:
     return out
 
 
-def mode_summary(method) -> str:
+def mode_summary(method, layout: Optional[dict] = None) -> str:
     """One line for reports: which form the method runs in (the spec's clean form, the authors'
-    code, or a mix) and the options' values."""
-    modes = authors_modes(method)
+    code, or a mix) and the options' values (``layout``: as :func:`authors_modes`)."""
+    modes = authors_modes(method, layout)
     if not modes:
         return "the spec's form (no authors'-code option applies)"
     sides = {m["follows"] for m in modes.values()} - {"both"}

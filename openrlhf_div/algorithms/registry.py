@@ -59,7 +59,7 @@ import torch
 
 from ._utils import broadcast_seq, check_same_shape, fill_masked, masked_mean, unknown_name_error
 from .advantages import dynamic_sampling_mask, overlong_penalty
-from .authors import (ANCHOR_WEIGHTINGS, AUTHORS_RUN_SETTINGS, MICRO_BATCH_TOKEN_MEAN, STEP_LAYOUTS, anchor_weight,
+from .authors import (ANCHOR_WEIGHTINGS, AUTHORS_RUN_SETTINGS, MICRO_BATCH_TOKEN_MEAN, anchor_weight,
                       authors_modes, micro_batch_loss)
 from .losses import AGGREGATIONS, aggregate_loss
 
@@ -121,6 +121,7 @@ class Component:
     metrics: Tuple[str, ...] = ()  # policy loss / regularizer: the metric names fn returns
     group: bool = True          # estimator: advantages need >= 2 responses per prompt
     openrlhf_estimator: str = "group_norm"  # estimator: OpenRLHF's critic-free estimator flag
+    help: Mapping[str, Tuple[str, str]] = field(default_factory=dict)  # hparam -> (one line, its source)
 
     def check_metrics(self, metrics: Mapping[str, Any]) -> None:
         """The metrics ``fn`` returned are exactly the ones it declared."""
@@ -143,16 +144,29 @@ class Component:
                                  f"(declared in Method.needs.{need}); got None")
 
 
+#: one line of help and its source (paper equation, authors' script) per hyperparameter, declared
+#: at registration (``register_*(..., help={name: (line, source)})``); ``--help``, ``openrlhf-div
+#: methods NAME`` and docs/hyperparameters.md read them (:func:`hparam_help`)
+COMMON_HELP: Dict[str, Tuple[str, str]] = {
+    "correct_threshold": ("a response is correct when its task reward R >= this (binary verifiable rewards)",
+                          "docs/ALGORITHMS.md Notation: correct_i = (R_i >= 1)"),
+    "overlong_max_len": ("DAPO overlong reward shaping: L_max in tokens (null: no shaping)",
+                         "DAPO (Yu et al. 2025) Sec. 3.4 soft overlong punishment; docs/ALGORITHMS.md section 2"),
+    "overlong_cache_len": ("DAPO overlong reward shaping: the cache L_c before L_max where the penalty ramps",
+                           "DAPO (Yu et al. 2025) Sec. 3.4; docs/ALGORITHMS.md section 2"),
+    "micro_batch_seqs": ("sequences per group of aggregation micro-batch-token-mean (the engines' micro-batch rows "
+                         "under it)", "seamoke/DPH-RL scripts/llama/*.sh ppo_micro_batch_size_per_gpu=2; "
+                                      "docs/ALGORITHMS.md section 9 row 2"),
+}
 COMMON_HPARAMS: Dict[str, Any] = {
     "correct_threshold": 1.0,   # correct_i = (R_i >= threshold) for binary verifiable rewards
     "overlong_max_len": None,   # DAPO overlong shaping L_max (None: off)
     "overlong_cache_len": None,  # DAPO overlong shaping L_c
     "micro_batch_seqs": 2,      # sequences per group of aggregation "micro-batch-token-mean"
-    # engines (OpenRLHF, Megatron) under "micro-batch-token-mean": the authors' micro-batch layout
-    # (authors.plan_micro_batches, docs/ALGORITHMS.md section 9 rows 1, 1b, 2)
-    "step_layout": "spread",    # "authors": anchors in trailing optimiser steps of their own
-    "micro_batch_tokens": None,  # token budget per micro-batch (the authors' use_dynamic_bsz); None: rows
 }
+# engine layout, not method hyperparameters: an experiment's `engine:` section
+# (openrlhf_div.engines.layout; docs/ALGORITHMS.md section 9 rows 1, 1b)
+ENGINE_LAYOUT_KEYS = ("step_layout", "micro_batch_tokens")
 ESTIMATORS: Dict[str, Component] = {}
 REWARD_SHAPING: Dict[str, Component] = {}
 ADV_RESHAPING: Dict[str, Component] = {}
@@ -161,15 +175,32 @@ REGULARIZERS: Dict[str, Component] = {}
 ANCHORS: Dict[str, Component] = {}
 
 
+def _check_help(kind: str, name: str, defaults: Mapping[str, Any], help) -> Dict[str, Tuple[str, str]]:
+    """``help`` of a registration: ``{hparam: (one line, source)}`` for hyperparameters it declares."""
+    out: Dict[str, Tuple[str, str]] = {}
+    for k, v in dict(help or {}).items():
+        if k not in defaults:
+            raise ValueError(f"{kind} {name!r}: help for {k!r}, which is not one of its hyperparameters "
+                             f"{sorted(defaults)}")
+        if not (isinstance(v, (tuple, list)) and len(v) == 2 and all(isinstance(x, str) and x.strip()
+                                                                     and "\n" not in x for x in v)):
+            raise ValueError(f"{kind} {name!r}: help[{k!r}] takes (one line of help, its source), got {v!r}")
+        out[k] = (v[0], v[1])
+    return out
+
+
 def _registrar(kind: str, table: Dict[str, Component]):
     def register(name: str, defaults: Optional[Mapping[str, Any]] = None, needs: Optional[Needs] = None,
-                 check: Optional[Callable] = None, overwrite: bool = False, **extra):
+                 check: Optional[Callable] = None, overwrite: bool = False, help=None, **extra):
+        d = dict(defaults or {})
+        helps = _check_help(kind, name, d, help)
+
         def deco(fn: Callable) -> Callable:
             if name in table and not overwrite:
                 raise ValueError(f"{kind} {name!r} is already registered (pass overwrite=True to replace it)")
             if "metrics" in extra:
                 extra["metrics"] = tuple(extra["metrics"] or ())
-            table[name] = Component(kind, name, fn, dict(defaults or {}), needs or Needs(), check, **extra)
+            table[name] = Component(kind, name, fn, d, needs or Needs(), check, help=helps, **extra)
             return fn
         return deco
     register.__name__ = f"register_{kind.replace(' ', '_')}"
@@ -184,22 +215,59 @@ register_regularizer = _registrar("regularizer", REGULARIZERS)
 
 
 def register_adv_reshaping(name: str, defaults=None, needs=None, check=None, at: str = "rollout",
-                           overwrite: bool = False):
+                           overwrite: bool = False, help=None):
     """Decorator: an advantage reshaping applied at rollout time (``at="rollout"``, on the
     estimator's output) or at the training forward (``at="loss"``, e.g. with the entropy)."""
     if at not in ("rollout", "loss"):
         raise unknown_name_error("advantage reshaping stage", at, ("rollout", "loss"))
-    return _registrar("advantage reshaping", ADV_RESHAPING)(name, defaults, needs, check, overwrite, at=at)
+    return _registrar("advantage reshaping", ADV_RESHAPING)(name, defaults, needs, check, overwrite, help=help, at=at)
 
 
-def register_anchor(name: str, defaults=None, eta: float = 0.01, check=None, overwrite: bool = False):
+ANCHOR_HELP: Dict[str, Tuple[str, str]] = {
+    "anchor_eta": ("eta of L = L_exp + eta L_pef: the weight of the D_pef anchor loss",
+                   "DPH-RL (seed 000) App. D Table 5 (DPH-F 0.01, DPH-JS 0.2); docs/ALGORITHMS.md section 4"),
+    "anchor_weighting": ("token_mean: L_exp + eta L_pef, each a token-mean; microbatch_share: eta x #anchor / "
+                         "#online sequences of the step, as the authors' code",
+                         "seamoke/DPH-RL verl/workers/actor/dp_actor.py update_policy; docs/ALGORITHMS.md "
+                         "section 9 row 1"),
+}
+
+
+def register_anchor(name: str, defaults=None, eta: float = 0.01, check=None, overwrite: bool = False, help=None):
     """Decorator: a ``D_pef`` anchor loss; ``eta`` is the default weight ``anchor_eta``. Every
     anchor also has ``anchor_weighting`` (``token_mean``: ``L_exp + eta L_pef``;
     ``microbatch_share``: the DPH-RL authors' ``eta x #anchor / #online`` sequences of the step,
     docs/ALGORITHMS.md section 9 row 1)."""
     d = dict(defaults or {})
     return _registrar("anchor", ANCHORS)(name, {"anchor_eta": eta, "anchor_weighting": "token_mean", **d},
-                                         Needs(anchor_batch=True), check, overwrite, passed=tuple(d))
+                                         Needs(anchor_batch=True), check, overwrite,
+                                         help={**ANCHOR_HELP, **dict(help or {})}, passed=tuple(d))
+
+
+_KINDS = (("estimator", ESTIMATORS), ("reward shaping", REWARD_SHAPING), ("advantage reshaping", ADV_RESHAPING),
+          ("policy loss", POLICY_LOSSES), ("regularizer", REGULARIZERS), ("anchor", ANCHORS))
+
+
+def hparam_help(builtin_only: bool = False) -> Dict[str, Dict[str, Any]]:
+    """Every registered hyperparameter -> ``{"help", "source", "default", "owners"}``: the help and
+    source its registration declared (the first declaration; ``""`` where a plug-in gave none),
+    a default and the components that take it. ``builtin_only``: the package's own components
+    (no plug-in's)."""
+    out: Dict[str, Dict[str, Any]] = {}
+    for k, v in COMMON_HPARAMS.items():
+        h, src = COMMON_HELP.get(k, ("", ""))
+        out[k] = {"help": h, "source": src, "default": v, "owners": ["common"]}
+    for kind, table in _KINDS:
+        for comp in table.values():
+            if builtin_only and not getattr(comp.fn, "__module__", "").startswith("openrlhf_div."):
+                continue
+            for k, v in comp.defaults.items():
+                h, src = comp.help.get(k, ("", ""))
+                e = out.setdefault(k, {"help": h, "source": src, "default": v, "owners": []})
+                if not e["help"] and h:
+                    e.update(help=h, source=src)
+                e["owners"].append(f"{kind} {comp.name}")
+    return out
 
 
 def _check_anchor_eta(h: Dict[str, Any]) -> None:
@@ -308,6 +376,7 @@ class Method:
                              num_online_seqs=num_online_seqs, num_anchor_seqs=num_anchor_seqs)
 
     def describe(self) -> Dict[str, Any]:
+        help_ = hparam_help()
         return {
             "name": self.name, "summary": self.summary, "estimator": self.estimator,
             "reward_shaping": list(self.reward_shaping), "adv_reshaping": list(self.adv_reshaping),
@@ -316,6 +385,8 @@ class Method:
             "dynamic_sampling": self.dynamic_sampling, "hparams": dict(self.hparams),
             "needs": dataclasses.asdict(self.needs), "paper": self.paper,
             "authors_modes": authors_modes(self),
+            "hyperparameters": {k: {"value": v, "help": help_.get(k, {}).get("help", ""),
+                                    "source": help_.get(k, {}).get("source", "")} for k, v in self.hparams.items()},
             **({"authors_run_settings": [dict(zip(("setting", "library", "authors", "source"), r))
                                          for r in AUTHORS_RUN_SETTINGS]} if self.anchor is not None else {}),
         }
@@ -332,6 +403,9 @@ class Method:
                 setattr(m, key, overrides.pop(key))
         valid = m.hparam_defaults()
         for k, v in overrides.items():
+            if k in ENGINE_LAYOUT_KEYS:
+                raise ValueError(f"{k} is engine layout, not a hyperparameter of method {m.name!r}: set "
+                                 f"engine.{k} in the experiment's `engine:` section (--engine.{k} on the command line)")
             if k not in valid:
                 close = difflib.get_close_matches(k, list(valid) + ["aggregation", "dynamic_sampling"], n=3)
                 hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
@@ -350,11 +424,6 @@ class Method:
             raise unknown_name_error("loss aggregation", self.aggregation, AGGREGATIONS)
         if int(self.hparams.get("micro_batch_seqs", 2)) < 1:
             raise ValueError(f"micro_batch_seqs must be >= 1, got {self.hparams['micro_batch_seqs']}")
-        if self.hparams.get("step_layout", "spread") not in STEP_LAYOUTS:
-            raise unknown_name_error("step_layout", self.hparams["step_layout"], STEP_LAYOUTS)
-        mbt = self.hparams.get("micro_batch_tokens")
-        if mbt is not None and int(mbt) < 1:
-            raise ValueError(f"micro_batch_tokens must be >= 1 or null (micro-batches of micro_batch_seqs rows), got {mbt}")
         for c in self.components():
             if c.check is not None:
                 c.check(self.hparams)

@@ -16,6 +16,7 @@ from openrlhf_div import __version__
 
 # (subcommand module, one-line help). Order is the order of --help.
 SUBCOMMANDS = [
+    ("run", "run one experiment file on any engine: local (--toy: seconds on a CPU), openrlhf, megatron"),
     ("methods", "list the registered methods, their defaults and what they need"),
     ("bandit", "the controlled 50-arm bandit: LAD / GRPO / DS against their analytic optima"),
     ("presample", "DPH-RL pre-sampling: split training prompts into D_pef / D_exp"),

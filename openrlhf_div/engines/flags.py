@@ -44,12 +44,14 @@ from openrlhf_div.algorithms.registry import (
     REWARD_SHAPING,
     Method,
     get_method,
+    hparam_help,
     list_methods,
 )
 
 from openrlhf_div.plugins import load_plugins
 
-TASKS = ("math", "sql", "countdown")
+from .layout import add_engine_arguments
+
 from openrlhf_div.engines.contract import ANCHOR_FLAG, CORRECT_FLAG  # noqa: E402,F401 (Experience.info keys)
 DEFAULT_ANCHOR_RATIO = 8.0  # DPH-RL: 128 prompts x 16 rollouts : 256 anchors
 
@@ -64,7 +66,7 @@ TOKEN_LEVEL = {"token-mean": True, "seq-mean-token-mean": False,
                "micro-batch-token-mean": None}
 
 # Hyperparameters whose registry default is None need an explicit type.
-_NONE_DEFAULT_TYPES = {"overlong_max_len": int, "overlong_cache_len": int, "micro_batch_tokens": int}
+_NONE_DEFAULT_TYPES = {"overlong_max_len": int, "overlong_cache_len": int}
 
 
 def hparam_table() -> Dict[str, Tuple[Any, str]]:
@@ -82,6 +84,12 @@ def hparam_table() -> Dict[str, Tuple[Any, str]]:
                 else:
                     table[k] = (v, where)
     return table
+
+
+def METHOD_KEYS_IN_DIV() -> set:
+    """The keys of an experiment's ``method:`` section (hyperparameters, aggregation,
+    dynamic_sampling) that the old spelling put under ``div:``."""
+    return set(hparam_table()) | {"aggregation", "dynamic_sampling"}
 
 
 #: what an explicit ``none`` / ``null`` parses to: the string ``"none"``, not ``None`` (argparse's
@@ -119,9 +127,12 @@ def add_div_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     load_plugins()  # OPENRLHF_DIV_PLUGINS: their methods are choices too
     g.add_argument("--div.method", default="grpo", choices=list(list_methods()), metavar="NAME",
                    help="registered method: " + ", ".join(list_methods()) + " (default: grpo)")
-    g.add_argument("--div.task", default=None, choices=TASKS,
-                   help="reward through openrlhf_div/tasks/reward_funcs/<task>.py "
-                        "(sets --reward.remote_url unless given)")
+    from openrlhf_div.tasks import list_tasks
+
+    g.add_argument("--div.task", default=None, choices=list_tasks(), metavar="TASK",
+                   help="a registered task (" + ", ".join(list_tasks()) + "; plug-ins' too): reward through "
+                        "openrlhf_div/tasks/reward_funcs/<task>.py, or reward_funcs/registered.py for a task "
+                        "without its own file (sets --reward.remote_url unless given)")
     g.add_argument("--div.anchor_data", default=None, metavar="PATH",
                    help="D_pef from presample_ray (a presample output directory or its d_pef.jsonl); "
                         "required by anchor methods (dph_*)")
@@ -142,10 +153,13 @@ def add_div_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
                    help="override the method's loss aggregation")
     g.add_argument("--div.dynamic_sampling", type=_bool, default=None, metavar="BOOL",
                    help="override the method's dynamic sampling (DAPO)")
+    helps = hparam_help()  # declared at registration: one line and its source
     for name, (default, owner) in sorted(hparam_table().items()):
         shown = "none" if default is None else default
+        line, source = helps.get(name, {}).get("help", ""), helps.get(name, {}).get("source", "")
         kw: Dict[str, Any] = {"default": None, "metavar": "V",
-                              "help": f"{owner} hyperparameter (unset: the method's default, e.g. {shown})"}
+                              "help": (f"{line} [source: {source}] " if line else "")
+                              + f"({owner}; unset: the method's default, e.g. {shown})"}
         if not isinstance(default, (bool, str)):
             kw["help"] += "; none or null: no value (None)"
         if name == "lad_clip":
@@ -161,6 +175,7 @@ def add_div_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
         else:
             kw.update(type=str)
         g.add_argument(f"--div.{name}", **kw)
+    add_engine_arguments(parser)  # --engine.* (the layout), next to the method's flags
     return g
 
 
@@ -233,12 +248,21 @@ DERIVED_UPSTREAM = ("--algo.advantage.estimator", "--algo.kl.init_coef", "--algo
                     "--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range")
 
 
+TASK_ENV = "OPENRLHF_DIV_TASK"  # read by tasks/reward_funcs/registered.py in the reward workers
+
+
 def reward_func_path(task: str) -> str:
-    """Absolute path of our reward-function file for ``task`` (the tasks branch provides it)."""
+    """Absolute path of the reward-function file for ``task``: ``tasks/reward_funcs/<task>.py``
+    where the package has one, else ``registered.py``, which builds the registered task named by
+    ``OPENRLHF_DIV_TASK`` (set here for the Ray workers; a plug-in's task)."""
     import openrlhf_div
 
-    root = os.path.dirname(os.path.abspath(openrlhf_div.__file__))
-    return os.path.join(root, "tasks", "reward_funcs", f"{task}.py")
+    folder = os.path.join(os.path.dirname(os.path.abspath(openrlhf_div.__file__)), "tasks", "reward_funcs")
+    own = os.path.join(folder, f"{task}.py")
+    if os.path.isfile(own):
+        return own
+    os.environ[TASK_ENV] = task
+    return os.path.join(folder, "registered.py")
 
 
 @dataclass
@@ -352,7 +376,7 @@ def check_supported(method: Method, args, need_data: bool = True) -> None:
         if train is not None and getattr(train, "dynamic_batch_enable", False):
             raise NotImplementedError(
                 "--train.dynamic_batch_enable with aggregation micro-batch-token-mean is not supported: the "
-                "authors' layout makes its own micro-batches; for token budgets set --div.micro_batch_tokens N")
+                "authors' layout makes its own micro-batches; for token budgets set --engine.micro_batch_tokens N")
         if method.needs.anchor_batch and method.hparams.get("anchor_weighting") != "microbatch_share":
             raise ValueError(
                 f"method {method.name!r} with aggregation micro-batch-token-mean weights each anchor micro-batch "

@@ -148,6 +148,13 @@ def list_tasks() -> List[str]:
 
 
 def get_task(name: str, **options) -> Task:
+    """The task ``name`` built with ``options``; a name not registered yet is looked up again
+    after importing the plug-ins of ``OPENRLHF_DIV_PLUGINS`` (:mod:`openrlhf_div.plugins`), so a
+    plug-in task resolves in every process that names it (Ray workers included)."""
+    if name not in _FACTORIES and name not in _LAZY:
+        from openrlhf_div.plugins import load_plugins
+
+        load_plugins()
     if name not in _FACTORIES and name in _LAZY:
         importlib.import_module(_LAZY[name])
     if name not in _FACTORIES:

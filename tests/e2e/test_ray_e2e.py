@@ -32,9 +32,9 @@ pytestmark = [pytest.mark.ray_e2e, pytest.mark.slow]
 TOL = 0.1  # nats per token: both sides compute in bf16 (HF sdpa vs vLLM's CPU attention)
 
 
-def _job(ray_head, exp, method, run_dir, *args, presample_dir=None):
+def _job(ray_head, exp, method, run_dir, *args, presample_dir=None, extra_env=None):
     r = h.submit(ray_head, exp, "examples/scripts/run.sh", f"tiny_cpu_{method}", "--submit", *args, run_dir=run_dir,
-                 presample_dir=presample_dir, timeout=900)
+                 presample_dir=presample_dir, timeout=900, extra_env=extra_env)
     with open(os.path.join(run_dir + ".log"), "w") as fh:
         fh.write(r.output)
     assert "succeeded" in r.output, f"job failed (rc {r.returncode}):\n{r.output[-6000:]}"
@@ -116,11 +116,19 @@ def test_megatron_tp2_policy_actor_job(ray_head, tiny_experiment, tmp_path):
     components registered under a new name by tests/fixtures/plugins/plugin_method.py, a file
     outside the package that nothing imports. The driver gets it from ``--plugin`` and every Ray
     worker (vLLM engine, trainer, both Megatron actors) from ``OPENRLHF_DIV_PLUGINS`` in the runtime
-    env; a process without it stops at "unknown method 'plugin_grpo'".
+    env; a process without it stops at "unknown method 'plugin_grpo'". The task is a plug-in's too
+    (issue 31): `plugin_math` from tests/fixtures/plugins/plugin_task.py, a `--div.task` choice once
+    the driver imported it, scored in the reward worker through reward_funcs/registered.py, which
+    finds it by OPENRLHF_DIV_TASK and OPENRLHF_DIV_PLUGINS; the plug-in itself logs each batch it
+    scored (the rewards that vary below are its).
     """
     run = str(tmp_path / "grpo_megatron")
+    log = str(tmp_path / "plugin_task.log")
     r = _job(ray_head, tiny_experiment, "grpo_megatron", run, "--plugin", "tests/fixtures/plugins/plugin_method.py",
-             "--div.method", "plugin_grpo")
-    assert "plugin_grpo" in r.output and "unknown method" not in r.output
+             "--div.method", "plugin_grpo", "--plugin", "tests/fixtures/plugins/plugin_task.py", "--div.task",
+             "plugin_math", extra_env={"OPENRLHF_DIV_PLUGIN_TASK_LOG": log})
+    assert "plugin_grpo" in r.output and "unknown method" not in r.output and "unknown task" not in r.output
+    scored = [line.split() for line in open(log)]
+    assert scored and sum(int(n) for _, n in scored) >= 2 * 16, scored  # 2 steps x 4 prompts x 4 samples
     _check_training(run, tiny_experiment, [1, 2])
     assert _weights_changed(tiny_experiment, os.path.join(run, "model")) > 0

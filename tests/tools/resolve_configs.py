@@ -14,10 +14,9 @@ For each config the output holds, under two fixed environments (the variables un
 * ``configs/demo*.yaml``: the demo settings, normal and ``--quick``;
 * ``configs/local_example.yaml``: the local engine's validated TrainConfig.
 
-``tests/test_config_snapshot.py`` compares this against ``tests/fixtures/configs_resolved.json``,
-which was written by the loaders and the config files *before* the configs were split into
-family bases and per-method files: a value that changed in the restructuring fails the test.
-Regenerate the snapshot only for a deliberate change of an experiment, and say so in the commit.
+Use it around a restructuring of the configs: ``--out before.json`` first, ``--check before.json``
+after, and every resolved value that moved is listed. (The tests pin only what a reviewer must
+see change: tests/test_experiments.py.)
 """
 from __future__ import annotations
 

@@ -20,6 +20,8 @@ import yaml
 
 from openrlhf_div.config import ConfigError, deep_merge, load, parse_overrides, unknown_key
 
+from ..layout import LAYOUT_KEYS, EngineLayout, refuse_on_local
+
 __all__ = ["ConfigError", "TrainConfig", "config_from_dict", "config_help", "dump_config", "load_config",
            "parse_overrides"]
 
@@ -183,11 +185,32 @@ class PresampleConfig:
 
 
 @dataclass
+class EngineConfig:
+    """Engine layout (:mod:`openrlhf_div.engines.layout`): the OpenRLHF / Megatron engines' micro-batch
+    layout under aggregation micro-batch-token-mean. The local engine lays micro-batches out with
+    ``optim.micro_batch_size`` / ``optim.mini_batches`` and refuses anything but the defaults here."""
+
+    step_layout: str = _f(LAYOUT_KEYS["step_layout"][0], LAYOUT_KEYS["step_layout"][1]
+                          + " (source: " + LAYOUT_KEYS["step_layout"][2] + ")")
+    micro_batch_tokens: Optional[int] = _f(LAYOUT_KEYS["micro_batch_tokens"][0], LAYOUT_KEYS["micro_batch_tokens"][1]
+                                           + " (source: " + LAYOUT_KEYS["micro_batch_tokens"][2] + ")")
+
+    def layout(self) -> EngineLayout:
+        try:
+            return EngineLayout(step_layout=self.step_layout, micro_batch_tokens=self.micro_batch_tokens)
+        except ValueError as e:
+            raise ConfigError(f"config section `engine`: {e}") from e
+
+
+@dataclass
 class TrainConfig:
     """Everything a local-engine run needs. Sections: model, data, method, rollout, optim,
     eval, checkpoint, logging, presample."""
 
     task: Optional[str] = _f(None, "Registered task name (openrlhf_div.tasks.get_task).")
+    plugins: List[str] = _f(factory=list, help="Modules or .py files (relative to the config file) that register "
+                                                "methods, components or tasks; imported before the method and task "
+                                                "are resolved (openrlhf_div.plugins).")
     task_options: Dict[str, Any] = _f(factory=dict, help="Keyword arguments of the task factory.")
     seed: int = _f(0, "Seed of every random stream (prompt order, sampling, anchors, tiny-model init).")
     output_dir: str = _f("runs/local", "Run directory: config, metrics, checkpoints, TensorBoard.")
@@ -195,7 +218,8 @@ class TrainConfig:
     num_threads: Optional[int] = _f(None, "torch intra-op threads (null: the cores available to this process; the "
                                            "demo uses 1, its tiny model is fastest single-threaded).")
     method: Dict[str, Any] = _f(factory=lambda: {"name": "grpo"},
-                                help="`name` of a registered method plus any of its hyperparameters.")
+                                help="`name` of a registered method plus any of its hyperparameters (each with its help and "
+                                     "source: `openrlhf-div methods --hparams`, docs/hyperparameters.md).")
     model: ModelConfig = _f(factory=ModelConfig, help="The initial policy.")
     data: DataConfig = _f(factory=DataConfig, help="Datasets.")
     rollout: RolloutConfig = _f(factory=RolloutConfig, help="Sampling.")
@@ -204,6 +228,8 @@ class TrainConfig:
     checkpoint: CheckpointConfig = _f(factory=CheckpointConfig, help="Checkpoints.")
     logging: LoggingConfig = _f(factory=LoggingConfig, help="Metrics output.")
     presample: PresampleConfig = _f(factory=PresampleConfig, help="DPH pre-sampling (`openrlhf-div presample`).")
+    engine: EngineConfig = _f(factory=EngineConfig, help="Engine layout (the OpenRLHF / Megatron engines' "
+                                                         "micro-batch layout; the local engine keeps the defaults).")
 
     # ------------------------------------------------------------------ helpers
     def build_method(self):
@@ -211,7 +237,7 @@ class TrainConfig:
         from openrlhf_div.algorithms import get_method
         from openrlhf_div.plugins import load_plugins
 
-        load_plugins()  # methods registered by the modules of OPENRLHF_DIV_PLUGINS
+        load_plugins([self.plugins] if isinstance(self.plugins, str) else list(self.plugins or ()))  # + OPENRLHF_DIV_PLUGINS
         opts = dict(self.method)
         name = opts.pop("name", None)
         if not name:
@@ -220,12 +246,6 @@ class TrainConfig:
             method = get_method(str(name), **opts)
         except ValueError as e:  # name the config section the bad key came from
             raise ConfigError(f"config section `method`: {e}") from e
-        h = method.hparams
-        if h.get("step_layout", "spread") != "spread" or h.get("micro_batch_tokens") is not None:
-            raise ConfigError(
-                "config section `method`: step_layout / micro_batch_tokens lay micro-batches out as the DPH-RL "
-                "authors' update loop on the OpenRLHF and Megatron engines only; the local engine uses "
-                "optim.micro_batch_size and optim.mini_batches (drop them here)")
         return method
 
     def to_dict(self) -> Dict[str, Any]:
@@ -281,6 +301,9 @@ class TrainConfig:
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ConfigError(f"device must be cpu, cuda[:N] or auto, got {self.device!r}")
         method = self.build_method()  # validates method.name and its hyperparameters
+        refused = refuse_on_local(self.engine.layout())
+        if refused:
+            raise ConfigError(refused)
         from .guards import check_group_size
 
         err = check_group_size(method, r.group_size)
@@ -376,7 +399,12 @@ def config_from_dict(data: Dict[str, Any], overrides: Sequence[str] = ()) -> Tra
 def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> TrainConfig:
     """Read a YAML config (``extends:`` followed; the defaults when ``path`` is None), apply
     ``key=value`` overrides and validate."""
-    return config_from_dict(load(path, overrides, merge=_merge))
+    data = load(path, overrides, merge=_merge)
+    if path and data.get("plugins"):  # relative .py paths are the config file's
+        from openrlhf_div.plugins import config_plugins
+
+        data["plugins"] = config_plugins(data["plugins"], path)
+    return config_from_dict(data)
 
 
 def dump_config(cfg: TrainConfig) -> str:

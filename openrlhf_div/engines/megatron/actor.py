@@ -27,9 +27,10 @@ dp`` rows made of micro-batches of ``--train.micro_batch_size`` rows. A row is a
 anchor row when the experience marks it (:mod:`openrlhf_div.engines.contract`); every loss comes from
 the registry method through :func:`.loss.registry_loss`, with the step's global token counts. Under
 aggregation ``micro-batch-token-mean`` (the DPH-RL authors' update loop) the rows are not shuffled:
-:func:`authors_steps` lays them out with :func:`openrlhf_div.algorithms.authors.plan_micro_batches`
-(rollouts, then anchors; steps of ``--train.batch_size / dp`` rows; ``micro_batch_seqs`` rows or
-``micro_batch_tokens`` budgets per micro-batch, each with its ``authors_coef``).
+:func:`authors_steps` lays them out with the run's engine layout (:class:`~..layout.EngineLayout`,
+the planner call site shared with the OpenRLHF actor: rollouts, then anchors; steps of
+``--train.batch_size / dp`` rows; the method's ``micro_batch_seqs`` rows or
+``--engine.micro_batch_tokens`` budgets per micro-batch, each with its ``authors_coef``).
 """
 from __future__ import annotations
 
@@ -41,11 +42,11 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from openrlhf_div.algorithms.authors import MICRO_BATCH_TOKEN_MEAN, plan_micro_batches
 from openrlhf_div.algorithms.registry import Method, get_method
 from openrlhf_div.compat.flash_attn_standin import install as _install_flash_attn_standin
 
 from ..contract import rows_from_experience
+from ..layout import EngineLayout, uses_authors_layout
 from .config import MegatronConfig, megatron_config_from_args
 from .loss import MicroBatch, step_counts
 
@@ -112,22 +113,14 @@ def collate_rows(rows: List[Dict[str, torch.Tensor]], pad_token_id: int = 0) -> 
     return MicroBatch(**kw)
 
 
-def uses_authors_layout(method: Method) -> bool:
-    """Aggregation ``micro-batch-token-mean``: the DPH-RL authors' micro-batch layout."""
-    return method.aggregation == MICRO_BATCH_TOKEN_MEAN
-
-
 def authors_steps(rows: List[Dict[str, torch.Tensor]], method: Method, mini_batch_rows: int, pad_token_id: int = 0,
-                  sync=None) -> List[List[MicroBatch]]:
-    """One replica's optimiser steps in the authors' layout
-    (:func:`openrlhf_div.algorithms.authors.plan_micro_batches`; rows in replay order, rollouts
-    before anchors, no shuffle), each micro-batch carrying its ``authors_coef``."""
-    h = method.hparams
-    plan = plan_micro_batches([bool(r.get("is_anchor", False)) for r in rows],
-                              [int(r["attention_mask"].sum()) for r in rows],
-                              mini_batch_rows=int(mini_batch_rows), micro_batch_seqs=int(h["micro_batch_seqs"]),
-                              micro_batch_tokens=h.get("micro_batch_tokens"),
-                              step_layout=h.get("step_layout", "spread"), sync=sync)
+                  sync=None, layout: Optional[EngineLayout] = None) -> List[List[MicroBatch]]:
+    """One replica's optimiser steps in the authors' layout (:meth:`EngineLayout.plan`, the run's
+    ``engine:`` settings; rows in replay order, rollouts before anchors, no shuffle), each
+    micro-batch carrying its ``authors_coef``."""
+    plan = (layout or EngineLayout()).plan(method, [bool(r.get("is_anchor", False)) for r in rows],
+                                           [int(r["attention_mask"].sum()) for r in rows],
+                                           mini_batch_rows=int(mini_batch_rows), sync=sync)
     steps = []
     for step in plan:
         batches = []
@@ -223,6 +216,7 @@ class MegatronPolicyActor(_DistributedActor):
         args, mcfg = self._engine_args(strategy)
         self.args, self.mcfg = args, mcfg
         self.method = resolve_method(args)
+        self.layout = EngineLayout.from_args(args)
         self.engine = MegatronEngine(mcfg, pretrain=pretrain, train=True, optim=OptimSettings.from_args(args, max_steps),
                                      method=self.method, temperature=float(args.rollout.temperature))
         self.vllm_engines = vllm_engines
@@ -274,7 +268,8 @@ class MegatronPolicyActor(_DistributedActor):
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
                 return int(t)
 
-            return authors_steps(rows, self.method, int(self.args.train.batch_size) // dp, self.pad_token_id, sync)
+            return authors_steps(rows, self.method, int(self.args.train.batch_size) // dp, self.pad_token_id, sync,
+                                 self.layout)
         g = torch.Generator().manual_seed(int(getattr(self.args.train, "seed", 42)) + self._fits)
         order = torch.randperm(len(rows), generator=g).tolist()
         rows = [rows[i] for i in order]

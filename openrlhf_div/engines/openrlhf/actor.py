@@ -39,8 +39,9 @@ from openrlhf.utils.vlm_utils import merge_mm_train_inputs  # noqa: E402
 from ..contract import anchor_rows, correct_rows, row_values  # noqa: E402
 from ..contract import ANCHOR_FLAG  # noqa: E402
 from ..flags import check_supported, method_from_args  # noqa: E402
+from ..layout import EngineLayout, uses_authors_layout  # noqa: E402
 from .loss import (AUTHORS_KEY, authors_micro_batches, div_actor_loss, split_masks,  # noqa: E402
-                   split_window_norms, uses_authors_layout)
+                   split_window_norms)
 
 
 from openrlhf_div.compat.patch import swapped as _swapped  # noqa: E402 (shared with the reference actor)
@@ -63,6 +64,7 @@ class DivActorPPOTrainer(ActorPPOTrainer):
     def __init__(self, strategy, *args, method=None, **kwargs):
         super().__init__(strategy, *args, **kwargs)
         self.div_method = method if method is not None else method_from_args(strategy.args)
+        self.div_layout = EngineLayout.from_args(strategy.args)
         check_supported(self.div_method, strategy.args, need_data=False)
         self._div_generator = torch.Generator().manual_seed(int(getattr(self.args.train, "seed", 0)))
         self.last_loss: Optional[torch.Tensor] = None  # the loss handed to backward (for checks)
@@ -122,7 +124,7 @@ class DivActorPPOTrainer(ActorPPOTrainer):
         gas = int(self.actor.model.gradient_accumulation_steps()) if hasattr(
             self.actor.model, "gradient_accumulation_steps") else int(strategy.accumulated_gradient)
         plan = list(authors_micro_batches(
-            items, self.div_method, mini_batch_rows=int(self.args.train.batch_size) // dp, gas=gas,
+            items, self.div_method, self.div_layout, mini_batch_rows=int(self.args.train.batch_size) // dp, gas=gas,
             collate=self.replay_buffer.collate_fn,
             anchor_fn=lambda it: float(torch.as_tensor(it.info.get(ANCHOR_FLAG, 0.0)).reshape(-1)[0]) > 0.5,
             tokens_fn=lambda it: int(it.attention_mask.sum()), sync=sync))

@@ -96,7 +96,7 @@ def defaults_from_config(path: str) -> Dict[str, Any]:
     cfg = load_config(path)
     o, d = cfg.get("openrlhf") or {}, cfg.get("div") or {}
     val = lambda k, default=None: expand_env(str(o[k])) if o.get(k) is not None else default  # noqa: E731
-    out = {"task": d.get("task"), "data": val("eval.dataset"), "model": val("actor.model_name_or_path"),
+    out = {"task": cfg.get("task") or d.get("task"), "data": val("eval.dataset"), "model": val("actor.model_name_or_path"),
            "n": int(val("eval.n_samples_per_prompt", 16)), "temperature": float(val("eval.temperature", 1.0)),
            "top_p": float(d["eval_top_p"] if d.get("eval_top_p") is not None else val("rollout.top_p", 1.0)), "max_new_tokens": int(val("rollout.max_new_tokens", 2048)),
            "tp": int(val("vllm.tensor_parallel_size", 1)), "input_key": val("data.input_key", "prompt"),

@@ -45,10 +45,12 @@ from ..flags import (
     check_supported,
     derive_upstream_flags,
     div_namespace,
+    METHOD_KEYS_IN_DIV,
     hparam_table,
     method_from_args,
 )
 from ..anchor_data import anchor_count
+from ..layout import LAYOUT_KEYS, deprecation, layout_argv
 
 PROG = "python -m openrlhf_div.cli.train_ppo_ray"
 _OUR_OPTIONS = ("config", "dry_run")
@@ -170,14 +172,52 @@ load_config = load_experiment
 
 
 def config_argv(cfg: Dict[str, Any]) -> List[str]:
-    """The flags a config stands for: ``div:`` -> ``--div.*``, ``openrlhf:`` -> ``--<key>``."""
+    """The flags a config stands for: ``method:`` (name + hyperparameters) and ``task:`` ->
+    ``--div.method`` / ``--div.<key>`` / ``--div.task``, ``div:`` -> ``--div.*`` (its method keys and
+    task: the old spelling, read with a one-line deprecation), ``engine:`` -> ``--engine.*``
+    (the layout, :mod:`openrlhf_div.engines.layout`), ``openrlhf:`` -> ``--<key>``. A layout key
+    still under ``div:`` is read as ``engine.<key>`` with a one-line deprecation."""
     argv: List[str] = []
     hparams = hparam_table()
+    method = dict(cfg.get("method") or {})
+    method_argv: List[str] = []  # after div:'s flags: the new spelling wins (argparse keeps the last)
+    if "name" in method:
+        method_argv += ["--div.method", str(method.pop("name"))]
+    if cfg.get("task"):
+        method_argv += ["--div.task", str(cfg["task"])]
+    for k, v in method.items():  # the method section: its hyperparameters, as --div.<key>
+        if v is None and k in hparams:
+            method_argv += [f"--div.{k}", EXPLICIT_NONE]
+        else:
+            method_argv += _flag_values("div.", k, v, bool_values=True)
+    div = cfg.get("div") or {}
+    new = dict(cfg.get("method") or {}, **({"task": cfg["task"]} if cfg.get("task") else {}))
+    for k, v in div.items():  # both spellings in one (merged) experiment must agree
+        nk = "name" if k == "method" else k
+        if nk in new and new[nk] != v and (k in ("method", "task") or k in METHOD_KEYS_IN_DIV()):
+            where = "task" if k == "task" else f"method.{nk}"
+            raise ValueError(f"config: div.{k}={v} and {where}={new[nk]} (one experiment, two spellings, e.g. a file "
+                             f"in the old spelling over a base in the new one); write {where} only")
+    old = [k for k in div if k == "method" or k == "task" or k in METHOD_KEYS_IN_DIV()]
+    if old:
+        print(deprecation(", ".join(f"div.{k}" for k in old),
+                          ", ".join("method.name" if k == "method" else "task" if k == "task" else f"method.{k}"
+                                    for k in old)), file=sys.stderr)
+    engine = dict(cfg.get("engine") or {})
+    unknown = sorted(set(engine) - set(LAYOUT_KEYS))
+    if unknown:
+        raise ValueError(f"config section `engine`: unknown key(s) {unknown}; the OpenRLHF driver reads "
+                         f"{sorted(LAYOUT_KEYS)} there")
     for k, v in (cfg.get("div") or {}).items():
+        if k in LAYOUT_KEYS:
+            print(deprecation(f"div.{k}", f"engine.{k}"), file=sys.stderr)
+            engine.setdefault(k, v)
+            continue
         if v is None and k in hparams:  # `dual_clip: null`: the method gets None, not its default
             argv += [f"--div.{k}", EXPLICIT_NONE]
             continue
         argv += _flag_values("div.", k, v, bool_values=True)
+    argv += method_argv + layout_argv(engine)
     for k, v in (cfg.get("openrlhf") or {}).items():
         argv += _flag_values("", k, v)
     return argv
@@ -258,9 +298,13 @@ def count_gpus(args, reference: bool) -> Dict[str, int]:
 
 def plan(argv: Sequence[str], parser: Optional[argparse.ArgumentParser] = None) -> Plan:
     """Merge config + command line + method-implied flags; validate; count GPUs."""
-    parser = parser or build_parser()
     cfg_path, rest = _split_config(list(argv))
     cfg = load_config(cfg_path) if cfg_path else {}
+    if cfg.get("plugins"):  # before the parser: their methods and tasks are choices
+        from openrlhf_div.plugins import config_plugins, load_plugins
+
+        load_plugins(config_plugins(cfg["plugins"], cfg_path))
+    parser = parser or build_parser()
     user_argv = config_argv(cfg) + rest
     first = parser.parse_args(user_argv)
     dry_run = bool(first.dry_run)
@@ -272,7 +316,9 @@ def plan(argv: Sequence[str], parser: Optional[argparse.ArgumentParser] = None) 
     if getattr(parsed, "actor.model_name_or_path", None) is None:
         raise ValueError("--actor.model_name_or_path is required (the policy to train)")
     if not getattr(parsed, "reward.remote_url", None):
-        raise ValueError("no reward: pass --div.task math|sql|countdown or --reward.remote_url FILE.py")
+        from openrlhf_div.tasks import list_tasks
+
+        raise ValueError(f"no reward: pass --div.task {'|'.join(list_tasks())} or --reward.remote_url FILE.py")
     args = finalize(parsed)
     check_supported(method, args)
     _check_batches(method, args)
@@ -348,12 +394,16 @@ def run(p: Plan) -> None:
 
 
 def load_argv_plugins(argv: Sequence[str]) -> None:
-    """Import the ``--plugin`` modules of ``argv`` (and ``OPENRLHF_DIV_PLUGINS``) before the
-    parser is built (``--div.method`` lists the registered methods) and export them to the Ray
-    workers (:mod:`openrlhf_div.plugins`)."""
-    from openrlhf_div.plugins import load_plugins, split_plugin_args
+    """Import the ``--plugin`` modules of ``argv``, the ``plugins:`` of its ``--config`` file (and
+    ``OPENRLHF_DIV_PLUGINS``) before the parser is built (``--div.method`` / ``--div.task`` list
+    the registered ones) and export them to the Ray workers (:mod:`openrlhf_div.plugins`)."""
+    from openrlhf_div.plugins import config_plugins, load_plugins, split_plugin_args
 
-    load_plugins(split_plugin_args(argv)[0])
+    specs, rest = split_plugin_args(argv)
+    cfg_path, _ = _split_config(rest)
+    if cfg_path:
+        specs += config_plugins(load_config(cfg_path).get("plugins"), cfg_path)
+    load_plugins(specs)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

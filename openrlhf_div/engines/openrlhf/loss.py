@@ -18,8 +18,8 @@ losses of one step add up to ``L_exp + eta * L_pef`` with each part a token mean
 
 Aggregation ``micro-batch-token-mean`` (the DPH-RL authors' update loop, docs/ALGORITHMS.md
 section 9 rows 1, 1b, 2): :func:`authors_micro_batches` replaces OpenRLHF's shuffled micro-batches
-and gas windows with :func:`openrlhf_div.algorithms.authors.plan_micro_batches` over the replica's
-rows (rollouts, then anchors; optimiser steps of ``train.batch_size / dp`` rows; anchors and
+and gas windows with the run's engine layout (:meth:`openrlhf_div.engines.layout.EngineLayout.plan`,
+``engine.step_layout`` / ``engine.micro_batch_tokens``) over the replica's rows (rollouts, then anchors; optimiser steps of ``train.batch_size / dp`` rows; anchors and
 rollouts in separate micro-batches of ``micro_batch_seqs`` rows or token budgets), and each
 micro-batch's ``loss_batch_info`` carries ``{"authors": {"coef", "gas", "boundary"}}``:
 :func:`div_actor_loss` returns ``gas x Method.loss(..., micro_batch_coef=coef)`` -- DeepSpeed's
@@ -32,8 +32,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from openrlhf_div.algorithms.authors import MICRO_BATCH_TOKEN_MEAN, plan_micro_batches
-from openrlhf_div.algorithms.registry import LossInputs, Method
+from openrlhf_div.algorithms.registry import Method
 from openrlhf_div.compat.flash_attn_standin import install as _install_flash_attn_standin
 
 _install_flash_attn_standin()  # no-op when the real flash-attn is installed
@@ -41,6 +40,7 @@ _install_flash_attn_standin()  # no-op when the real flash-attn is installed
 from openrlhf.utils import loss_utils as _loss_utils  # noqa: E402
 
 from ..contract import loss_inputs  # noqa: E402
+from ..layout import EngineLayout  # noqa: E402
 
 ANCHOR_NORM_KEY = "anchor"    # loss_batch_info[ANCHOR_NORM_KEY]: the anchor tokens' normaliser
 AUTHORS_KEY = "authors"       # loss_batch_info[AUTHORS_KEY]: one micro-batch of the authors' layout
@@ -90,23 +90,16 @@ def split_window_norms(data_iter: Iterable, strategy, accumulated_gradient: int,
 _UPSTREAM_ITER = _loss_utils.iter_grad_accum_global_norm
 
 
-def uses_authors_layout(method: Method) -> bool:
-    """Whether the engine lays micro-batches out as the DPH-RL authors' update loop does."""
-    return method.aggregation == MICRO_BATCH_TOKEN_MEAN
-
-
-def authors_micro_batches(items: List, method: Method, *, mini_batch_rows: int, gas: int, collate: Callable,
-                          anchor_fn: Callable, tokens_fn: Callable,
+def authors_micro_batches(items: List, method: Method, layout: EngineLayout, *, mini_batch_rows: int, gas: int,
+                          collate: Callable, anchor_fn: Callable, tokens_fn: Callable,
                           sync: Optional[Callable[[int], int]] = None) -> Iterator[Tuple[object, Dict]]:
     """``(micro-batch, loss_batch_info)`` for one epoch over this replica's single-row ``items``
-    in the authors' layout (module docstring). ``anchor_fn(item)`` / ``tokens_fn(item)``: whether
-    the row is a ``D_pef`` anchor, and its prompt + response tokens (token budgets);
-    ``collate(list of items)`` makes a micro-batch (OpenRLHF's ``make_experience_batch``)."""
-    h = method.hparams
-    steps = plan_micro_batches([bool(anchor_fn(it)) for it in items], [int(tokens_fn(it)) for it in items],
-                               mini_batch_rows=int(mini_batch_rows), micro_batch_seqs=int(h["micro_batch_seqs"]),
-                               micro_batch_tokens=h.get("micro_batch_tokens"),
-                               step_layout=h.get("step_layout", "spread"), sync=sync)
+    in the authors' layout (module docstring; ``layout``: the run's ``engine:`` settings).
+    ``anchor_fn(item)`` / ``tokens_fn(item)``: whether the row is a ``D_pef`` anchor, and its
+    prompt + response tokens (token budgets); ``collate(list of items)`` makes a micro-batch
+    (OpenRLHF's ``make_experience_batch``)."""
+    steps = layout.plan(method, [bool(anchor_fn(it)) for it in items], [int(tokens_fn(it)) for it in items],
+                        mini_batch_rows=int(mini_batch_rows), sync=sync)
     for step in steps:
         for j, mb in enumerate(step):
             info = {AUTHORS_KEY: {"coef": mb.coef, "gas": float(gas), "boundary": j == len(step) - 1,
@@ -116,15 +109,9 @@ def authors_micro_batches(items: List, method: Method, *, mini_batch_rows: int, 
 
 def metric_keys(method: Method) -> List[str]:
     """The metric names :func:`div_actor_loss` reports for ``method``, whatever the micro-batch
-    holds (data-parallel ranks all-reduce metrics key by key, so every rank needs the same set).
-    Found by running the method's online loss once on a 1x2 dummy batch."""
-    z = torch.zeros(1, 2)
-    dummy = LossInputs(log_probs=z - 1.0, old_log_probs=z - 1.0, advantages=torch.ones(1, 2),
-                       mask=torch.ones(1, 2), correct=torch.ones(1, dtype=torch.bool),
-                       ref_log_probs=z - 1.0, entropy=z + 1.0, log_z=torch.zeros(1),
-                       generator=torch.Generator().manual_seed(0))
-    _, m = method.online_loss(dummy)
-    return [f"div/{k}" for k in m] + ["div/loss_exp", "div/loss_pef", "div/loss"]
+    holds (data-parallel ranks all-reduce metrics key by key, so every rank needs the same set):
+    the components' declarations (:meth:`Method.metric_names`), then the loss parts."""
+    return [f"div/{k}" for k in method.metric_names()] + ["div/loss_exp", "div/loss_pef", "div/loss"]
 
 
 def _counts(info: Optional[Dict], mask: torch.Tensor) -> Tuple[Optional[float], Optional[float]]:

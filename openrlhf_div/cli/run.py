@@ -1,0 +1,157 @@
+"""``openrlhf-div run EXPERIMENT``: one experiment file on any engine.
+
+    openrlhf-div run tiny_cpu_dph_js --engine local --toy                 # seconds, on a CPU
+    openrlhf-div run llama8b_bird_dph_js --engine local --toy method.anchor_eta=0.1
+    openrlhf-div run tiny_cpu_dph_js --engine openrlhf                    # a local Ray head
+    openrlhf-div run llama8b_bird_dph_js --submit -- --ckpt.load_enable   # ray job submit
+
+``section.key=value`` overrides mean the same on every engine (``method.anchor_eta=0.1``,
+``engine.step_layout=spread``, ``openrlhf.train.batch_size=64``); OpenRLHF's own flags pass
+through after ``--`` to the Ray engines. What an engine cannot honour is refused by name before
+anything starts (:mod:`openrlhf_div.engines.experiment`).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def _options():
+    import argparse
+
+    p = argparse.ArgumentParser(prog="openrlhf-div run EXPERIMENT", add_help=False)
+    p.add_argument("--engine", choices=("local", "openrlhf", "megatron"), default=None,
+                   help="local (one process), openrlhf (Ray: vLLM + DeepSpeed) or megatron (Ray, Megatron-core "
+                        "actor); default: the file's (div.actor_backend megatron: megatron, else openrlhf)")
+    p.add_argument("--submit", action="store_true", help="Ray engines: one `ray job submit` job to RAY_ADDRESS")
+    p.add_argument("--toy", action="store_true",
+                   help="the file's toy: overlay (tiny model, a handful of prompts, a few steps)")
+    p.add_argument("--run-dir", default=None, help="the run folder (default runs/<experiment>[_toy])")
+    p.add_argument("--dry-run", action="store_true", help="print what would run and exit")
+    return p
+
+
+def add_parser(sub):
+    import argparse
+
+    p = sub.add_parser("run", help="run one experiment file on any engine (local, openrlhf, megatron)",
+                       description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=_options().format_help().split("\n", 2)[-1]
+                       + "\nsection.key=value overrides follow; after `--`, OpenRLHF flags pass through to the Ray engines.")
+    p.add_argument("experiment", help="an experiment's name (configs/openrlhf|megatron/NAME.yaml) or a path")
+    p.add_argument("rest", nargs=argparse.REMAINDER, metavar="[options] [key=value ...] [-- flags]")
+    p.set_defaults(func=run)
+    return p
+
+
+def override_argv(overrides):
+    """``section.key=value`` overrides as the Ray driver's flags, rendered by the function that
+    renders an experiment file (``method.anchor_eta=0.1`` -> ``--div.anchor_eta 0.1``)."""
+    from openrlhf_div.config import parse_overrides
+    from openrlhf_div.engines.openrlhf.launch import config_argv
+
+    return config_argv(parse_overrides(overrides, example="method.anchor_eta=0.1")) if overrides else []
+
+
+def _split(items):
+    """``(options, overrides, pass-through flags)`` of what follows the experiment's name."""
+    items = list(items)
+    through: list = []
+    if "--" in items:
+        cut = items.index("--")
+        items, through = items[:cut], items[cut + 1:]
+    opts, rest = _options().parse_known_args(items)
+    overrides = []
+    for i, a in enumerate(rest):
+        if a.startswith("--"):
+            raise ValueError(f"{a}: not an option of `run`; OpenRLHF flags go after `--`")
+        overrides.append(a)
+    passthrough = through
+    bad = [a for a in overrides if "=" not in a]
+    if bad:
+        raise ValueError(f"{bad[0]!r} is not a section.key=value override (OpenRLHF flags go after `--`)")
+    return opts, overrides, passthrough
+
+
+def run(args) -> int:
+    from openrlhf_div.engines import experiment as E
+
+    path = E.find_experiment(args.experiment)
+    name = os.path.splitext(os.path.basename(path))[0]
+    opts, overrides, passthrough = _split(args.rest)
+    for k, v in vars(opts).items():
+        setattr(args, k, v)
+    cfg = E.load(path, overrides, toy=args.toy)
+    backend = str((cfg.get("div") or {}).get("actor_backend") or "deepspeed")
+    engine = args.engine or ("megatron" if backend == "megatron" else "openrlhf")
+    run_dir = os.path.abspath(args.run_dir or os.path.join("runs", name + ("_toy" if args.toy else "")))
+    if engine == "local":
+        return _run_local(cfg, name, run_dir, args, passthrough)
+    return _run_ray(path, cfg, engine, backend, run_dir, args, overrides, passthrough)
+
+
+def _run_local(cfg, name, run_dir, args, passthrough) -> int:
+    from openrlhf_div.engines import experiment as E
+    from openrlhf_div.engines.local.config import config_from_dict, dump_config
+
+    if args.submit:
+        raise ValueError("--submit: the local engine runs in this process; submit with --engine openrlhf|megatron")
+    if passthrough:
+        raise ValueError(f"{passthrough[0]}: an OpenRLHF flag, which the local engine does not read (use "
+                         "section.key=value overrides, or --engine openrlhf)")
+    data, notes = E.to_local(cfg, run_dir=run_dir, toy=args.toy)
+    scripts = data.pop("toy_sql_scripts", None)
+    tc = config_from_dict(data)
+    method = tc.build_method()
+    if args.toy and method.needs.anchor_batch and scripts and not (tc.data.presample_dir or tc.data.anchor):
+        raise ValueError(f"--toy: method {method.name} trains on D_pef anchors, and the tiny random model of the SQL "
+                         "toy writes no correct SQL, so pre-sampling would find none; run the anchor toy on a math "
+                         "experiment, or give local.data.presample_dir=DIR (a D_pef of your own)")
+    if scripts and not args.dry_run:  # the toy SQL databases: {db_id}/{db_id}.sqlite from the fixtures' scripts
+        data.setdefault("task_options", {})["db_root"] = E.build_sql_databases(scripts, os.path.join(run_dir, "dbs"))
+        tc = config_from_dict(data)
+    for n in notes:
+        print(f"openrlhf-div run: {n}", file=sys.stderr)
+    print(f"openrlhf-div run: {name} on the local engine: method {method.name} ({method.estimator} advantages, "
+          f"{method.aggregation}), hyperparameters set: "
+          + (", ".join(f"{k}={v}" for k, v in sorted(tc.method.items()) if k != "name") or "none"), file=sys.stderr)
+    if args.dry_run:
+        sys.stdout.write(dump_config(tc))
+        return 0
+    from openrlhf_div.engines.local.presample import format_summary, presample
+    from openrlhf_div.engines.local.trainer import train
+
+    if method.needs.anchor_batch and not (tc.data.presample_dir or tc.data.anchor):
+        pre_dir = os.path.join(run_dir, "presample")
+        print(f"openrlhf-div run: pre-sampling D_pef / D_exp into {pre_dir}", file=sys.stderr)
+        summary = presample(tc, pre_dir, overwrite=False, progress=False)
+        print(format_summary(summary), file=sys.stderr)
+        data.setdefault("data", {})["presample_dir"] = pre_dir
+        tc = config_from_dict(data)
+    result = train(cfg=tc)
+    print(f"done: {result['run_dir']}")
+    return 0
+
+
+def _run_ray(path, cfg, engine, backend, run_dir, args, overrides, passthrough) -> int:
+    from openrlhf_div.engines import experiment as E
+
+    if args.toy:
+        raise ValueError("--toy on a Ray engine: not yet (the laptop Ray path of the first-hour issue brings the "
+                         "package's tiny model and data); run `--engine local --toy`, or tiny_cpu_* experiments "
+                         "on a local Ray head")
+    flags = override_argv(overrides) + list(passthrough)
+    if engine == "megatron" and backend != "megatron":
+        flags += ["--div.actor_backend", "megatron"]
+    if engine == "openrlhf" and backend == "megatron":
+        flags += ["--div.actor_backend", "deepspeed"]
+    if args.dry_run:
+        flags.append("--dry-run")
+    script = os.path.join(E.ROOT, "examples", "scripts", "run.sh")
+    if not os.path.isfile(script):
+        raise FileNotFoundError(f"{script}: the Ray launcher comes with the repository (run from a checkout)")
+    cmd = ["bash", script, path] + (["--submit"] if args.submit else []) + flags
+    env = dict(os.environ, RUN_DIR=os.environ.get("RUN_DIR", run_dir), PYTHON=os.environ.get("PYTHON", sys.executable))
+    print("openrlhf-div run: " + " ".join(cmd), file=sys.stderr)
+    return subprocess.call(cmd, env=env)
