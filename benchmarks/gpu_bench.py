@@ -1,48 +1,63 @@
-"""The GPU benchmark: the figures a user decides by, from one command on one GPU (``benchmarks/gpu_bench.sh``).
+"""The GPU benchmark: the figures a user decides by, from one command on one GPU
+(``bash benchmarks/gpu_bench.sh --results DIR``).
 
 Every case runs in its own process (a crash, an out-of-memory error or a time-out costs that case
-only) on a model built from a config with the real shapes and random weights, and writes its
-figures into one JSON (``--results DIR``/gpu_bench.json) and a markdown table (``gpu_bench.md`` there,
-and the marked section of docs/benchmarks.md):
+only) on a model built from a config with the real shapes and random weights. **Nothing measured is
+lost:** a case rewrites its JSON (atomically) after every row it measures, so a case killed at its
+time limit keeps its first rows; the driver marks the rows it did not reach ``not_reached`` with the
+reason, and rewrites ``DIR/gpu_bench.json`` and ``DIR/gpu_bench.md`` after every case. ``DIR`` is all
+that needs to come back: those two files and the full log ``gpu_bench.log`` (at most 8 files).
 
-``methods``
-    The local engine (``openrlhf_div.engines.local.Trainer``), Qwen2.5-1.5B shape (vocab 151,936,
-    hidden 1,536, 28 layers), bf16 with float32 master weights and AdamW moments, one RL step per
-    method (grpo, rkl, dph_js, dph_f, ds_grpo, lad_js, clip_cov) after a warm-up step, the median of
-    the measured steps: step time and its ratio to GRPO's, per phase (generation, old / reference
-    log-probs, forward + backward, optimizer incl. the master-weight copies, gradient clipping and
-    the weight check; "other" = rewards and packing), generation tokens/s, the actor's MFU and peak
-    memory. Rewards: a hash of the response text (half the responses "correct"), so groups are
-    mixed as in real training; DPH's D_pef: synthetic anchor rows of the same lengths (a random
-    model has no correct samples to pre-sample).
+Cases, in the default order (the ones only a GPU can prove first; ``--cases`` sets another order):
+
+``gemm``
+    A bf16 ``[n, n] @ [n, n]`` matmul on this device (CUDA events / synchronised timers after
+    warm-up): the measured peak the other cases' ``mfu_gemm`` is taken against.
+``actor_step``
+    OpenRLHF's DeepSpeed ZeRO-2 actor step (``DeepspeedStrategy`` with its real CUDA set-up, FusedAdam
+    JIT-built, and torch's Adam as the fallback when that build fails; our ``DivActorPPOTrainer`` and
+    ``HiddenLogProbActor``), grpo and dph_js (anchor rows), synthetic rollouts of 1,024 tokens (256
+    prompt), 16 sequences per optimizer step: step time after a warm-up step (the warm-up includes
+    the JIT build; its time is reported apart), tokens/s, MFU, peak memory. No Ray, no vLLM (Ray:
+    ``benchmarks/ray_import_stub.py``; vLLM: ``openrlhf_div.compat``'s import stub).
+``megatron``
+    ``MegatronEngine`` at TP=1 (megatron-core's local layer spec: no Transformer Engine on the
+    target): log-probs vs the HF model (bf16), optimizer-step time, tokens/s, MFU, measured peak
+    memory vs ``openrlhf-div plan-memory``'s plan of the same layout, offload / reload bit-exact.
 ``logprobs``
     ``log_probs_from_hidden`` vs full ``[tokens, V]`` logits + ``log_softmax`` at V = 151,936,
     H = 1,536, bf16 inputs (TF32 on for the fp32 matmuls that remain), with entropy, training
-    (forward + backward) and no-grad: median time and peak memory above the inputs.
-``actor_step``
-    OpenRLHF's DeepSpeed ZeRO-2 actor step (``DeepspeedStrategy`` with its real CUDA set-up, FusedAdam
-    JIT-built, our ``DivActorPPOTrainer`` and ``HiddenLogProbActor``), grpo and dph_js (anchor rows),
-    synthetic rollouts of 1,024 tokens (256 prompt), 16 sequences per optimizer step: median of
-    the steps after a warm-up, tokens/s, MFU, peak memory. No Ray, no vLLM (import stubs:
-    ``openrlhf_div.compat``).
-``megatron``
-    ``MegatronEngine`` at TP=1 (megatron-core's local layer spec: no Transformer Engine on the lent
-    machine): log-probs vs the HF model (bf16), median optimizer-step time, tokens/s, MFU, measured
-    peak memory vs ``scripts/megatron_memory.py``'s plan of the same layout, offload / reload bit-exact.
+    (forward + backward) and no-grad: time and peak memory above the inputs, after a warm-up call
+    (allocations made there are reused: the cache is not emptied between repeats).
+``methods``
+    The local engine (``openrlhf_div.engines.local.Trainer``), Qwen2.5-1.5B shape (vocab 151,936,
+    hidden 1,536, 28 layers), bf16 with float32 master weights and AdamW moments, RL steps per
+    method (grpo, rkl, dph_js, dph_f, ds_grpo, lad_js, clip_cov) after a warm-up step: step time and
+    its ratio to GRPO's, per phase (generation, old / reference log-probs, forward + backward,
+    optimizer incl. the master-weight copies, gradient clipping and the weight check; "other" =
+    rewards and packing; timed through the trainer's ``phase_hooks``), generation tokens/s, the
+    actor's MFU and peak memory. Rewards: a hash of the response text (half the responses
+    "correct"), so groups are mixed as in real training; DPH's D_pef: synthetic anchor rows of the
+    same lengths (a random model has no correct samples to pre-sample).
 ``largest``
-    The largest of the 3B / 1.5B / 0.5B shapes that trains one local-engine GRPO step (bf16 +
-    master weights) on this GPU, largest first, stopping at the first that fits.
+    The largest of the 3B / 1.5B / 0.5B shapes that trains a local-engine GRPO step (bf16 + master
+    weights) on this GPU after a warm-up step, largest first, stopping at the first that fits.
 
-MFU is counted the way verl's ``FlopsCounter`` does: ``6 N`` FLOPs per trained token (``N`` = the
-dense parameters with embedding *and* LM head counted, ``2 V h``; prompt and response tokens) plus
-``12 * sum(seqlen^2) * head_dim * heads * layers`` for attention, over the training time
-(forward + backward + optimizer; generation and log-prob passes excluded), divided by the GPU's
-dense bf16 peak (H100 / H200 SXM: 989 TFLOP/s; ``--peak-tflops`` for another card).
+Every timed figure is given as n, min, median and max over the measured repeats (after warm-up,
+the device synchronised before each clock read); peak memory is reset before and read after
+each row. MFU two ways: ``mfu`` counts FLOPs the way verl's ``FlopsCounter`` does (``6 N`` per
+trained token, ``N`` = the dense parameters with embedding *and* LM head counted, ``2 V h``;
+prompt and response tokens; plus ``12 * sum(seqlen^2) * head_dim * heads * layers`` for
+attention) over the training time (forward + backward + optimizer; generation and log-prob passes
+excluded), divided by the datasheet's dense bf16 peak (H100 / H200 SXM: 989 TFLOP/s;
+``--peak-tflops`` for another card); ``mfu_gemm`` divides the same by the bf16 GEMM peak the
+``gemm`` case measured on this device in this run.
 
-``--dry-run`` runs every case at toy size on the CPU (the rehearsal: same code paths, no figures
-worth reading; docs are not touched) with OpenRLHF's CUDA-only calls redirected by the test
-seams (``tests/e2e/site/cpu_seams.py``, ``tests/mcore_cpu.py``). ``--report A.json [B.json]``
-merges results (e.g. the two device commands) and writes the docs section.
+``--dry-run`` runs every case at toy size on the CPU (the rehearsal: the same code paths, no
+figures worth reading; a nominal datasheet peak of 1 TFLOP/s); ``gpu_bench.sh --dry-run`` loads
+the CPU seams the end-to-end tests use for OpenRLHF's and megatron-core's CUDA-only calls
+(docs/scaling.md, "CUDA-only seams") into its processes; this file imports nothing from tests/.
+``--report DIR [DIR...]`` merges results folders and writes the docs section.
 """
 from __future__ import annotations
 
@@ -53,6 +68,8 @@ import json
 import math
 import os
 import platform
+import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -60,7 +77,7 @@ import sys
 import tempfile
 import time
 import zlib
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -69,7 +86,7 @@ if ROOT not in sys.path:
 DOCS = os.path.join(ROOT, "docs", "benchmarks.md")
 BEGIN = "<!-- BEGIN gpu-bench: generated by benchmarks/gpu_bench.py -->"
 END = "<!-- END gpu-bench -->"
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}   # dense bf16, SXM
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}   # dense bf16, SXM (datasheet)
 QWEN25 = dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
               tie_word_embeddings=True)
 SHAPES: Dict[str, Dict[str, Any]] = {
@@ -88,37 +105,90 @@ SHAPES: Dict[str, Dict[str, Any]] = {
                   num_attention_heads=4, num_key_value_heads=2),
 }
 METHODS = ("grpo", "rkl", "dph_js", "dph_f", "ds_grpo", "lad_js", "clip_cov")
-CASES = ("methods", "logprobs", "actor_step", "megatron", "largest")
+#: the default order: the measured GEMM peak first (seconds), then what only a GPU can prove
+#: (DeepSpeed's FusedAdam JIT build and its fallback, Megatron on CUDA, the log-prob kernels), then
+#: the local engine's methods, then the largest model
+CASES = ("gemm", "actor_step", "megatron", "logprobs", "methods", "largest")
 #: cases sharing one process in a dry run (saves interpreter start-ups on the CPU); on a GPU each case
 #: has its own process, so that a crash or an out-of-memory error costs that case only
-DRY_RUN_GROUPS = (("methods", "logprobs", "largest"), ("actor_step",), ("megatron",))
-#: rough H100 seconds per case, set-up included (the budget check; not a measurement)
-#: (7 methods x (model load + 3 steps of ~4 s); FusedAdam's JIT build ~60-90 s; a 3B model written and read)
-ESTIMATE_S = {"methods": 180, "logprobs": 45, "actor_step": 150, "megatron": 75, "largest": 90}
+DRY_RUN_GROUPS = (("gemm", "logprobs", "methods", "largest"), ("actor_step",), ("megatron",))
+#: guessed seconds per case on an H100, set-up included, used until a GPU run has measured them
+#: (``--report`` writes the measured ones to MEASURED); the default cases' sum keeps SLACK under
+#: the default budget
+GUESS_S = {"gemm": 15, "actor_step": 150, "megatron": 75, "logprobs": 45, "methods": 140, "largest": 60}
+MEASURED = os.path.join(ROOT, "benchmarks", "gpu_bench_measured.json")
+SLACK = 0.10
+DEFAULT_BUDGET_S = 540.0
+FAULT_ENV = "GPU_BENCH_FAULT"   # "<case>:<rows>": the case's process kills itself after that many rows (tests)
+
+
+def estimates(path: str = MEASURED) -> Dict[str, Dict[str, Any]]:
+    """Seconds per case: the wall time a GPU run measured (``--report`` records it), else the guess."""
+    out = {n: {"s": float(v), "source": "guess (not measured)"} for n, v in GUESS_S.items()}
+    try:
+        with open(path) as fh:
+            got = json.load(fh)
+    except (OSError, ValueError):
+        return out
+    for n, rec in got.get("cases", {}).items():
+        if n in out and rec.get("wall_s"):
+            out[n] = {"s": float(rec["wall_s"]), "source": f"measured on {got.get('device')} ({got.get('date')})"}
+    return out
 
 
 def plan(dry_run: bool) -> Dict[str, Dict[str, Any]]:
     """Each case's parameters: the GPU sizes, or toy sizes for ``--dry-run`` (pure; tests read it)."""
     if dry_run:
         return {
+            "gemm": dict(n=128, warmup=2, repeats=3, inner=2),
             "methods": dict(shape="toy", methods=list(METHODS), prompts=2, group=4, prompt_len=8, new_tokens=6,
-                            micro=8, warmup=0, steps=1),
-            "logprobs": dict(vocab=2048, hidden=64, tokens=[64, 256], repeats=1),
+                            micro=8, warmup=1, steps=2),
+            "logprobs": dict(vocab=2048, hidden=64, tokens=[64, 256], repeats=2),
             "actor_step": dict(shape="toy", methods=["grpo", "dph_js"], micro=2, batch=4, seq=48, prompt=16,
-                               warmup=1, steps=1, zero_stage=2),
-            "megatron": dict(shape="toy", micro=2, n_micro=2, seq=48, prompt=16, warmup=0, steps=1),
-            "largest": dict(shapes=["toy-l", "toy"], prompts=2, group=4, prompt_len=8, new_tokens=6, micro=8),
+                               warmup=1, steps=2, zero_stage=2),
+            "megatron": dict(shape="toy", micro=2, n_micro=2, seq=48, prompt=16, warmup=1, steps=2),
+            "largest": dict(shapes=["toy-l", "toy"], prompts=2, group=4, prompt_len=8, new_tokens=6, micro=8,
+                            warmup=1, steps=1),
         }
     return {
+        "gemm": dict(n=8192, warmup=5, repeats=10, inner=10),
         "methods": dict(shape="qwen2.5-1.5b", methods=list(METHODS), prompts=8, group=8, prompt_len=128,
-                        new_tokens=128, micro=32, warmup=1, steps=2),
-        "logprobs": dict(vocab=151936, hidden=1536, tokens=[4096, 16384], repeats=3),
+                        new_tokens=128, micro=32, warmup=1, steps=3),
+        "logprobs": dict(vocab=151936, hidden=1536, tokens=[4096, 16384], repeats=5),
         "actor_step": dict(shape="qwen2.5-1.5b", methods=["grpo", "dph_js"], micro=4, batch=16, seq=1024,
-                           prompt=256, warmup=1, steps=3, zero_stage=2),
-        "megatron": dict(shape="qwen2.5-1.5b", micro=4, n_micro=4, seq=1024, prompt=256, warmup=1, steps=3),
+                           prompt=256, warmup=1, steps=5, zero_stage=2),
+        "megatron": dict(shape="qwen2.5-1.5b", micro=4, n_micro=4, seq=1024, prompt=256, warmup=1, steps=5),
         "largest": dict(shapes=["qwen2.5-3b", "qwen2.5-1.5b", "qwen2.5-0.5b"], prompts=8, group=8, prompt_len=128,
-                        new_tokens=128, micro=16),
+                        new_tokens=128, micro=16, warmup=1, steps=1),
     }
+
+
+def planned_rows(name: str, p: Dict[str, Any]) -> List[str]:
+    """The row ids a case measures, in order (the driver marks the ones a case did not reach)."""
+    if name == "gemm":
+        return ["bf16_gemm"]
+    if name in ("methods", "actor_step"):
+        return list(p["methods"])
+    if name == "logprobs":
+        return [f"{mode}/{n}/{path}" for n in p["tokens"] for mode in ("train", "nograd")
+                for path in ("full_logits", "from_hidden")]
+    if name == "largest":
+        return list(p["shapes"])
+    if name == "megatron":
+        return ["logprob_vs_hf", "train_step", "offload"]
+    raise KeyError(name)
+
+
+def stats(xs: List[float]) -> Optional[Dict[str, float]]:
+    """n, min, median and max of the measured repeats (None when there is none)."""
+    xs = [float(x) for x in xs if x is not None]
+    if not xs:
+        return None
+    return {"n": len(xs), "min": min(xs), "median": float(statistics.median(xs)), "max": max(xs)}
+
+
+def med(st: Optional[Dict[str, float]]) -> Optional[float]:
+    return None if not st else st.get("median")
 
 
 # ------------------------------------------------------------------ FLOPs (verl's count)
@@ -150,7 +220,10 @@ def n_params(shape: Dict[str, Any]) -> int:
 
 # ------------------------------------------------------------------ the per-case context
 class Ctx:
-    def __init__(self, dry_run: bool, work: str, peak_tflops: Optional[float]):
+    """One case's device, work folder, FLOP peaks, and its result file (rewritten after every row)."""
+
+    def __init__(self, dry_run: bool, work: str, peak_tflops: Optional[float], gemm_tflops: Optional[float] = None,
+                 out: Optional[str] = None, results: Optional[Dict[str, Any]] = None, case: str = ""):
         import torch
 
         self.torch = torch
@@ -159,6 +232,9 @@ class Ctx:
         self.cuda = torch.cuda.is_available() and not dry_run
         self.device = "cuda" if self.cuda else "cpu"
         self.peak_tflops = peak_tflops
+        self.gemm_tflops = gemm_tflops
+        self.out, self.results, self.case = out, results if results is not None else {}, case
+        self.rows_written = 0
         if self.cuda:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -168,6 +244,24 @@ class Ctx:
         elif self.peak_tflops is None:
             self.peak_tflops = 1.0  # the rehearsal: a nominal 1 TFLOP/s, so that the MFU code path runs
 
+    # ---- results: every row is on disk as soon as it is measured
+    def flush(self) -> None:
+        if self.out:
+            from openrlhf_div.io import atomic_write_json
+
+            atomic_write_json(self.out, self.results, indent=1, default=float)
+
+    def row(self, res: Dict[str, Any], rid: str, row: Dict[str, Any]) -> None:
+        """Record one measured row of ``res`` (this case's result) and rewrite the result file."""
+        res.setdefault("rows", {})[rid] = row
+        self.flush()
+        self.rows_written += 1
+        fault = os.environ.get(FAULT_ENV, "")
+        if fault and fault.split(":")[0] == self.case and self.rows_written == int(fault.split(":")[1]):
+            print(f"[gpu_bench] {FAULT_ENV}={fault}: killing this case's process after row {rid}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    # ---- device helpers
     def sync(self):
         if self.cuda:
             self.torch.cuda.synchronize()
@@ -188,13 +282,23 @@ class Ctx:
         if self.cuda:
             self.torch.cuda.empty_cache()
 
-    def mfu(self, flops: float, seconds: float) -> Optional[float]:
-        if not self.peak_tflops or seconds <= 0:
-            return None
-        return flops / seconds / (self.peak_tflops * 1e12)
+    def mfu(self, flops: float, seconds: Optional[float]) -> Dict[str, Optional[float]]:
+        """``mfu``: against the datasheet peak (verl's way); ``mfu_gemm``: against this run's GEMM peak."""
+        if not seconds or seconds <= 0:
+            return {"mfu": None, "mfu_gemm": None}
+        achieved = flops / seconds / 1e12
+        return {"mfu": achieved / self.peak_tflops if self.peak_tflops else None,
+                "mfu_gemm": achieved / self.gemm_tflops if self.gemm_tflops else None}
 
     def is_oom(self, exc: BaseException) -> bool:
         return isinstance(exc, self.torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def _error(ctx: Ctx, exc: BaseException) -> Dict[str, Any]:
+    import traceback
+
+    return {"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()[-3000:],
+            "oom": ctx.is_oom(exc)}
 
 
 def _median(xs: List[float]) -> Optional[float]:
@@ -288,7 +392,7 @@ def _local_trainer(ctx: Ctx, p: Dict[str, Any], shape_name: str, method: str, ho
     _register_random_task()
     n_prompts = p["prompts"] * (p.get("warmup", 1) + p.get("steps", 1) + 1) * 4
     data = _local_data(ctx, shape_name, n_prompts, p["prompt_len"], p["new_tokens"])
-    over = [f"task=gpu_bench_hash", f"output_dir={ctx.work}/run_{shape_name}_{method}_{time.time_ns()}",
+    over = ["task=gpu_bench_hash", f"output_dir={ctx.work}/run_{shape_name}_{method}_{time.time_ns()}",
             f"model.path={model_dir(ctx, shape_name)}", "model.dtype=bfloat16", "model.master_weights=true",
             f"data.train={data['train']}", f"data.anchor={data['anchor']}", f"device={ctx.device}",
             f"rollout.prompts_per_step={p['prompts']}", f"rollout.group_size={p['group']}",
@@ -300,174 +404,165 @@ def _local_trainer(ctx: Ctx, p: Dict[str, Any], shape_name: str, method: str, ho
     return Trainer(load_config(None, over), hooks=hooks)
 
 
+
+
 class _PhaseTimer:
-    """Wraps the trainer's phases with synchronised timers (the bench's own instrumentation)."""
+    """Times the trainer's phases through its public ``phase_hooks`` (synchronised clocks) and
+    collects the trained sequence lengths through its micro-batch ``hooks``."""
 
     def __init__(self, ctx: Ctx, trainer, shape: Dict[str, Any]):
-        import torch
-
         self.ctx, self.tr, self.shape = ctx, trainer, shape
         self.t: Dict[str, float] = {}
+        self._t0: Dict[str, float] = {}
         self.seqlens: List[int] = []
         self.gen_tokens = 0
-        self._restore: List[Callable[[], None]] = []
-        tr = trainer
-        tr._no_grad_log_probs = self._timed("logprobs", tr._no_grad_log_probs)
-        tr.optimizer.step = self._timed("optimizer", tr.optimizer.step)
-        tr._check_weights = self._timed("optimizer", tr._check_weights)
-        if tr.master is not None:
-            tr.master.grads_to_master = self._timed("optimizer", tr.master.grads_to_master)
-            tr.master.master_to_model = self._timed("optimizer", tr.master.master_to_model)
-        clip = torch.nn.utils.clip_grad_norm_
-        torch.nn.utils.clip_grad_norm_ = self._timed("optimizer", clip)
-        self._restore.append(lambda: setattr(torch.nn.utils, "clip_grad_norm_", clip))
-        gen = tr.sampler.generate  # the sampler seam (engines/local/sampler_registry.py)
+        trainer.phase_hooks.append(self._phase)
+        trainer.hooks.append(self._hook)
 
-        def generate(*a, **k):
-            out = self._timed("generation", gen)(*a, **k)
-            self.gen_tokens += int(out.response_lengths.sum())
-            return out
-
-        tr.sampler.generate = generate
-        self._restore.append(lambda: setattr(tr.sampler, "generate", gen))
-        tr.hooks.append(self._hook)
-
-    def _timed(self, key: str, fn):
-        def wrapper(*a, **k):
-            self.ctx.sync()
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                self.ctx.sync()
-                self.t[key] = self.t.get(key, 0.0) + time.perf_counter() - t0
-        return wrapper
+    def _phase(self, name: str, start: bool, info: Dict[str, Any]) -> None:
+        self.ctx.sync()
+        now = time.perf_counter()
+        if start:
+            self._t0[name] = now
+            return
+        self.t[name] = self.t.get(name, 0.0) + now - self._t0.pop(name)
+        if name == "generation":
+            self.gen_tokens += int(info.get("tokens", 0))
 
     def _hook(self, info):
         exp = info["experience"]
         self.seqlens += [int(x) for x in exp.attention_mask[info["rows"]].sum(-1).tolist()]
-        for a in info["anchors"]:  # D_pef records (engines.anchor_data.AnchorRecord; dicts before it)
-            get = a.get if isinstance(a, dict) else lambda k, a=a: getattr(a, k)
-            self.seqlens.append(len(get("prompt_ids")) + len(get("response_ids")))
+        for a in info["anchors"]:  # D_pef records (engines.anchor_data.AnchorRecord)
+            self.seqlens.append(len(a.prompt_ids) + len(a.response_ids))
 
     def step(self) -> Dict[str, Any]:
         self.t, self.seqlens, self.gen_tokens = {}, [], 0
         self.ctx.sync()
         t0 = time.perf_counter()
-        stats = self.tr.train_step()
+        st = self.tr.train_step()
         self.ctx.sync()
         total = time.perf_counter() - t0
         gen, lp, opt = self.t.get("generation", 0.0), self.t.get("logprobs", 0.0), self.t.get("optimizer", 0.0)
-        train = float(stats.get("time_train", 0.0))
+        train = float(st.get("time_train", 0.0))
         fwd_bwd = max(train - opt, 0.0)
         flops = train_flops(self.shape, self.seqlens)
         return {"step_s": total, "generation_s": gen, "logprobs_s": lp, "fwd_bwd_s": fwd_bwd, "optimizer_s": opt,
                 "other_s": max(total - gen - lp - train, 0.0), "gen_tokens": self.gen_tokens,
                 "gen_tokens_per_s": self.gen_tokens / gen if gen > 0 else None,
-                "train_tokens": sum(self.seqlens), "train_flops": flops, "mfu": self.ctx.mfu(flops, fwd_bwd + opt),
-                "skipped": bool(stats.get("skipped")), "kept_groups": stats.get("kept_groups")}
-
-    def close(self):
-        for r in self._restore:
-            r()
+                "train_tokens": sum(self.seqlens), "train_flops": flops, "train_s": fwd_bwd + opt,
+                "skipped": bool(st.get("skipped")), "kept_groups": st.get("kept_groups")}
 
 
-def _summarise_steps(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
-    out: Dict[str, Any] = {"n_steps": len(rows), "steps": rows}
-    for k in ("step_s", "generation_s", "logprobs_s", "fwd_bwd_s", "optimizer_s", "other_s", "gen_tokens_per_s",
-              "mfu", "train_tokens"):
-        vals = [r[k] for r in rows if r.get(k) is not None]
-        out[k] = _median(vals)
+STEP_KEYS = ("step_s", "generation_s", "logprobs_s", "fwd_bwd_s", "optimizer_s", "other_s", "gen_tokens_per_s",
+             "train_tokens", "train_s")
+
+
+def _summarise_steps(ctx: Ctx, steps: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """n / min / median / max of every per-step figure; MFU from the median training time."""
+    out: Dict[str, Any] = {k: stats([r[k] for r in steps if r.get(k) is not None]) for k in STEP_KEYS}
+    flops = _median([r["train_flops"] for r in steps])
+    out.update(ctx.mfu(flops or 0.0, med(out["train_s"])))
+    out["skipped_steps"] = sum(1 for r in steps if r.get("skipped"))
     return out
 
 
+def _timed_steps(ctx: Ctx, tr, shape, warmup: int, steps: int) -> Dict[str, Any]:
+    """``warmup`` steps, then a peak-memory reset, then ``steps`` measured steps."""
+    timer = _PhaseTimer(ctx, tr, shape)
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        timer.step()
+    warm = time.perf_counter() - t0
+    ctx.reset_peak()
+    rows = [timer.step() for _ in range(steps)]
+    r = _summarise_steps(ctx, rows)
+    r.update(warmup_steps=warmup, warmup_s=warm, peak_gib=ctx.peak_gib())
+    return r
+
+
 # ------------------------------------------------------------------ case: methods
-def case_methods(ctx: Ctx, p: Dict[str, Any]) -> Dict[str, Any]:
+def case_methods(ctx: Ctx, p: Dict[str, Any], res: Dict[str, Any]) -> None:
     shape = SHAPES[p["shape"]]
-    res: Dict[str, Any] = {"shape": p["shape"], "params": n_params(shape), "per_method": {},
-                           "setup": {k: p[k] for k in ("prompts", "group", "prompt_len", "new_tokens", "micro",
-                                                        "warmup", "steps")}}
+    res.update(shape=p["shape"], params=n_params(shape),
+               setup={k: p[k] for k in ("prompts", "group", "prompt_len", "new_tokens", "micro", "warmup", "steps")})
     for m in p["methods"]:
         ctx.free()
         ctx.reset_peak()
+        tr = None
         try:
             tr = _local_trainer(ctx, p, p["shape"], m)
-            timer = _PhaseTimer(ctx, tr, shape)
-            try:
-                for _ in range(p["warmup"]):
-                    timer.step()
-                ctx.reset_peak()
-                rows = [timer.step() for _ in range(p["steps"])]
-            finally:
-                timer.close()
-            r = _summarise_steps(rows)
-            r["peak_gib"] = ctx.peak_gib()
-            r["reference_model"] = tr.ref_model is not None
-            r["anchor_rows"] = bool(tr.anchor_samples)
-            del tr, timer
+            r = _timed_steps(ctx, tr, shape, p["warmup"], p["steps"])
+            r.update(reference_model=tr.ref_model is not None, anchor_rows=bool(tr.anchor_samples))
         except Exception as exc:  # noqa: BLE001 - one method's failure must not hide the others
-            import traceback
-
-            r = {"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()[-3000:],
-                 "oom": ctx.is_oom(exc)}
-        res["per_method"][m] = r
-        print(f"[gpu_bench] methods/{m}: " + json.dumps({k: v for k, v in r.items() if k != 'steps'})[:400],
-              flush=True)
-    base = res["per_method"].get("grpo", {}).get("step_s")
-    base_train = None
-    g = res["per_method"].get("grpo", {})
-    if g.get("fwd_bwd_s") is not None:
-        base_train = g["fwd_bwd_s"] + g["optimizer_s"]
-    for m, r in res["per_method"].items():
-        if base and r.get("step_s"):
-            r["vs_grpo"] = r["step_s"] / base
-        if base_train and r.get("fwd_bwd_s") is not None:
-            r["train_vs_grpo"] = (r["fwd_bwd_s"] + r["optimizer_s"]) / base_train
-    res["ok"] = all("error" not in r for r in res["per_method"].values())
-    return res
+            r = _error(ctx, exc)
+        del tr
+        ctx.row(res, m, r)
+        print(f"[gpu_bench] methods/{m}: step_s {json.dumps(r.get('step_s'))} {r.get('error', '')[:300]}", flush=True)
 
 
 # ------------------------------------------------------------------ case: largest
-def case_largest(ctx: Ctx, p: Dict[str, Any]) -> Dict[str, Any]:
-    import shutil
-
-    res: Dict[str, Any] = {"tried": [], "largest": None}
-    for name in p["shapes"]:
+def case_largest(ctx: Ctx, p: Dict[str, Any], res: Dict[str, Any]) -> None:
+    res["largest"] = None
+    for i, name in enumerate(p["shapes"]):
         ctx.free()
         ctx.reset_peak()
         row: Dict[str, Any] = {"shape": name, "params": n_params(SHAPES[name])}
-        tr = timer = None
+        tr = None
         try:
-            tr = _local_trainer(ctx, dict(p, warmup=0, steps=1), name, "grpo")
-            timer = _PhaseTimer(ctx, tr, SHAPES[name])
-            s = timer.step()
-            row.update(trains=True, step_s=s["step_s"], mfu=s["mfu"], peak_gib=ctx.peak_gib())
+            tr = _local_trainer(ctx, p, name, "grpo")
+            s = _timed_steps(ctx, tr, SHAPES[name], p["warmup"], p["steps"])
+            row.update(trains=True, step_s=s["step_s"], mfu=s["mfu"], mfu_gemm=s["mfu_gemm"], peak_gib=s["peak_gib"])
         except Exception as exc:  # noqa: BLE001
             row.update(trains=False, oom=ctx.is_oom(exc), error=f"{type(exc).__name__}: {exc}"[:1000],
                        peak_gib=ctx.peak_gib())
         finally:
-            if timer is not None:
-                timer.close()
-            del tr, timer
+            del tr
             ctx.free()
             shutil.rmtree(os.path.join(ctx.work, f"model_{name}"), ignore_errors=True)
-        res["tried"].append(row)
-        print(f"[gpu_bench] largest/{name}: {json.dumps(row)[:300]}", flush=True)
         if row["trains"]:
             res["largest"] = name
+            for smaller in p["shapes"][i + 1:]:
+                res.setdefault("rows", {})[smaller] = {"not_needed": f"{name} trains"}
+        ctx.row(res, name, row)
+        print(f"[gpu_bench] largest/{name}: {json.dumps(row)[:300]}", flush=True)
+        if row["trains"]:
             break
-    res["ok"] = res["largest"] is not None or all(r.get("oom") for r in res["tried"])
-    return res
+
+
+# ------------------------------------------------------------------ case: gemm
+def case_gemm(ctx: Ctx, p: Dict[str, Any], res: Dict[str, Any]) -> None:
+    """bf16 GEMM throughput: the peak this device reaches on the operation training is made of."""
+    import torch
+
+    n = p["n"]
+    g = torch.Generator(device=ctx.device).manual_seed(0)
+    a = torch.randn(n, n, generator=g, device=ctx.device).to(torch.bfloat16)
+    b = torch.randn(n, n, generator=g, device=ctx.device).to(torch.bfloat16)
+    for _ in range(p["warmup"]):
+        a @ b
+    tflops = []
+    for _ in range(p["repeats"]):
+        ctx.sync()
+        t0 = time.perf_counter()
+        for _ in range(p["inner"]):
+            a @ b
+        ctx.sync()
+        dt = (time.perf_counter() - t0) / p["inner"]
+        tflops.append(2.0 * n ** 3 / dt / 1e12)
+    res["tflops_max"] = max(tflops)
+    ctx.gemm_tflops = max(tflops)
+    ctx.row(res, "bf16_gemm", {"n": n, "calls_per_repeat": p["inner"], "tflops": stats(tflops)})
 
 
 # ------------------------------------------------------------------ case: logprobs
-def case_logprobs(ctx: Ctx, p: Dict[str, Any]) -> Dict[str, Any]:
+def case_logprobs(ctx: Ctx, p: Dict[str, Any], res: Dict[str, Any]) -> None:
     import torch
 
     from openrlhf_div.algorithms import log_probs_from_hidden
 
     dev, V, H = ctx.device, p["vocab"], p["hidden"]
     dtype = torch.bfloat16
+    res.update(vocab=V, hidden=H, dtype="bfloat16", tf32=bool(ctx.cuda))
     g = torch.Generator(device=dev).manual_seed(0)
     W0 = (torch.randn(V, H, generator=g, device=dev) * 0.02).to(dtype)
 
@@ -479,7 +574,6 @@ def case_logprobs(ctx: Ctx, p: Dict[str, Any]) -> Dict[str, Any]:
     def hidden_path(h, W, t):
         return log_probs_from_hidden(h, W, t, return_entropy=True)
 
-    rows = []
     for n in p["tokens"]:
         h0 = torch.randn(n, H, generator=g, device=dev).to(dtype)
         t = torch.randint(0, V, (n,), generator=g, device=dev)
@@ -487,11 +581,11 @@ def case_logprobs(ctx: Ctx, p: Dict[str, Any]) -> Dict[str, Any]:
             for path, fn in (("full_logits", full), ("from_hidden", hidden_path)):
                 row: Dict[str, Any] = {"tokens": n, "mode": mode, "path": path}
                 times, peaks = [], []
+                ctx.free()   # between rows only: the repeats reuse what the warm-up allocated
                 try:
                     for rep in range(p["repeats"] + 1):   # the first is a warm-up
                         h = h0.clone().requires_grad_(mode == "train")
                         W = W0.clone().requires_grad_(mode == "train")
-                        ctx.free()
                         ctx.reset_peak()
                         base = ctx.allocated_gib()
                         t0 = time.perf_counter()
@@ -504,20 +598,19 @@ def case_logprobs(ctx: Ctx, p: Dict[str, Any]) -> Dict[str, Any]:
                         ctx.sync()
                         dt = time.perf_counter() - t0
                         if rep:
-                            times.append(dt)
+                            times.append(1e3 * dt)
                             if ctx.cuda:
                                 peaks.append(ctx.peak_gib() - base)
                         del h, W, lp, ent
-                    row.update(ms=1e3 * _median(times), peak_above_inputs_gib=_median(peaks))
+                    row.update(ms=stats(times), peak_above_inputs_gib=stats(peaks))
                 except Exception as exc:  # noqa: BLE001
                     row.update(error=f"{type(exc).__name__}: {exc}"[:500], oom=ctx.is_oom(exc))
                     ctx.free()
-                rows.append(row)
+                ctx.row(res, f"{mode}/{n}/{path}", row)
                 print(f"[gpu_bench] logprobs: {json.dumps(row)}", flush=True)
-    return {"vocab": V, "hidden": H, "dtype": "bfloat16", "tf32": bool(ctx.cuda), "rows": rows,
-            "ok": all("error" not in r or r.get("oom") for r in rows)}
 
 
+# ------------------------------------------------------------------ case: actor_step (OpenRLHF + DeepSpeed)
 # ------------------------------------------------------------------ case: actor_step (OpenRLHF + DeepSpeed)
 def _ds_args(method: str, micro: int, batch: int, zero: int):
     from types import SimpleNamespace as NS
@@ -593,7 +686,7 @@ def _one_actor_step(ctx: Ctx, p: Dict[str, Any], shape, path: str, method, torch
     dev = torch.cuda.current_device() if ctx.cuda else "cpu"
     for i in range(batch // micro):
         trainer.replay_buffer.append(_synthetic_experience(micro, T, P, shape["vocab_size"], method, i, dev))
-    times, status = [], None
+    times, status, warm = [], None, 0.0
     for k in range(p["warmup"] + p["steps"]):
         if k == p["warmup"]:
             ctx.reset_peak()
@@ -603,34 +696,34 @@ def _one_actor_step(ctx: Ctx, p: Dict[str, Any], shape, path: str, method, torch
         ctx.sync()
         if k >= p["warmup"]:
             times.append(time.perf_counter() - t0)
-    dt = _median(times)
-    flops = train_flops(shape, [T] * batch)
-    out = dict(step_ms=1e3 * dt, steps=len(times), tokens_per_s=batch * T / dt, mfu=ctx.mfu(flops, dt),
-               peak_gib=ctx.peak_gib(), optimizer=type(getattr(optim, "optimizer", optim)).__name__,
+        else:
+            warm += time.perf_counter() - t0
+    step = stats(times)
+    out = dict(step_ms={k: (v if k == "n" else 1e3 * v) for k, v in step.items()},
+               tokens_per_s=batch * T / step["median"], warmup_s=warm, peak_gib=ctx.peak_gib(),
+               optimizer=type(getattr(optim, "optimizer", optim)).__name__,
                policy_loss=float(status.get("policy_loss", float("nan"))) if isinstance(status, dict) else None)
+    out.update(ctx.mfu(train_flops(shape, [T] * batch), step["median"]))
     del trainer, actor, optim, sched
     return out
 
 
-def case_actor_step(ctx: Ctx, p: Dict[str, Any]) -> Dict[str, Any]:
-    from openrlhf_div.compat import install_flash_attn_standin, install_ray_stub, install_vllm_stub
+def case_actor_step(ctx: Ctx, p: Dict[str, Any], res: Dict[str, Any]) -> None:
+    from openrlhf_div.compat import install_flash_attn_standin, install_vllm_stub
 
-    stubs = {"flash_attn": install_flash_attn_standin(), "ray": install_ray_stub(), "vllm": install_vllm_stub()}
-    if not ctx.cuda:  # the rehearsal: OpenRLHF's CUDA-only calls -> CPU (test seams, docs/scaling.md)
+    import ray_import_stub  # benchmarks/: Ray's wheel is too large to carry; one process starts no actor
+
+    stubs = {"flash_attn": install_flash_attn_standin(), "ray": ray_import_stub.install(),
+             "vllm": install_vllm_stub()}
+    if not ctx.cuda:  # the rehearsal: DeepSpeed's CPU accelerator (OpenRLHF's CUDA-only calls: gpu_bench.sh's seams)
         os.environ["DS_ACCELERATOR"] = "cpu"
-        sys.path.insert(0, os.path.join(ROOT, "tests", "e2e", "site"))
-        import cpu_seams
-
-        cpu_seams.install_import_hooks()
     _dist_env()
     from openrlhf_div.algorithms import get_method
 
     shape = SHAPES[p["shape"]]
     path = model_dir(ctx, p["shape"])
-    micro, batch, T, P = p["micro"], p["batch"], p["seq"], p["prompt"]
-    res: Dict[str, Any] = {"shape": p["shape"], "params": n_params(shape), "zero_stage": p["zero_stage"],
-                           "micro": micro, "batch": batch, "seq": T, "prompt": P, "stubs": stubs,
-                           "per_method": {}}
+    res.update(shape=p["shape"], params=n_params(shape), zero_stage=p["zero_stage"], micro=p["micro"],
+               batch=p["batch"], seq=p["seq"], prompt=p["prompt"], stubs=stubs)
     fused_error = None
     for name in p["methods"]:
         ctx.free()
@@ -645,58 +738,33 @@ def case_actor_step(ctx: Ctx, p: Dict[str, Any]) -> Dict[str, Any]:
                     r["fused_adam_error"] = fused_error
                 break
             except Exception as exc:  # noqa: BLE001
-                import traceback
-
-                tb = traceback.format_exc()
-                r = {"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": tb[-3000:], "oom": ctx.is_oom(exc)}
-                # FusedAdam is JIT-compiled on first use: if that build fails, measure with torch's AdamW
-                if ctx.cuda and fused_error is None and any(k in tb for k in ("fused_adam", "op_builder", "ninja",
-                                                                                "nvcc", "cpp_extension")):
+                r = _error(ctx, exc)
+                # FusedAdam is JIT-compiled on first use: if that build fails, measure with torch's Adam
+                if ctx.cuda and fused_error is None and any(k in r["traceback"] for k in (
+                        "fused_adam", "op_builder", "ninja", "nvcc", "cpp_extension")):
                     fused_error = r["error"][:500]
                     ctx.free()
                     continue
                 break
-        res["per_method"][name] = r
+        ctx.row(res, name, r)
         print(f"[gpu_bench] actor_step/{name}: {json.dumps({k: v for k, v in r.items() if k != 'traceback'})[:400]}",
               flush=True)
-    res["ok"] = all("error" not in r for r in res["per_method"].values())
-    return res
 
 
 # ------------------------------------------------------------------ case: megatron
 def _megatron_plan(layout, seq: int, micro: int) -> Dict[str, float]:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("megatron_memory", os.path.join(ROOT, "scripts",
-                                                                                   "megatron_memory.py"))
-    mm = importlib.util.module_from_spec(spec)
-    sys.modules["megatron_memory"] = mm  # its dataclasses look their module up
-    spec.loader.exec_module(mm)
     from openrlhf_div.engines.megatron.config import MegatronConfig
+    from openrlhf_div.engines.megatron.memory_plan import estimate_memory
 
-    mem = mm.estimate_memory(layout, MegatronConfig(tp=1, pp=1, bf16=True, distributed_optimizer=True), dp=1,
-                             seq_len=seq, micro_batch=micro, overhead_gib=0.0)
+    mem = estimate_memory(layout, MegatronConfig(tp=1, pp=1, bf16=True, distributed_optimizer=True), dp=1,
+                          seq_len=seq, micro_batch=micro, overhead_gib=0.0)
     return mem.as_gib()
 
 
-def case_megatron(ctx: Ctx, p: Dict[str, Any]) -> Dict[str, Any]:
-    import contextlib
-
+def case_megatron(ctx: Ctx, p: Dict[str, Any], res: Dict[str, Any]) -> None:
+    import megatron.core
     import torch
     import torch.distributed as dist
-
-    compat = contextlib.nullcontext()
-    if not ctx.cuda:  # the rehearsal: megatron-core's CUDA-only corners -> CPU (test scaffolding)
-        sys.path.insert(0, os.path.join(ROOT, "tests"))
-        from mcore_cpu import megatron_cpu_compat
-
-        compat = megatron_cpu_compat()
-    with compat:
-        return _megatron(ctx, p, torch, dist)
-
-
-def _megatron(ctx: Ctx, p: Dict[str, Any], torch, dist) -> Dict[str, Any]:
-    import megatron.core
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from openrlhf_div.algorithms import get_method
@@ -718,9 +786,8 @@ def _megatron(ctx: Ctx, p: Dict[str, Any], torch, dist) -> Dict[str, Any]:
     eng = MegatronEngine(mcfg, hf_config=hf_cfg, hf_weights=hf.state_dict(), train=True, method=get_method("grpo"),
                          optim=OptimSettings(optimizer="adam", lr=1e-6, lr_scheduler="constant", warmup_ratio=0.0,
                                              max_steps=100))
-    res: Dict[str, Any] = {"shape": p["shape"], "params": n_params(shape), "megatron_core": megatron.core.__version__,
-                           "transformer_engine_spec": use_transformer_engine(mcfg), "micro": micro,
-                           "n_micro": n_micro, "seq": T, "prompt": P}
+    res.update(shape=p["shape"], params=n_params(shape), megatron_core=megatron.core.__version__,
+               transformer_engine_spec=use_transformer_engine(mcfg), micro=micro, n_micro=n_micro, seq=T, prompt=P)
     g = torch.Generator().manual_seed(3)
     V = shape["vocab_size"]
 
@@ -739,9 +806,13 @@ def _megatron(ctx: Ctx, p: Dict[str, Any], torch, dist) -> Dict[str, Any]:
         logits = hf(seq.to(ctx.device), attention_mask=am.to(ctx.device)).logits.float()
     ref = torch.log_softmax(logits[:, :-1], -1).gather(-1, seq.to(ctx.device)[:, 1:, None])[..., 0].cpu() * act
     diff = (lp.float().cpu() - ref).abs()[act.bool()]
-    res["logprob_vs_hf"] = {"mean_abs": float(diff.mean()), "max_abs": float(diff.max())}
+    tol = 0.25 if ctx.cuda else 0.05
+    lp_row = {"mean_abs": float(diff.mean()), "max_abs": float(diff.max()), "tolerance": tol}
+    if lp_row["max_abs"] >= tol:
+        lp_row["error"] = f"log-probs differ from the HF model by {lp_row['max_abs']:.3f} (tolerance {tol})"
     del hf, logits, ref
     ctx.free()
+    ctx.row(res, "logprob_vs_hf", lp_row)
 
     mbs = []
     for i in range(n_micro):
@@ -749,7 +820,7 @@ def _megatron(ctx: Ctx, p: Dict[str, Any], torch, dist) -> Dict[str, Any]:
         old, _ = eng.forward_log_probs(s, a, m)
         adv = torch.randn(micro, generator=g)[:, None] * m
         mbs.append(MicroBatch(sequences=s, attention_mask=a, action_mask=m, old_log_probs=old, advantages=adv))
-    times, metrics = [], {}
+    times, metrics, warm = [], {}, 0.0
     for k in range(p["warmup"] + p["steps"]):
         if k == p["warmup"]:
             ctx.reset_peak()
@@ -759,12 +830,15 @@ def _megatron(ctx: Ctx, p: Dict[str, Any], torch, dist) -> Dict[str, Any]:
         ctx.sync()
         if k >= p["warmup"]:
             times.append(time.perf_counter() - t0)
-    dt = _median(times)
+        else:
+            warm += time.perf_counter() - t0
+    st = stats(times)
     tokens = micro * n_micro * T
-    res.update(step_ms=1e3 * dt, steps=len(times), tokens_per_s=tokens / dt,
-               mfu=ctx.mfu(train_flops(shape, [T] * micro * n_micro), dt), peak_gib=ctx.peak_gib(),
-               loss=metrics.get("loss"), grad_norm=metrics.get("actor_grad_norm"))
-    res["plan_gib"] = _megatron_plan(eng.layout, T, micro)
+    row = dict(step_ms={k: (v if k == "n" else 1e3 * v) for k, v in st.items()}, tokens_per_s=tokens / st["median"],
+               warmup_s=warm, peak_gib=ctx.peak_gib(), loss=metrics.get("loss"),
+               grad_norm=metrics.get("actor_grad_norm"), plan_gib=_megatron_plan(eng.layout, T, micro))
+    row.update(ctx.mfu(train_flops(shape, [T] * micro * n_micro), st["median"]))
+    ctx.row(res, "train_step", row)
 
     # offload / reload: frees the optimizer state and gradients, restores them bit for bit
     keep, _, _ = training_state_tensors(eng.model, eng.optimizer)
@@ -777,52 +851,80 @@ def _megatron(ctx: Ctx, p: Dict[str, Any], torch, dist) -> Dict[str, Any]:
     eng.reload()
     keep, _, _ = training_state_tensors(eng.model, eng.optimizer)
     exact = len(keep) == len(before_state) and all(torch.equal(a, b) for a, b in zip(before_state, keep))
-    res["offload"] = {"freed_bytes": freed, "allocated_drop_bytes": drop, "state_bit_exact": bool(exact)}
-    res["ok"] = bool(exact) and res["logprob_vs_hf"]["max_abs"] < (0.25 if ctx.cuda else 0.05)
+    off = {"freed_bytes": freed, "allocated_drop_bytes": drop, "state_bit_exact": bool(exact)}
+    if not exact:
+        off["error"] = "the optimizer state after offload + reload is not bit-exact"
+    ctx.row(res, "offload", off)
     dist.destroy_process_group()
-    return res
 
 
-RUNNERS = {"methods": case_methods, "logprobs": case_logprobs, "actor_step": case_actor_step,
+RUNNERS = {"gemm": case_gemm, "methods": case_methods, "logprobs": case_logprobs, "actor_step": case_actor_step,
            "megatron": case_megatron, "largest": case_largest}
 
 
+def row_ok(name: str, r: Dict[str, Any]) -> bool:
+    """A row counts as measured: no error, not unreached (an out-of-memory answer is a measurement
+    in ``largest`` and ``logprobs``: it says what does not fit)."""
+    if "not_reached" in r:
+        return False
+    if "not_needed" in r:
+        return True
+    if r.get("error"):
+        return name in ("largest", "logprobs") and bool(r.get("oom"))
+    return True
+
+
+def case_ok(name: str, res: Dict[str, Any], planned: List[str]) -> bool:
+    rows = res.get("rows", {})
+    if res.get("error") or res.get("partial") or any(rid not in rows for rid in planned):
+        return False
+    if name == "largest" and res.get("largest") is None and not all(r.get("oom") for r in rows.values()):
+        return False
+    return all(row_ok(name, rows[rid]) for rid in planned)
+
+
 # ------------------------------------------------------------------ one case (child process)
-def run_case(names: List[str], dry_run: bool, out: str, peak_tflops: Optional[float]) -> int:
-    """Run ``names`` one after the other in this process; ``out`` gets ``{case: result}``."""
+def run_case(names: List[str], dry_run: bool, out: str, peak_tflops: Optional[float],
+             gemm_tflops: Optional[float] = None) -> int:
+    """Run ``names`` one after the other in this process; ``out`` holds ``{case: result}``, rewritten
+    after every row (``partial`` until the case returns)."""
     import torch
 
     results: Dict[str, Any] = {}
     for name in names:
+        res: Dict[str, Any] = {"partial": True, "rows": {}}
+        results[name] = res
         with tempfile.TemporaryDirectory(prefix=f"gpu_bench_{name}_") as work:
-            ctx = Ctx(dry_run, work, peak_tflops)
+            ctx = Ctx(dry_run, work, peak_tflops, gemm_tflops, out=out, results=results, case=name)
             if not dry_run and not ctx.cuda:
                 print("[gpu_bench] no CUDA device: run with --dry-run on a CPU", file=sys.stderr)
                 return 2
+            res.update(peak_tflops=ctx.peak_tflops,
+                       device=torch.cuda.get_device_name(0) if ctx.cuda else "cpu (dry run)")
+            ctx.flush()
             t0 = time.perf_counter()
             try:
-                res = RUNNERS[name](ctx, plan(dry_run)[name])
+                RUNNERS[name](ctx, plan(dry_run)[name], res)
             except Exception as exc:  # noqa: BLE001
-                import traceback
-
-                res = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000],
-                       "traceback": traceback.format_exc()[-4000:], "oom": ctx.is_oom(exc)}
+                res.update(_error(ctx, exc))
             res["case_s"] = time.perf_counter() - t0
-            res["peak_tflops"] = ctx.peak_tflops
-            res["device"] = torch.cuda.get_device_name(0) if ctx.cuda else "cpu (dry run)"
-        results[name] = res
-        with open(out, "w") as fh:
-            json.dump(results, fh, indent=1, default=float)
-    return 0 if all(r.get("ok") for r in results.values()) else 1
+            res["gemm_tflops"] = ctx.gemm_tflops
+            gemm_tflops = ctx.gemm_tflops   # later cases of this process (a dry-run group) use it
+            res["partial"] = False
+            ctx.flush()
+    return 0
 
 
 # ------------------------------------------------------------------ the driver
-def _child_cmd(names: List[str], dry_run: bool, out: str, peak: Optional[float], record: Optional[str]) -> List[str]:
+def _child_cmd(names: List[str], dry_run: bool, out: str, peak: Optional[float], gemm: Optional[float],
+               record: Optional[str]) -> List[str]:
     argv = [os.path.abspath(__file__), "--case", ",".join(names), "--case-out", out]
     if dry_run:
         argv.append("--dry-run")
     if peak:
         argv += ["--peak-tflops", str(peak)]
+    if gemm:
+        argv += ["--gemm-tflops", str(gemm)]
     view = os.environ.get("OPENRLHF_DIV_DEVICE_VIEW")
     if view:  # keep the children inside the device view (benchmarks/gpu_kit.py device-view)
         cmd = [sys.executable, "-S", os.path.join(ROOT, "benchmarks", "gpu_kit.py"), "_exec", view]
@@ -832,18 +934,59 @@ def _child_cmd(names: List[str], dry_run: bool, out: str, peak: Optional[float],
     return [sys.executable, *argv]
 
 
+def _first_line(cmd: List[str]) -> Optional[str]:
+    exe = shutil.which(cmd[0])
+    if not exe:
+        return None
+    try:
+        r = subprocess.run([exe, *cmd[1:]], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = [x for x in (r.stdout + r.stderr).splitlines() if x.strip()]
+    return lines[-1].strip() if cmd[0] == "nvcc" and lines else (lines[0].strip() if lines else None)
+
+
+def preflight() -> Dict[str, Any]:
+    """What the cases will need, checked before any runs: the GPU and its driver, the tools of
+    DeepSpeed's FusedAdam JIT build (nvcc, g++, ninja, Python.h), and the library versions.
+    Warnings only: a missing JIT tool means ``actor_step`` measures torch's Adam (it says so)."""
+    import sysconfig
+
+    info: Dict[str, Any] = {"gpu": None, "driver": None, "warnings": []}
+    smi = _first_line(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"])
+    if smi:
+        parts = [x.strip() for x in smi.split(",")]
+        info["gpu"] = ", ".join(parts[:2])
+        info["driver"] = parts[2] if len(parts) > 2 else None
+    for tool, cmd in (("nvcc", ["nvcc", "--version"]), ("g++", ["g++", "--version"]), ("ninja", ["ninja", "--version"])):
+        info[tool] = _first_line(cmd)
+    info["CUDA_HOME"] = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    inc = sysconfig.get_paths().get("include") or ""
+    info["Python.h"] = os.path.join(inc, "Python.h") if os.path.exists(os.path.join(inc, "Python.h")) else None
+    from importlib import metadata
+
+    for dist in ("torch", "transformers", "numpy", "deepspeed", "megatron-core", "openrlhf"):
+        try:   # the installed versions, without importing them into the driver
+            info[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            info[dist] = None
+            info["warnings"].append(f"{dist} is not installed: the cases that need it will fail (say which)")
+    missing = [k for k in ("nvcc", "g++", "ninja", "Python.h") if not info[k]]
+    if missing:
+        info["warnings"].append(f"DeepSpeed's FusedAdam JIT build lacks {', '.join(missing)}: actor_step will "
+                                "measure torch's Adam instead (the row says so)")
+    return info
+
+
 def environment() -> Dict[str, Any]:
     import torch
 
     info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "device": "cpu"}
-    try:  # not torch.cuda.get_device_name: the driver must not hold a CUDA context while the cases run
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30)
-        if smi.returncode == 0 and smi.stdout.strip():
-            info["device"] = smi.stdout.strip().splitlines()[0]
-    except (OSError, subprocess.SubprocessError):
-        pass
+    # not torch.cuda.get_device_name: the driver must not hold a CUDA context while the cases run
+    smi = _first_line(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"])
+    if smi:
+        info["device"] = smi
     try:
         import transformers
 
@@ -858,40 +1001,87 @@ def environment() -> Dict[str, Any]:
     return info
 
 
+def _run_child(cmd: List[str], timeout: float) -> str:
+    """Run a case process in its own session; kill the whole group at ``timeout``. Returns why it
+    ended, for the rows it did not reach."""
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return f"the case was killed at its time limit ({timeout:.0f} s)"
+    except BaseException:   # the driver interrupted: its case (in its own session) goes with it
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    if rc < 0:
+        return f"the case process died (signal {-rc})"
+    return f"the case process exited {rc}"
+
+
+def _write(a, res: Dict[str, Any]) -> None:
+    from openrlhf_div.io import atomic_write_json, atomic_write_text
+
+    atomic_write_json(os.path.join(a.results, "gpu_bench.json"), res, indent=1, default=float)
+    atomic_write_text(os.path.join(a.results, "gpu_bench.md"), render([res]))
+
+
 def drive(a) -> int:
     dry = a.dry_run
-    names = [c for c in CASES if c in (a.cases.split(",") if a.cases else CASES)]
-    unknown = set(a.cases.split(",")) - set(CASES) if a.cases else set()
-    if unknown:
-        print(f"[gpu_bench] unknown case(s) {sorted(unknown)}; valid: {', '.join(CASES)}", file=sys.stderr)
+    names = a.cases.split(",") if a.cases else list(CASES)
+    unknown = [n for n in names if n not in CASES]
+    if unknown or len(set(names)) != len(names):
+        print(f"[gpu_bench] --cases {a.cases}: unknown or repeated case(s) {unknown or names}; valid: "
+              f"{', '.join(CASES)} (in the order they should run)", file=sys.stderr)
         return 2
     os.makedirs(a.results, exist_ok=True)
-    out_json = os.path.join(a.results, "gpu_bench.json")
-    res: Dict[str, Any] = {"dry_run": dry, "environment": environment(), "plan": {n: plan(dry)[n] for n in names},
+    p = plan(dry)
+    est = estimates()
+    need_total = sum(est[n]["s"] for n in names)
+    res: Dict[str, Any] = {"dry_run": dry, "environment": environment(), "plan": {n: p[n] for n in names},
+                           "order": names, "budget_s": a.budget_s,
+                           "estimates_s": {n: est[n] for n in names},
                            "command": " ".join(["benchmarks/gpu_bench.sh", *a.argv_for_record]), "cases": {}}
+    print(f"[gpu_bench] cases in order: {', '.join(names)}; estimates {need_total:.0f} s of --budget-s "
+          f"{a.budget_s:.0f}", flush=True)
+    if not dry and need_total > (1 - SLACK) * a.budget_s:
+        print(f"[gpu_bench] note: the estimates leave less than {SLACK:.0%} of the budget; the last cases may "
+              "not be reached (their rows say so)", flush=True)
+    res["preflight"] = preflight()
+    print("[gpu_bench] pre-flight: " + json.dumps(res["preflight"]), flush=True)
+    for w in res["preflight"]["warnings"]:
+        print(f"[gpu_bench] WARNING: {w}", flush=True)
     t_start = time.perf_counter()
-    groups = ([[n for n in g if n in names] for g in DRY_RUN_GROUPS] if dry else [[n] for n in names])
-    for group in [g for g in groups if g]:
+    if dry:
+        groups: List[List[str]] = []
+        for n in names:   # a dry-run group runs where its first case comes in the order
+            g = next(gr for gr in DRY_RUN_GROUPS if n in gr)
+            if not any(n in x for x in groups):
+                groups.append([m for m in names if m in g])
+    else:
+        groups = [[n] for n in names]
+    _write(a, res)
+    for group in groups:
         left = a.budget_s - (time.perf_counter() - t_start)
-        need = 0 if dry else sum(ESTIMATE_S[n] for n in group)
+        need = sum(est[n]["s"] for n in group)
         label = "+".join(group)
-        if left < need:
+        gemm = (res["cases"].get("gemm") or {}).get("tflops_max")
+        if not dry and left < 0.5 * need:
+            why = (f"budget: {left:.0f} s left of --budget-s {a.budget_s:.0f}, the case needs ~{need:.0f} s; "
+                   f"run it first with --cases {group[0]},...")
             for n in group:
-                res["cases"][n] = {"ok": False, "not_run": f"budget: {left:.0f} s left of --budget-s {a.budget_s:.0f}, "
-                                                          f"the case needs ~{need} s; run it with --cases {n}"}
-            print(f"[gpu_bench] {label}: not run ({res['cases'][group[0]]['not_run']})", flush=True)
+                res["cases"][n] = {"ok": False, "not_run": why,
+                                   "rows": {rid: {"not_reached": why} for rid in planned_rows(n, p[n])}}
+            print(f"[gpu_bench] {label}: not run ({why})", flush=True)
+            _write(a, res)
             continue
         case_out = os.path.join(a.results, f".case_{label}.json")
         record = os.path.join(a.results, f"imports_{label}.json") if a.record_imports else None
-        cmd = _child_cmd(group, dry, case_out, a.peak_tflops, record)
-        timeout = min(a.case_timeout_s * len(group), max(left, 30.0))
-        print(f"[gpu_bench] {label}: running (timeout {timeout:.0f} s)", flush=True)
+        cmd = _child_cmd(group, dry, case_out, a.peak_tflops, gemm, record)
+        timeout = max(min(a.case_timeout_s * len(group), left), 30.0)
+        print(f"[gpu_bench] {label}: running (estimate {need:.0f} s, killed after {timeout:.0f} s)", flush=True)
         t0 = time.perf_counter()
-        try:
-            rc = subprocess.run(cmd, timeout=timeout).returncode
-            err = f"the case process exited {rc} without writing its result"
-        except subprocess.TimeoutExpired:
-            err = f"timed out after {timeout:.0f} s"
+        ended = _run_child(cmd, timeout)
         try:
             with open(case_out) as fh:
                 got = json.load(fh)
@@ -899,21 +1089,25 @@ def drive(a) -> int:
             got = {}
         wall = time.perf_counter() - t0
         for n in group:
-            r = got.get(n) or {"ok": False, "error": err}
+            r = got.get(n) or {"partial": True, "rows": {}}
+            planned = planned_rows(n, p[n])
+            done = [rid for rid in planned if rid in r.get("rows", {})]
+            if r.get("partial"):
+                r["ended"] = f"{ended} after {len(done)} of {len(planned)} rows"
+            for rid in planned:
+                if rid not in r.setdefault("rows", {}):
+                    r["rows"][rid] = {"not_reached": r.get("ended") or r.get("error") or ended}
+            r["rows"] = {rid: r["rows"][rid] for rid in planned}   # the planned order
+            r["ok"] = case_ok(n, r, planned)
             r["wall_s"] = wall if len(group) == 1 else r.get("case_s", wall)
             res["cases"][n] = r
-            print(f"[gpu_bench] {n}: {'ok' if r.get('ok') else 'FAILED'} in {r['wall_s']:.0f} s", flush=True)
+            print(f"[gpu_bench] {n}: {'ok' if r['ok'] else 'NOT OK'} in {r['wall_s']:.0f} s ({len(done)} of "
+                  f"{len(planned)} rows measured{'; ' + r['ended'] if r.get('ended') else ''})", flush=True)
         if os.path.exists(case_out):
             os.remove(case_out)
         res["total_s"] = time.perf_counter() - t_start
-        with open(out_json, "w") as fh:
-            json.dump(res, fh, indent=1, default=float)
-        md = render([res])
-        with open(os.path.join(a.results, "gpu_bench.md"), "w") as fh:
-            fh.write(md)
-        if not dry and not a.no_docs:
-            write_docs(md, a.docs)
-    print(f"[gpu_bench] wrote {out_json}" + ("" if dry or a.no_docs else f" and the section of {a.docs}"))
+        _write(a, res)
+    print(f"[gpu_bench] wrote {os.path.join(a.results, 'gpu_bench.json')} and gpu_bench.md", flush=True)
     return 0 if all(r.get("ok") for r in res["cases"].values()) else 1
 
 
@@ -922,8 +1116,23 @@ def _f(x, fmt="{:.2f}", none="-"):
     return none if x is None else fmt.format(x)
 
 
+def _fs(st: Optional[Dict[str, float]], fmt="{:.2f}") -> str:
+    """``median (min-max, n)`` of a figure's repeats."""
+    if not st:
+        return "-"
+    return f"{fmt.format(st['median'])} ({fmt.format(st['min'])}-{fmt.format(st['max'])}, n={st['n']})"
+
+
+def _unmeasured(r: Dict[str, Any]) -> Optional[str]:
+    if "not_reached" in r:
+        return f"not reached: {r['not_reached'][:160]}"
+    if r.get("error"):
+        return "out of memory" if r.get("oom") else f"failed: {r['error'][:160]}"
+    return None
+
+
 def render(results: List[Dict[str, Any]]) -> str:
-    """The docs section from one or more result JSONs (later files win per case)."""
+    """The docs section from one or more results (later ones win per case)."""
     cases: Dict[str, Any] = {}
     envs, cmds, dry = [], [], False
     for r in results:
@@ -938,101 +1147,103 @@ def render(results: List[Dict[str, Any]]) -> str:
         L.append(f"`{c}` on {e.get('device')} (torch {e.get('torch')}, CUDA {e.get('cuda')}, Python "
                  f"{e.get('python')}, transformers {e.get('transformers')}), {e.get('date')}, commit {e.get('commit')}.")
     peak = next((c.get("peak_tflops") for c in cases.values() if c.get("peak_tflops")), None)
-    L += ["", f"MFU: verl's count (6 x dense parameters incl. embedding and LM head x trained tokens, prompt "
-              f"included, + attention's 12 s^2 d heads layers) / training time / {_f(peak, '{:.0f}')} TFLOP/s "
-              "(dense bf16 peak). Medians of the measured steps after warm-up.", ""]
-    m = cases.get("methods")
-    if m:
-        L += [f"**Local engine, one RL step per method** ({m.get('shape')}, {_f(m.get('params', 0) / 1e9)}B "
-              f"parameters, bf16 + fp32 master weights; {json.dumps(m.get('setup'))})", ""]
-        if m.get("per_method"):
-            L += ["| method | step s | vs GRPO | train vs GRPO | generation s | old/ref log-probs s | fwd+bwd s | "
-                  "optimizer s | other s | gen tokens/s | actor MFU | peak GiB |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-            for name, r in m["per_method"].items():
-                if "error" in r:
-                    L.append(f"| {name} | failed: {'out of memory' if r.get('oom') else r['error'][:120]} |"
-                             + " |" * 10)
-                    continue
-                L.append(f"| {name} | {_f(r.get('step_s'))} | {_f(r.get('vs_grpo'), '{:.2f}x')} | "
-                         f"{_f(r.get('train_vs_grpo'), '{:.2f}x')} | {_f(r.get('generation_s'))} | "
-                         f"{_f(r.get('logprobs_s'))} | {_f(r.get('fwd_bwd_s'))} | {_f(r.get('optimizer_s'))} | "
-                         f"{_f(r.get('other_s'))} | {_f(r.get('gen_tokens_per_s'), '{:,.0f}')} | "
-                         f"{_f(r.get('mfu'), '{:.1%}')} | {_f(r.get('peak_gib'))} |")
-        else:
-            L.append(f"failed: {m.get('error') or m.get('not_run')}")
-        L.append("")
+    gemm = (cases.get("gemm") or {}).get("tflops_max")
+    L += ["", "Figures: median (min-max, n = measured repeats after warm-up; the device synchronised before every "
+              "clock read; peak memory reset per row). MFU: verl's count (6 x dense parameters incl. embedding "
+              "and LM head x trained tokens, prompt included, + attention's 12 s^2 d heads layers) / training "
+              f"time, divided by the datasheet's dense bf16 peak ({_f(peak, '{:.3g}')} TFLOP/s: **MFU**) and by "
+              f"the bf16 GEMM peak measured in this run ({_f(gemm, '{:.3g}')} TFLOP/s: **MFU vs GEMM**).", ""]
+    g = cases.get("gemm")
+    if g:
+        row = g.get("rows", {}).get("bf16_gemm", {})
+        why = _unmeasured(row)
+        L += [f"**bf16 GEMM** ({row.get('n', '?')} x {row.get('n', '?')} @ {row.get('n', '?')} x {row.get('n', '?')}): "
+              + (why or f"{_fs(row.get('tflops'), '{:.1f}')} TFLOP/s"), ""]
     a = cases.get("actor_step")
     if a:
         L += [f"**OpenRLHF DeepSpeed ZeRO-{a.get('zero_stage')} actor step** ({a.get('shape')}, "
-              f"{a.get('batch')} x {a.get('seq')} tokens per optimizer step, micro-batch {a.get('micro')})", ""]
-        if a.get("per_method"):
-            L += ["| method | step ms | tokens/s | MFU | peak GiB | optimizer |", "|---|---:|---:|---:|---:|---|"]
-            for name, r in a["per_method"].items():
-                if "error" in r:
-                    L.append(f"| {name} | failed: {r['error'][:160]} | | | | |")
-                else:
-                    L.append(f"| {name} | {_f(r.get('step_ms'), '{:.0f}')} | {_f(r.get('tokens_per_s'), '{:,.0f}')} | "
-                             f"{_f(r.get('mfu'), '{:.1%}')} | {_f(r.get('peak_gib'))} | {r.get('optimizer')}"
-                             + (f" (FusedAdam failed: {r['fused_adam_error'][:100]})" if r.get("fused_adam_error")
-                                else "") + " |")
-        else:
-            L.append(f"failed: {a.get('error') or a.get('not_run')}")
-        L.append("")
-    lp = cases.get("logprobs")
-    if lp:
-        L += [f"**Log-probs + entropy at V = {lp.get('vocab', 0):,}, H = {lp.get('hidden')}** ({lp.get('dtype')} "
-              f"inputs, TF32 {'on' if lp.get('tf32') else 'off'}; peak = above the inputs)", ""]
-        if lp.get("rows"):
-            L += ["| mode | tokens | full logits ms | from hidden ms | time ratio | full logits peak GiB | "
-                  "from hidden peak GiB | peak ratio |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-            by = {(r["mode"], r["tokens"], r["path"]): r for r in lp["rows"]}
-            for (mode, n) in sorted({(r["mode"], r["tokens"]) for r in lp["rows"]}):
-                o, nw = by.get((mode, n, "full_logits"), {}), by.get((mode, n, "from_hidden"), {})
-
-                def cell(r, k, fmt):
-                    return "OOM" if r.get("oom") else ("failed" if "error" in r else _f(r.get(k), fmt))
-                tr = (nw["ms"] / o["ms"]) if o.get("ms") and nw.get("ms") else None
-                pr = (nw["peak_above_inputs_gib"] / o["peak_above_inputs_gib"]) if o.get(
-                    "peak_above_inputs_gib") and nw.get("peak_above_inputs_gib") else None
-                L.append(f"| {mode} | {n:,} | {cell(o, 'ms', '{:.1f}')} | {cell(nw, 'ms', '{:.1f}')} | "
-                         f"{_f(tr, '{:.2f}')} | {cell(o, 'peak_above_inputs_gib', '{:.2f}')} | "
-                         f"{cell(nw, 'peak_above_inputs_gib', '{:.2f}')} | {_f(pr, '{:.2f}')} |")
-        else:
-            L.append(f"failed: {lp.get('error') or lp.get('not_run')}")
+              f"{a.get('batch')} x {a.get('seq')} tokens per optimizer step, micro-batch {a.get('micro')})", "",
+              "| method | step ms | tokens/s | MFU | MFU vs GEMM | peak GiB | warm-up s (incl. JIT build) | optimizer |",
+              "|---|---|---:|---:|---:|---:|---:|---|"]
+        for name, r in a.get("rows", {}).items():
+            why = _unmeasured(r)
+            if why:
+                L.append(f"| {name} | {why} |" + " |" * 6)
+                continue
+            L.append(f"| {name} | {_fs(r.get('step_ms'), '{:.0f}')} | {_f(r.get('tokens_per_s'), '{:,.0f}')} | "
+                     f"{_f(r.get('mfu'), '{:.1%}')} | {_f(r.get('mfu_gemm'), '{:.1%}')} | {_f(r.get('peak_gib'))} | "
+                     f"{_f(r.get('warmup_s'), '{:.0f}')} | {r.get('optimizer')}"
+                     + (f" (FusedAdam failed: {r['fused_adam_error'][:100]})" if r.get("fused_adam_error") else "")
+                     + " |")
         L.append("")
     mg = cases.get("megatron")
     if mg:
+        rows = mg.get("rows", {})
         L += [f"**Megatron actor, TP=1** ({mg.get('shape')}, megatron-core {mg.get('megatron_core')}, "
               f"{'Transformer Engine' if mg.get('transformer_engine_spec') else 'local'} layer spec; "
               f"{mg.get('n_micro')} micro-batches of {mg.get('micro')} x {mg.get('seq')} tokens per step)", ""]
-        if mg.get("step_ms") is not None:
-            plan_g = mg.get("plan_gib", {})
-            L += ["| step ms | tokens/s | MFU | measured peak GiB | planned GiB (megatron_memory.py, no overhead) | "
-                  "log-prob vs HF max abs | offload / reload bit-exact |", "|---:|---:|---:|---:|---:|---:|---|",
-                  f"| {_f(mg.get('step_ms'), '{:.0f}')} | {_f(mg.get('tokens_per_s'), '{:,.0f}')} | "
-                  f"{_f(mg.get('mfu'), '{:.1%}')} | {_f(mg.get('peak_gib'))} | {_f(plan_g.get('total'))} "
-                  f"(weights {_f(plan_g.get('weights'))}, grads {_f(plan_g.get('grads'))}, optimizer "
-                  f"{_f(plan_g.get('optimizer'))}, activations {_f((plan_g.get('act_checkpoints') or 0) + (plan_g.get('act_layer') or 0))}, "
-                  f"logits {_f(plan_g.get('logits'))}) | {_f(mg.get('logprob_vs_hf', {}).get('max_abs'), '{:.3f}')} | "
-                  f"{mg.get('offload', {}).get('state_bit_exact')} |"]
-        else:
-            L.append(f"failed: {mg.get('error') or mg.get('not_run')}")
+        lp = rows.get("logprob_vs_hf", {})
+        L.append("- log-probs vs the HF model: " + (_unmeasured(lp) or f"max abs {_f(lp.get('max_abs'), '{:.3f}')}, "
+                                                    f"mean abs {_f(lp.get('mean_abs'), '{:.4f}')}"))
+        ts = rows.get("train_step", {})
+        pl = ts.get("plan_gib") or {}
+        L.append("- optimizer step: " + (_unmeasured(ts) or (
+            f"{_fs(ts.get('step_ms'), '{:.0f}')} ms, {_f(ts.get('tokens_per_s'), '{:,.0f}')} tokens/s, MFU "
+            f"{_f(ts.get('mfu'), '{:.1%}')}, MFU vs GEMM {_f(ts.get('mfu_gemm'), '{:.1%}')}; measured peak "
+            f"{_f(ts.get('peak_gib'))} GiB vs planned {_f(pl.get('total'))} GiB (`openrlhf-div plan-memory`, no "
+            f"overhead: weights {_f(pl.get('weights'))}, grads {_f(pl.get('grads'))}, optimizer "
+            f"{_f(pl.get('optimizer'))}, activations "
+            f"{_f((pl.get('act_checkpoints') or 0) + (pl.get('act_layer') or 0))}, logits {_f(pl.get('logits'))})")))
+        off = rows.get("offload", {})
+        L += ["- offload / reload: " + (_unmeasured(off) or f"bit-exact {off.get('state_bit_exact')}, "
+                                       f"{_f((off.get('freed_bytes') or 0) / 2**30)} GiB freed"), ""]
+    lp = cases.get("logprobs")
+    if lp:
+        L += [f"**Log-probs + entropy at V = {lp.get('vocab', 0):,}, H = {lp.get('hidden')}** ({lp.get('dtype')} "
+              f"inputs, TF32 {'on' if lp.get('tf32') else 'off'}; peak = above the inputs)", "",
+              "| mode | tokens | path | ms | peak GiB |", "|---|---:|---|---|---|"]
+        for rid, r in lp.get("rows", {}).items():
+            mode, n, path = rid.split("/")
+            L.append(f"| {mode} | {int(n):,} | {path} | {_unmeasured(r) or _fs(r.get('ms'), '{:.1f}')} | "
+                     f"{'' if _unmeasured(r) else _fs(r.get('peak_above_inputs_gib'))} |")
+        L.append("")
+    m = cases.get("methods")
+    if m:
+        L += [f"**Local engine, RL steps per method** ({m.get('shape')}, {_f((m.get('params') or 0) / 1e9)}B "
+              f"parameters, bf16 + fp32 master weights; {json.dumps(m.get('setup'))})", "",
+              "| method | step s | vs GRPO | train vs GRPO | generation s | old/ref log-probs s | fwd+bwd s | "
+              "optimizer s | other s | gen tokens/s | MFU | MFU vs GEMM | peak GiB |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        rows = m.get("rows", {})
+        base = med((rows.get("grpo") or {}).get("step_s"))
+        base_train = med((rows.get("grpo") or {}).get("train_s"))
+        for name, r in rows.items():
+            why = _unmeasured(r)
+            if why:
+                L.append(f"| {name} | {why} |" + " |" * 11)
+                continue
+            st, tr = med(r.get("step_s")), med(r.get("train_s"))
+            L.append(f"| {name} | {_fs(r.get('step_s'))} | {_f(st / base if base and st else None, '{:.2f}x')} | "
+                     f"{_f(tr / base_train if base_train and tr else None, '{:.2f}x')} | "
+                     f"{_f(med(r.get('generation_s')))} | {_f(med(r.get('logprobs_s')))} | "
+                     f"{_f(med(r.get('fwd_bwd_s')))} | {_f(med(r.get('optimizer_s')))} | {_f(med(r.get('other_s')))} | "
+                     f"{_f(med(r.get('gen_tokens_per_s')), '{:,.0f}')} | {_f(r.get('mfu'), '{:.1%}')} | "
+                     f"{_f(r.get('mfu_gemm'), '{:.1%}')} | {_f(r.get('peak_gib'))} |")
         L.append("")
     lg = cases.get("largest")
     if lg:
-        L += ["**Largest model that trains one local-engine GRPO step** (bf16 + fp32 master weights and AdamW "
-              f"moments): **{lg.get('largest') or 'none of those tried'}**", ""]
-        if lg.get("tried"):
-            L += ["| shape | parameters | trains | step s | peak GiB |", "|---|---:|---|---:|---:|"]
-            for r in lg["tried"]:
-                what = "yes" if r.get("trains") else ("out of memory" if r.get("oom") else f"failed: {r.get('error', '')[:100]}")
-                L.append(f"| {r['shape']} | {r['params'] / 1e9:.2f}B | {what} | {_f(r.get('step_s'))} | "
-                         f"{_f(r.get('peak_gib'))} |")
-        else:
-            L.append(f"failed: {lg.get('error') or lg.get('not_run')}")
+        L += ["**Largest model that trains a local-engine GRPO step** (bf16 + fp32 master weights and AdamW "
+              f"moments, after a warm-up step): **{lg.get('largest') or 'none of those tried'}**", "",
+              "| shape | parameters | trains | step s | peak GiB |", "|---|---:|---|---|---:|"]
+        for name, r in lg.get("rows", {}).items():
+            if "not_needed" in r:
+                continue
+            what = ("yes" if r.get("trains") else (_unmeasured(r) or "no"))
+            L.append(f"| {name} | {_f((r.get('params') or n_params(SHAPES[name])) / 1e9)}B | {what} | "
+                     f"{_fs(r.get('step_s'))} | {_f(r.get('peak_gib'))} |")
         L.append("")
-    bad = {n: (c.get("error") or c.get("not_run")) for n, c in cases.items() if not c.get("ok")}
+    bad = {n: (c.get("ended") or c.get("error") or c.get("not_run") or "a row failed")
+           for n, c in cases.items() if not c.get("ok")}
     if bad:
         L += ["Cases not ok: " + "; ".join(f"{n}: {str(v)[:200]}" for n, v in bad.items()), ""]
     L.append(END)
@@ -1051,40 +1262,68 @@ def write_docs(md: str, path: str = DOCS) -> None:
     atomic_write_text(path, text)
 
 
+def report(paths: List[str], docs: str = DOCS, measured: str = MEASURED) -> int:
+    """``--report DIR...``: render the docs section from results folders (or their gpu_bench.json) and
+    record the cases' measured wall times, which replace the guessed estimates from then on."""
+    from openrlhf_div.io import atomic_write_json
+
+    results = []
+    for pth in paths:
+        f = os.path.join(pth, "gpu_bench.json") if os.path.isdir(pth) else pth
+        try:
+            with open(f) as fh:
+                results.append(json.load(fh))
+        except (OSError, ValueError) as exc:
+            print(f"[gpu_bench] --report {pth}: cannot read {f} ({exc}); give a folder a run wrote with --results",
+                  file=sys.stderr)
+            return 2
+    if any(r.get("dry_run") for r in results):
+        print("[gpu_bench] refusing to write a dry run's figures into the docs", file=sys.stderr)
+        return 2
+    write_docs(render(results), docs)
+    walls: Dict[str, Any] = {}
+    for r in results:
+        for n, c in r.get("cases", {}).items():
+            if c.get("wall_s") and not c.get("not_run"):
+                walls[n] = {"wall_s": round(float(c["wall_s"]), 1), "ok": bool(c.get("ok"))}
+    if walls:
+        env = results[-1].get("environment", {})
+        atomic_write_json(measured, {"device": env.get("device"), "date": env.get("date"), "cases": walls}, indent=1)
+    print(f"[gpu_bench] wrote the gpu-bench section of {docs}" + (f" and the measured case times to {measured}"
+                                                                  if walls else ""))
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="cases: " + ", ".join(CASES))
+                                epilog="cases (default order): " + ", ".join(CASES))
     p.add_argument("--dry-run", action="store_true", help="every case at toy size on the CPU (the rehearsal)")
-    p.add_argument("--cases", default=None, help="comma-separated subset, in this order: " + ",".join(CASES))
-    p.add_argument("--results", default=None, help="folder for gpu_bench.json / gpu_bench.md "
-                                                    "(default runs/gpu_bench, runs/gpu_bench_dry with --dry-run)")
-    p.add_argument("--docs", default=DOCS, help="the markdown file whose gpu-bench section is replaced")
-    p.add_argument("--no-docs", action="store_true", help="leave the docs alone (a dry run never writes them)")
-    p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: 989 for H100 / H200)")
-    p.add_argument("--budget-s", type=float, default=540.0, help="start no case whose estimate exceeds what is "
-                                                                 "left of this many seconds (default 540)")
+    p.add_argument("--cases", default=None, help="comma-separated cases, run in this order (default: "
+                                                 + ",".join(CASES) + ")")
+    p.add_argument("--results", default=None, help="folder for gpu_bench.json / .md (+ gpu_bench.log from "
+                                                    "gpu_bench.sh); default runs/gpu_bench (_dry with --dry-run)")
+    p.add_argument("--docs", default=DOCS, help="(--report) the markdown file whose gpu-bench section is replaced")
+    p.add_argument("--measured", default=MEASURED, help="(--report) where the measured case times go, which "
+                                                         "replace the guessed estimates (default %(default)s)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="datasheet dense bf16 peak (default: 989 for "
+                                                                   "H100 / H200)")
+    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                   help=f"the whole run's seconds: a case starts only with half its estimate left, and is killed "
+                        f"when the budget is spent (default {DEFAULT_BUDGET_S:.0f})")
     p.add_argument("--case-timeout-s", type=float, default=420.0, help="kill a case after this long (default 420)")
     p.add_argument("--record-imports", action="store_true", help="(device view) write imports_<case>.json")
-    p.add_argument("--report", nargs="+", metavar="JSON", help="merge these gpu_bench.json files and write the "
-                                                                "docs section (no case is run)")
+    p.add_argument("--report", nargs="+", metavar="DIR", help="render the docs section from these results folders "
+                                                               "(no case is run)")
     p.add_argument("--case", help=argparse.SUPPRESS)
     p.add_argument("--case-out", help=argparse.SUPPRESS)
+    p.add_argument("--gemm-tflops", type=float, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.case:
-        return run_case(a.case.split(","), a.dry_run, a.case_out, a.peak_tflops)
+        return run_case(a.case.split(","), a.dry_run, a.case_out, a.peak_tflops, a.gemm_tflops)
     if a.report:
-        results = []
-        for f in a.report:
-            with open(f) as fh:
-                results.append(json.load(fh))
-        if any(r.get("dry_run") for r in results):
-            print("[gpu_bench] refusing to write a dry run's figures into the docs", file=sys.stderr)
-            return 2
-        write_docs(render(results), a.docs)
-        print(f"[gpu_bench] wrote the gpu-bench section of {a.docs}")
-        return 0
+        return report(a.report, a.docs, a.measured)
     a.results = a.results or os.path.join(ROOT, "runs", "gpu_bench_dry" if a.dry_run else "gpu_bench")
     a.argv_for_record = argv
     return drive(a)

@@ -1,9 +1,11 @@
-"""The carry kit of ``benchmarks/gpu_bench.sh``: the wheels a lent GPU machine lacks, and a view of
-this environment with only what that machine will have.
+"""The carry kit of ``benchmarks/gpu_bench.sh``: the wheels a GPU machine without internet lacks,
+and a view of this environment with only what that machine will have.
 
-The lent machine (``benchmarks/gpu_device_packages.txt``: Python 3.12.3, torch 2.11, transformers
-5.17, no network, no vLLM / Ray / DeepSpeed / megatron-core / TE / flash-attn) installs the kit
-with ``pip install --no-index --no-deps --target``; at most 64 MiB travel with the working tree.
+The target is described by its package list (``pip list --format freeze`` written there;
+``--target-packages``, default the example ``benchmarks/gpu_device_packages.txt``: Python 3.12.3,
+torch 2.11, transformers 5.17, no vLLM / Ray / DeepSpeed / megatron-core / TE / flash-attn) and its
+CPython tag (``--python-tag``, default cp312). It installs the kit with ``pip install --no-index
+--no-deps --target``; at most 64 MiB travel with the working tree.
 
     python benchmarks/gpu_kit.py build [--out .whl]     # download / build the wheels (cached by kit.json)
     python benchmarks/gpu_kit.py check [--out .whl]     # tags (cp312, manylinux x86_64), one version each, size
@@ -28,7 +30,8 @@ with ``pip install --no-index --no-deps --target``; at most 64 MiB travel with t
   top-level modules were imported and from where. What it cannot show: the device's *versions*
   (torch 2.11, transformers 5.17 there; this environment's torch / transformers here).
   ``GPU_KIT_OVERLAY=DIR[:DIR]`` puts folders of unpacked wheels first (a way to try e.g. the
-  device's transformers; a record then shows their modules as ``elsewhere``).
+  device's transformers; a record then shows their modules as ``elsewhere``); ``GPU_KIT_SITE=DIR``
+  runs DIR's ``sitecustomize`` first, as Python does for a folder on ``PYTHONPATH``.
 """
 from __future__ import annotations
 
@@ -41,13 +44,43 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEVICE_PACKAGES = os.path.join(ROOT, "benchmarks", "gpu_device_packages.txt")
+#: an example target: a lent H100 / H200 machine (Python 3.12, torch 2.11, transformers 5.17, no network)
+EXAMPLE_PACKAGES = os.path.join(ROOT, "benchmarks", "gpu_device_packages.txt")
+#: the target: its package list (``pip list --format freeze`` run there) and its Python tag; set by
+#: ``--target-packages`` / ``--python-tag`` (passed on to child processes through the environment)
+DEVICE_PACKAGES = os.environ.get("GPU_KIT_TARGET_PACKAGES") or EXAMPLE_PACKAGES
 DEFAULT_OUT = os.path.join(ROOT, ".whl")
 LIMIT_BYTES = 64 * 2**20          # what travels with one device command: working tree + carried paths
-DEVICE_PYTHON = (3, 12)
+PYTHON_TAG = os.environ.get("GPU_KIT_PYTHON_TAG") or "cp312"
+
+
+def parse_python_tag(tag: str) -> Tuple[int, int]:
+    m = re.fullmatch(r"cp3(\d{1,2})", tag.strip())
+    if not m:
+        raise KitError(f"--python-tag {tag!r}: give the target's CPython tag, e.g. cp312 for Python 3.12 "
+                       "(python -c 'import sys; print(f\"cp{sys.version_info[0]}{sys.version_info[1]}\")' there)")
+    return 3, int(m.group(1))
+
+
+def set_target(packages: Optional[str] = None, python_tag: Optional[str] = None) -> None:
+    """Describe the target machine (defaults: the example list, cp312); child processes inherit it."""
+    global DEVICE_PACKAGES, PYTHON_TAG, DEVICE_PYTHON
+    if packages:
+        if not os.path.isfile(packages):
+            raise KitError(f"--target-packages {packages}: no such file; write it on the target with "
+                           "`python -m pip list --format freeze > packages.txt` and bring it here")
+        DEVICE_PACKAGES = os.path.abspath(packages)
+        os.environ["GPU_KIT_TARGET_PACKAGES"] = DEVICE_PACKAGES
+    if python_tag:
+        parse_python_tag(python_tag)
+        PYTHON_TAG = python_tag.strip()
+        os.environ["GPU_KIT_PYTHON_TAG"] = PYTHON_TAG
+    DEVICE_PYTHON = parse_python_tag(PYTHON_TAG)
+
+
 MAX_GLIBC = 39                     # manylinux_2_N accepted up to N (assumed Ubuntu 24.04, glibc 2.39)
 REMOVED_IN_312 = ("distutils", "imp", "asynchat", "asyncore", "smtpd")  # distutils: see _exec_in_view
 
@@ -71,14 +104,17 @@ class KitError(RuntimeError):
     """The kit could not be built or does not fit the device; the message says what to do."""
 
 
+DEVICE_PYTHON = parse_python_tag(PYTHON_TAG)
+
+
 def norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def device_packages(path: str = DEVICE_PACKAGES) -> Dict[str, Optional[str]]:
-    """``{normalised name: version or None}`` of the lent machine (the data file)."""
+def device_packages(path: Optional[str] = None) -> Dict[str, Optional[str]]:
+    """``{normalised name: version or None}`` of the target machine (its package list file)."""
     out: Dict[str, Optional[str]] = {}
-    with open(path) as fh:
+    with open(path or DEVICE_PACKAGES) as fh:
         for line in fh:
             line = line.split("#", 1)[0].strip()
             if not line:
@@ -89,11 +125,14 @@ def device_packages(path: str = DEVICE_PACKAGES) -> Dict[str, Optional[str]]:
 
 
 def kit_spec() -> List[str]:
-    """``name==version`` of every kit distribution, the versions installed in this environment."""
+    """``name==version`` of every kit distribution the target lacks, the versions installed here."""
     from importlib import metadata
 
     spec = []
+    on_target = device_packages()
     for name in KIT:
+        if norm(name) in on_target:
+            continue
         try:
             spec.append(f"{name}=={metadata.version(name)}")
         except metadata.PackageNotFoundError:
@@ -131,6 +170,12 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def _target_id() -> str:
+    """The target's package list (its content) and Python tag: a changed target rebuilds the kit."""
+    with open(DEVICE_PACKAGES, "rb") as fh:
+        return f"{PYTHON_TAG}:{hashlib.sha256(fh.read()).hexdigest()[:16]}"
+
+
 def cached(out: str, spec: Optional[List[str]] = None) -> bool:
     """True when ``out`` holds a complete kit for ``spec`` (its manifest and every wheel unchanged)."""
     spec = spec or kit_spec()
@@ -139,7 +184,7 @@ def cached(out: str, spec: Optional[List[str]] = None) -> bool:
             man = json.load(fh)
     except (OSError, ValueError):
         return False
-    if man.get("spec") != spec or man.get("python") != "%d.%d" % DEVICE_PYTHON:
+    if man.get("spec") != spec or man.get("python") != "%d.%d" % DEVICE_PYTHON or man.get("target") != _target_id():
         return False
     files = man.get("files", {})
     present = sorted(f for f in os.listdir(out) if f.endswith(".whl"))
@@ -161,7 +206,7 @@ def build(out: str = DEFAULT_OUT, force: bool = False) -> Dict:
     binary = [s for s in spec if norm(s.split("==")[0]) not in BUILT_FROM_SOURCE]
     _pip(["download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "%d.%d" % DEVICE_PYTHON,
           "--implementation", "cp", *_platform_args(), "-d", out, *binary],
-         f"download {len(binary)} wheels for cp312 / manylinux x86_64 ({', '.join(binary)})")
+         f"download {len(binary)} wheels for {PYTHON_TAG} / manylinux x86_64 ({', '.join(binary)})")
     for s in spec:
         if norm(s.split("==")[0]) in BUILT_FROM_SOURCE:
             with tempfile.TemporaryDirectory() as tmp:
@@ -172,7 +217,7 @@ def build(out: str = DEFAULT_OUT, force: bool = False) -> Dict:
                     shutil.move(os.path.join(tmp, f), os.path.join(out, f))
     files = {f: {"bytes": os.path.getsize(os.path.join(out, f)), "sha256": _sha256(os.path.join(out, f))}
              for f in sorted(os.listdir(out)) if f.endswith(".whl")}
-    man = {"spec": spec, "python": "%d.%d" % DEVICE_PYTHON, "files": files,
+    man = {"spec": spec, "python": "%d.%d" % DEVICE_PYTHON, "target": _target_id(), "files": files,
            "why": {k: v for k, v in KIT.items()}}
     with open(_manifest_path(out), "w") as fh:
         json.dump(man, fh, indent=2)
@@ -186,8 +231,8 @@ def device_tags():
 
     plats = [f"manylinux_2_{n}_x86_64" for n in range(MAX_GLIBC, 4, -1)]
     plats += ["manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"]
-    out = set(tags.cpython_tags(python_version=DEVICE_PYTHON, abis=["cp312", "abi3", "none"], platforms=plats))
-    out |= set(tags.compatible_tags(python_version=DEVICE_PYTHON, interpreter="cp312", platforms=plats))
+    out = set(tags.cpython_tags(python_version=DEVICE_PYTHON, abis=[f"cp{DEVICE_PYTHON[0]}{DEVICE_PYTHON[1]}", "abi3", "none"], platforms=plats))
+    out |= set(tags.compatible_tags(python_version=DEVICE_PYTHON, interpreter=f"cp{DEVICE_PYTHON[0]}{DEVICE_PYTHON[1]}", platforms=plats))
     return out
 
 
@@ -213,7 +258,7 @@ def check(out: str = DEFAULT_OUT, root: str = ROOT, limit: int = LIMIT_BYTES) ->
     for f in wheels:
         name, version, _, wtags = parse_wheel_filename(f)
         if not set(wtags) & ok_tags:
-            problems.append(f"{f}: tags {sorted(str(t) for t in wtags)} do not install on CPython 3.12 / "
+            problems.append(f"{f}: tags {sorted(str(t) for t in wtags)} do not install on {PYTHON_TAG} / "
                             f"manylinux x86_64")
         if name in seen:
             problems.append(f"two versions of {name}: {seen[name]} and {version} (pip --target refuses the install)")
@@ -225,7 +270,7 @@ def check(out: str = DEFAULT_OUT, root: str = ROOT, limit: int = LIMIT_BYTES) ->
         if norm(n) in seen and seen[norm(n)] != v:
             problems.append(f"{n}: the kit has {seen[norm(n)]}, this environment {v} (rebuild the kit)")
     dev = device_packages()
-    problems += [f"{n} is already on the device (gpu_device_packages.txt): carrying it risks a second version"
+    problems += [f"{n} is already on the target ({DEVICE_PACKAGES}): carrying it risks a second version"
                  for n in seen if n in dev]
     kit_bytes = sum(os.path.getsize(os.path.join(out, f)) for f in wheels)
     tree = travelling_bytes(root)
@@ -365,6 +410,12 @@ def _exec_in_view(view: str, record: Optional[str], argv: List[str]) -> None:
 
         _distutils_hack.add_shim()
     os.environ["OPENRLHF_DIV_DEVICE_VIEW"] = view
+    # GPU_KIT_SITE: a folder whose sitecustomize runs here first, as Python's site module would run it
+    # from PYTHONPATH without -S (gpu_bench.sh --dry-run: the CPU seams of the end-to-end tests)
+    site_dir = os.environ.get("GPU_KIT_SITE")
+    if site_dir:
+        sys.path.insert(2, site_dir)
+        import sitecustomize  # noqa: F401  (imported for what it runs)
     if record:
         atexit.register(_record_imports, record, view, owner)
     sys.argv = list(argv)
@@ -403,10 +454,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     c = sub.add_parser("check", help="tags, one version each, size with the working tree")
     c.add_argument("--out", default=DEFAULT_OUT)
     v = sub.add_parser("device-view", help="run a script seeing only the device's packages + the kit")
+    for x in (b, c, v):
+        x.add_argument("--target-packages", metavar="FILE",
+                       help="the target's `pip list --format freeze` (default: the example, "
+                            "benchmarks/gpu_device_packages.txt)")
+        x.add_argument("--python-tag", metavar="TAG", help="the target's CPython tag (default cp312)")
     v.add_argument("--record", help="write the imported top-level modules and their origin (JSON)")
     v.add_argument("script", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
     try:
+        set_target(a.target_packages, a.python_tag)
         if a.cmd == "build":
             man = build(a.out, force=a.force)
             mib = sum(f["bytes"] for f in man["files"].values()) / 2**20

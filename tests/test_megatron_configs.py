@@ -13,26 +13,12 @@ import subprocess
 
 import pytest
 
-import importlib.util
-import sys
-
 from openrlhf_div.engines.megatron import add_megatron_arguments, megatron_config_from_args
+from openrlhf_div.engines.megatron import memory_plan as MM  # openrlhf-div plan-memory
 from openrlhf_div.engines.megatron.config import MegatronConfig
 from openrlhf_div.engines.openrlhf.launch import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _load_planner():
-    """scripts/megatron_memory.py (a planning script, not part of the package)."""
-    spec = importlib.util.spec_from_file_location("megatron_memory", os.path.join(ROOT, "scripts", "megatron_memory.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["megatron_memory"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-MM = _load_planner()
 QWEN25_32B, estimate_memory, expected_mfu = MM.QWEN25_32B, MM.estimate_memory, MM.expected_mfu
 flops_per_token, total_params, with_tp = MM.flops_per_token, MM.total_params, MM.with_tp
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "megatron", "[!_]*.yaml")))  # _*.yaml: family bases
@@ -201,3 +187,16 @@ def test_flags_through_openrlhf_hierarchize():
     q.add_argument("--div.actor_backend", default="deepspeed")      # the driver's own flag wins
     add_megatron_arguments(q)
     assert not uses_megatron(hierarchize(q.parse_args([])))
+
+
+def test_plan_memory_is_a_command(capsys):
+    """`openrlhf-div plan-memory --config X` prints the plan the config's cluster section states."""
+    from openrlhf_div.cli.main import main
+
+    path = CONFIGS[0]
+    assert main(["plan-memory", "--config", path]) == 0
+    out = capsys.readouterr().out
+    figures = MM.config_figures(load_config(path))
+    assert "cluster section:" in out and all(f"{k}: {v}" in out for k, v in figures.items()), out
+    assert main(["plan-memory", "--tp", "8", "--dp", "2"]) == 0
+    assert "tp=8 pp=1 dp=2" in capsys.readouterr().out

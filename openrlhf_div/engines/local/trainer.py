@@ -45,6 +45,7 @@ Design choices (documented here, see also :mod:`.generation`):
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -135,7 +136,13 @@ class Trainer:
     ``num_online_tokens``, ``num_anchor_tokens``, ``num_online_seqs``), its result
     (``loss``, ``metrics``), where it happened (``step``, ``epoch``, ``mini_batch``,
     ``micro_batch``, ``rows`` of the step's ``experience``, ``anchors``), ``trainer`` and
-    ``train_rng_state`` (the state of ``LossInputs.generator`` before the call)."""
+    ``train_rng_state`` (the state of ``LossInputs.generator`` before the call).
+
+    ``phase_hooks`` (public, a list) are called as ``hook(name, start, info)`` around the phases
+    of a step: ``generation`` (each sampling call; at the end ``info["tokens"]`` = the response
+    tokens generated), ``logprobs`` (each old / reference log-prob pass) and ``optimizer`` (the
+    master-weight copies, gradient clipping, the optimizer step and the weight check), with
+    ``start`` True before and False after. Benchmarks time phases through them."""
 
     def __init__(self, cfg: TrainConfig, resume_dir: Optional[str] = None,
                  hooks: Sequence[Callable[[Dict[str, Any]], None]] = ()):
@@ -143,6 +150,7 @@ class Trainer:
 
         self.cfg = cfg
         self.hooks = list(hooks)
+        self.phase_hooks: List[Callable[[str, bool, Dict[str, Any]], None]] = []
         torch.set_num_threads(resolve_num_threads(cfg.num_threads))
         self.device = resolve_device(cfg.device)
         self.run_dir = os.path.abspath(resume_dir or cfg.output_dir)
@@ -258,6 +266,18 @@ class Trainer:
             self._prompt_cache[key] = encode_prompts(self.tokenizer, [text])[0]
         return self._prompt_cache[key]
 
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Calls :attr:`phase_hooks` before and after the block; yields the ``info`` dict they get."""
+        info: Dict[str, Any] = {}
+        for h in self.phase_hooks:
+            h(name, True, info)
+        try:
+            yield info
+        finally:
+            for h in self.phase_hooks:
+                h(name, False, info)
+
     # ------------------------------------------------------------------ forward helpers
     @torch.no_grad()
     def _no_grad_log_probs(self, model, input_ids, attention_mask, response_mask) -> torch.Tensor:
@@ -293,14 +313,17 @@ class Trainer:
             examples = self.prompt_cursor.next(B - n_groups)
             t0, c0 = time.perf_counter(), time.process_time()
             self.model.eval()
-            gen = self.sample([self.prompt_ids(ex) for ex in examples], n_samples=G, max_new_tokens=r.max_new_tokens,
-                              temperature=r.temperature, top_p=r.top_p, generator=self.gen_rng,
-                              batch_size=r.generation_batch_size)
+            with self.phase("generation") as ph:
+                gen = self.sample([self.prompt_ids(ex) for ex in examples], n_samples=G,
+                                  max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                  generator=self.gen_rng, batch_size=r.generation_batch_size)
+                ph["tokens"] = int(gen.response_lengths.sum())
             t_gen += time.perf_counter() - t0
             c_gen += time.process_time() - c0
             mask = gen.response_mask.float()
-            old = (self._no_grad_log_probs(self.model, gen.input_ids, gen.attention_mask, gen.response_mask)
-                   if r.recompute_old_log_probs else gen.log_probs)
+            with self.phase("logprobs"):
+                old = (self._no_grad_log_probs(self.model, gen.input_ids, gen.attention_mask, gen.response_mask)
+                       if r.recompute_old_log_probs else gen.log_probs)
             self.model.train()
             results = self.task.reward_results(list(gen.texts), [examples[i // G].get("label")
                                                                  for i in range(len(gen.texts))])
@@ -344,7 +367,8 @@ class Trainer:
         adv = torch.cat([fit_width(k["adv"], R) for k in kept]).to(self.device)
         ref = None
         if self.needs.ref_log_probs:
-            ref = self._no_grad_log_probs(self.ref_model, ids, attn, rmask)
+            with self.phase("logprobs"):
+                ref = self._no_grad_log_probs(self.ref_model, ids, attn, rmask)
         stats["shaped_reward_mean"] = float(shaped.mean())
         stats["advantage_abs_mean"] = float(masked_mean(adv.abs(), mask))
         return Experience(prompt_ids, response_ids, ids, attn, mask, old, adv, rewards, shaped,
@@ -382,17 +406,18 @@ class Trainer:
                                                     num_anchor_seqs=float(len(anchors)))
                     loss.backward()
                     acc.add_micro_batch(metrics)
-                if self.master is not None:  # bfloat16 gradients -> the float32 master copies
-                    self.master.grads_to_master()
-                params = [p for g in self.optimizer.param_groups for p in g["params"]]
-                max_norm = o.max_grad_norm if o.max_grad_norm > 0 else float("inf")
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-                if not math.isfinite(grad_norm):
-                    raise NonFiniteLossError(self._nonfinite_msg("gradient norm", grad_norm, epoch, mb_i, None))
-                self.optimizer.step()
-                if self.master is not None:
-                    self.master.master_to_model()
-                self._check_weights(f"at step {self.step + 1} (epoch {epoch}, mini-batch {mb_i})")
+                with self.phase("optimizer"):
+                    if self.master is not None:  # bfloat16 gradients -> the float32 master copies
+                        self.master.grads_to_master()
+                    params = [p for g in self.optimizer.param_groups for p in g["params"]]
+                    max_norm = o.max_grad_norm if o.max_grad_norm > 0 else float("inf")
+                    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+                    if not math.isfinite(grad_norm):
+                        raise NonFiniteLossError(self._nonfinite_msg("gradient norm", grad_norm, epoch, mb_i, None))
+                    self.optimizer.step()
+                    if self.master is not None:
+                        self.master.master_to_model()
+                    self._check_weights(f"at step {self.step + 1} (epoch {epoch}, mini-batch {mb_i})")
                 self._weights_changed = True
                 acc.add_mean("grad_norm", grad_norm)
                 acc.end_optimizer_step()

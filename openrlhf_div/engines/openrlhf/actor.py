@@ -13,7 +13,7 @@ method registry.
   that builds :class:`DivActorPPOTrainer` instead of ``ActorPPOTrainer``. Both are built on first
   access (module ``__getattr__``), so this module itself never imports ``ray``
   (``openrlhf.trainer.ray.ppo_actor`` still does: without Ray, one-process runs such as the GPU
-  bench install :mod:`openrlhf_div.compat.ray_stub` first).
+  bench install their own import stub first: benchmarks/ray_import_stub.py).
 
 OpenRLHF hard-codes both classes by module-level name; we swap each name only for the
 duration of one call *inside the actor's own process* (:func:`_swapped`), so nothing leaks

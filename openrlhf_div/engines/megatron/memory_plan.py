@@ -1,8 +1,8 @@
 """Memory plan of a colocated Megatron actor layout for Qwen2.5-32B, on paper (a planning tool).
 
-    python scripts/megatron_memory.py --config configs/megatron/X.yaml     # one config's plan
-    python scripts/megatron_memory.py --markdown                           # docs/scaling_megatron.md tables
-    python scripts/megatron_memory.py --tp 8 --dp 2 [--cpu_offload] ...    # any layout
+    openrlhf-div plan-memory --config configs/megatron/X.yaml     # one config's plan
+    openrlhf-div plan-memory --markdown                           # docs/scaling_megatron.md tables
+    openrlhf-div plan-memory --tp 8 --dp 2 [--cpu_offload] ...    # any layout
 
 It counts what megatron-core 0.16, the engine's offload (``engines/megatron/offload.py``) and
 vLLM's sleep mode actually allocate, per GPU and per node, in the three phases of a colocated
@@ -55,17 +55,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 from dataclasses import dataclass, replace
 from typing import Dict, Optional
 
-try:
-    from openrlhf_div.engines.megatron.config import MegatronConfig
-    from openrlhf_div.engines.megatron.weights import GPTLayout, padded_vocab_size
-except ImportError:  # pragma: no cover - run from a checkout without the package installed
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from openrlhf_div.engines.megatron.config import MegatronConfig
-    from openrlhf_div.engines.megatron.weights import GPTLayout, padded_vocab_size
+from openrlhf_div.engines.megatron.config import MegatronConfig
+from openrlhf_div.engines.megatron.weights import GPTLayout, padded_vocab_size
 
 GiB = float(1 << 30)
 H100_BF16_DENSE_TFLOPS = 989.0
@@ -278,7 +272,6 @@ def markdown(seq: int = 6144) -> str:
 
 def load_config(path: str) -> dict:
     """A configs/megatron/*.yaml through the project's one config loader (extends resolved)."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from openrlhf_div.config import load
 
     return load(path, what="experiment config")
@@ -302,8 +295,7 @@ def config_markdown(paths) -> str:
     return "\n".join(rows)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="memory plan and expected MFU of a Megatron actor layout (Qwen2.5-32B)")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="a configs/megatron/*.yaml (else the flags below)")
     p.add_argument("--markdown", action="store_true", help="print the tables of docs/scaling_megatron.md")
     p.add_argument("--tp", type=int, default=8)
@@ -314,11 +306,17 @@ def main(argv=None) -> int:
     p.add_argument("--no_sp", action="store_true")
     p.add_argument("--recompute", default="full", choices=("none", "selective", "full"))
     p.add_argument("--cpu_offload", action="store_true")
-    a = p.parse_args(argv)
+
+
+def run(a) -> int:
+    """``openrlhf-div plan-memory``: one config's plan, the docs' tables, or any layout's."""
     if a.markdown:
         import glob
 
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        # the checkout's configs/megatron (an editable install), else the working directory's
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        if not os.path.isdir(os.path.join(root, "configs", "megatron")):
+            root = os.getcwd()
         print(markdown(a.seq))
         print()
         print(config_markdown(sorted(glob.glob(os.path.join(root, "configs", "megatron", "[!_]*.yaml")))))
@@ -343,5 +341,10 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="openrlhf-div plan-memory", description=PLAN_HELP)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+PLAN_HELP = "memory plan and expected MFU of a Megatron actor layout (Qwen2.5-32B), on paper"

@@ -1,4 +1,5 @@
-"""A Ray *import* stub for one-process runs where Ray is not installed. Not a scheduler.
+"""The GPU bench's Ray *import* stub, for its one-process actor step where Ray is not installed.
+Not a scheduler, and not part of the package (nothing else needs it).
 
 OpenRLHF 0.11.2 defines its trainer classes next to their Ray actors: ``ActorPPOTrainer`` lives in
 ``openrlhf.trainer.ray.ppo_actor``, which imports ``ray`` and decorates ``PolicyModelActor`` with
@@ -10,8 +11,8 @@ imports: ``ray.remote`` returns a handle whose ``__ray_actor_class__`` is the de
 Ray's does) and whose ``.remote()`` / ``.options()`` raise; ``ray.get`` / ``put`` / ``init`` /
 ``wait`` / ``kill`` raise a clear error.
 
-Installed **only on request and only when the real package is absent** (like
-:mod:`.vllm_stub`); the training path never installs it. The Ray topology needs real Ray.
+Installed by ``gpu_bench.py``'s ``actor_step`` case **only when the real package is absent**;
+nothing in the package installs it. The Ray topology needs real Ray.
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ import sys
 import types
 
 STUB_VERSION = "0.0.0+openrlhf_div.stub"
-_MSG = ("Ray is not installed: this is openrlhf_div.compat.ray_stub, an import stub for one-process runs "
-        "(benchmarks/gpu_bench.py). Install ray (see docker/Dockerfile) to start actors.")
+_MSG = ("Ray is not installed: this is benchmarks/ray_import_stub.py, the GPU bench's import stub for "
+        "its one-process actor step. Install ray (see docker/Dockerfile) to start actors.")
 
 
 def _unavailable(*args, **kwargs):
