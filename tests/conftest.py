@@ -16,6 +16,22 @@ if _HERE not in sys.path:
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# ------------------------------------------------------------------ vLLM's kernel library of another CPU
+# vLLM's CPU build ships three kernel libraries and loads one by the CPU's flags
+# (vllm/platforms/cpu.py import_kernels): _C (AVX-512 + BF16: Zen 4/5, Sapphire Rapids and later),
+# _C_AVX512 (AVX-512 without BF16) and _C_AVX2. OPENRLHF_DIV_FORCE_VLLM_KERNEL_LIB=avx2|avx512 makes
+# this process load that library (every one runs on a newer CPU), so the branches an older CPU takes
+# run here too (tests/test_vllm_kernel_libs.py).
+_force_lib = os.environ.get("OPENRLHF_DIV_FORCE_VLLM_KERNEL_LIB")
+if _force_lib:
+    import torch as _torch
+
+    if _force_lib not in ("avx2", "avx512"):
+        raise ValueError(f"OPENRLHF_DIV_FORCE_VLLM_KERNEL_LIB={_force_lib!r}: one of avx2, avx512")
+    _torch.cpu._is_avx512_bf16_supported = lambda: False
+    if _force_lib == "avx2":
+        _torch.cpu._is_avx512_supported = lambda: False
+
 # every process the suite starts (vLLM engines, Ray workers) prints the Python frame of a native
 # crash (SIGILL in an AMX kernel, SIGSEGV); scripts/test.sh sets it too
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")

@@ -86,6 +86,16 @@ def _layer_shapes():
             "lm_head": (c.vocab_size, h)}
 
 
+def test_the_kernel_library_is_the_one_asked_for():
+    """Under OPENRLHF_DIV_FORCE_VLLM_KERNEL_LIB (tests/test_vllm_kernel_libs.py) vLLM loaded that
+    library; otherwise the one this CPU selects."""
+    import os
+
+    from test_vllm_kernel_libs import _this_cpus_library, loaded_vllm_library
+
+    assert loaded_vllm_library() == (os.environ.get("OPENRLHF_DIV_FORCE_VLLM_KERNEL_LIB") or _this_cpus_library())
+
+
 def test_each_forced_branch_is_one_vllms_dispatch_chooses():
     """The forced configurations are real ones: on the CPU family each branch stands for, vLLM's own
     conditions send every layer of the test model (in the branch's dtype) there, and sgl-kernel
