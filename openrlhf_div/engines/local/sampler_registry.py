@@ -58,7 +58,12 @@ class Sampler(Protocol):
 
 
 class SamplerUnavailable(RuntimeError):
-    """An explicitly requested backend cannot run here; the message says why and what to use."""
+    """An explicitly requested backend cannot run here; the message says why and what to use
+    (``reason``: the why alone, for callers that phrase the fix in their own options)."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason or message
 
 
 @dataclass(frozen=True)
@@ -125,7 +130,7 @@ def resolve_backend(requested: str, model, device, *, log=print) -> str:
     if reason is not None:
         others = [n for n in backend_choices() if n != requested]
         raise SamplerUnavailable(f"rollout.backend={requested} but {requested} cannot sample here: {reason}. "
-                                 f"Use rollout.backend={' or '.join(others)}")
+                                 f"Use rollout.backend={' or '.join(others)}", reason)
     return requested
 
 
