@@ -119,14 +119,15 @@ def cispo(b: LossInputs, eps_low, eps_high):
 
 @register_policy_loss("clip_cov", defaults={"eps_low": 0.2, "eps_high": 0.2, "dual_clip": 3.0,
                                             "clip_cov_ratio": 2e-4, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0},
-                      metrics=("clipfrac",))
+                      metrics=("clipfrac",), batch_statistics=True)
 def clip_cov(b: LossInputs, eps_low, eps_high, dual_clip, clip_cov_ratio, clip_cov_lb, clip_cov_ub):
     return (clip_cov_loss(b.log_probs, b.old_log_probs, b.advantages, b.mask, eps_low, eps_high, dual_clip,
                           clip_cov_ratio, clip_cov_lb, clip_cov_ub, generator=b.generator),
             {"clipfrac": _clipfrac(b, eps_low, eps_high)})
 
 
-@register_policy_loss("kl_cov", defaults={"kl_cov_ratio": 2e-3, "kl_cov_k": 1.0, "kl_cov_min_one": False})
+@register_policy_loss("kl_cov", defaults={"kl_cov_ratio": 2e-3, "kl_cov_k": 1.0, "kl_cov_min_one": False},
+                      batch_statistics=True)
 def kl_cov(b: LossInputs, kl_cov_ratio, kl_cov_k, kl_cov_min_one):
     """``kl_cov_min_one``: penalise at least one token, as verl (docs/ALGORITHMS.md 9, row 9c)."""
     return kl_cov_loss(b.log_probs, b.old_log_probs, b.advantages, b.mask, kl_cov_ratio, kl_cov_k,
