@@ -84,7 +84,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _one_line_failure(exc: BaseException) -> Optional[str]:
-    if type(exc).__name__ == "BackendUnavailable":  # engines/local/vllm_sampler.py: reason and fix
+    if type(exc).__name__ == "BackendUnavailable":  # engines/local/sampler_registry.py: reason and fix
         return str(exc)
     from openrlhf_div.compat.engine_death import explain
 
