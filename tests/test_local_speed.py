@@ -89,10 +89,10 @@ def test_shortcut_and_buckets_give_the_plain_path_loss_and_gradients(name, data_
 
 
 def test_length_buckets_cut_padding_and_the_share_is_reported(data_dir, presample_dir, tmp_path):
-    tr, _, _ = one_step("grpo", data_dir, presample_dir, tmp_path / "on", ["rollout.on_policy_shortcut=false"])
+    longer = ["rollout.on_policy_shortcut=false", "rollout.max_new_tokens=12"]  # responses of varied length
+    tr, _, _ = one_step("grpo", data_dir, presample_dir, tmp_path / "on", longer)
     stats_on = tr.train_step()
-    tr2, _, _ = one_step("grpo", data_dir, presample_dir, tmp_path / "off",
-                         ["rollout.on_policy_shortcut=false", "optim.length_buckets=false"])
+    tr2, _, _ = one_step("grpo", data_dir, presample_dir, tmp_path / "off", longer + ["optim.length_buckets=false"])
     stats_off = tr2.train_step()
     for phase in ("logprob", "train"):
         assert 0 <= stats_on[f"padded_share_{phase}"] < 1
