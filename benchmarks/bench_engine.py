@@ -135,6 +135,8 @@ def bench_trl(work, steps, warmup):
 
 # ------------------------------------------------------------------------------ samplers
 REAL_B, REAL_G, REAL_NEW = 4, 8, 64  # --real-shape
+# the local engine before issue 32's items (one vllm row with these overrides, next to one without)
+ITEMS_OFF = "rollout.on_policy_shortcut=false optim.length_buckets=false model.dtype=float32"
 THREADS = 1  # torch threads of the runs (--threads)
 
 
@@ -161,13 +163,74 @@ def backend_overrides(work, which, backend):
                      "optim.micro_batch_size=16"]  # 64 rows x 190 tokens x 49k vocab in one backward: > 24 GiB
 
 
+class PhaseTimers:
+    """Wall time of the no-grad log-prob forwards (old, reference) and of the training
+    forward+backward (``optimise`` less the optimizer's own work) of each step of ``tr``."""
+
+    def __init__(self, tr):
+        self.t = {"logprob": 0.0, "optimise": 0.0, "optimizer": 0.0}
+        tr._no_grad_log_probs = self._timed("logprob", tr._no_grad_log_probs)
+        tr.optimise = self._timed("optimise", tr.optimise)
+        tr.optimizer.step = self._timed("optimizer", tr.optimizer.step)
+        tr._check_weights = self._timed("optimizer", tr._check_weights)
+        if tr.master is not None:
+            tr.master.grads_to_master = self._timed("optimizer", tr.master.grads_to_master)
+            tr.master.master_to_model = self._timed("optimizer", tr.master.master_to_model)
+
+    def _timed(self, key, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.t[key] += time.perf_counter() - t0
+        return wrapper
+
+    def take(self):
+        t, self.t = self.t, {k: 0.0 for k in self.t}
+        return {"time_logprob": t["logprob"], "time_train_fwd_bwd": t["optimise"] - t["optimizer"]}
+
+
+def plain_rates(model, rows, seq_len, reps=2):
+    """Tokens/s of a plain forward (no grad) and forward+backward (``labels`` loss) of ``model``
+    over dense ``[rows, seq_len]`` batches (no padding), in this process: the phase efficiencies'
+    yardstick (issue 32)."""
+    dev = next(model.parameters()).device
+    ids = torch.randint(3, int(model.config.vocab_size), (rows, seq_len), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(dev)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)  # warm-up
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            model(input_ids=ids, use_cache=False)
+        fwd = rows * seq_len * reps / (time.perf_counter() - t0)
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # warm-up
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    fb = rows * seq_len * reps / (time.perf_counter() - t0)
+    model.zero_grad(set_to_none=True)
+    return fwd, fb
+
+
 def time_backend(work, which, backend, steps, warmup, extra=()):
     tr = Trainer(load_config(None, backend_overrides(work, which, backend) + list(extra)))
+    phases = PhaseTimers(tr)
     try:
         start = getattr(tr.sampler, "start_seconds", 0.0)
         for _ in range(warmup):
             tr.train_step()
-        rows = [tr.train_step() for _ in range(steps)]
+            phases.take()
+        rows = []
+        for _ in range(steps):
+            r = tr.train_step()
+            r.update(phases.take())
+            rows.append(r)
+        # phase efficiencies: useful tokens per second of each phase against a plain forward /
+        # forward+backward of the same model on dense micro-batches of the same mean length
+        n_rows = tr.cfg.rollout.prompts_per_step * tr.cfg.rollout.group_size
+        mean_len = max(1, round(statistics.median(r["useful_tokens_train"] for r in rows) / n_rows))
+        fwd_rate, fb_rate = plain_rates(tr.model, min(tr.cfg.optim.micro_batch_size, n_rows), mean_len)
         lp_diff = None
         if tr.backend == "vllm":  # the sampler's log-probs against the trainer's forward, after the steps
             from openrlhf_div.engines.local.generation import sequence_log_probs
@@ -192,6 +255,17 @@ def time_backend(work, which, backend, steps, warmup, extra=()):
         for r in rows)
     res["backend"] = tr.backend
     res["logprob_max_abs_diff_vs_trainer"] = lp_diff
+    for k in ("time_logprob", "time_train_fwd_bwd", "padded_share_logprob", "padded_share_train",
+              "useful_tokens_logprob", "useful_tokens_train"):
+        res[k] = statistics.median(r.get(k, 0.0) for r in rows)
+    res["plain_forward_tokens_per_s"], res["plain_fwd_bwd_tokens_per_s"] = fwd_rate, fb_rate
+    res["plain_seq_len"] = mean_len
+    res["efficiency_logprob"] = (res["useful_tokens_logprob"] / res["time_logprob"] / fwd_rate
+                                 if res["time_logprob"] > 0 else None)  # None: no such forward (shortcut)
+    res["efficiency_train"] = (res["useful_tokens_train"] / res["time_train_fwd_bwd"] / fb_rate
+                               if res["time_train_fwd_bwd"] > 0 else None)  # None: no update (degenerate steps)
+    res["on_policy_shortcut"], res["length_buckets"] = tr.on_policy_shortcut, tr.length_buckets
+    res["dtype"], res["dtype_choice"] = tr.cfg.model.dtype, tr.dtype_choice
     return res
 
 
@@ -250,14 +324,23 @@ def bench_backends(work, args):
             gc.collect()  # the run's trainer (and its vLLM engine) go before the next one starts
             out[which][key] = r
             _partial(args, out)
+            eff_lp = "skipped" if r["efficiency_logprob"] is None else f"{r['efficiency_logprob']:.2f}"
             print(f"  {which:8s} {key:4s} step {r['time_step']:.2f} s, CPU {r['cpu_time_step']:.2f} s (generate "
                   f"{r['time_generate']:.2f}, CPU {r['cpu_time_generate']:.2f}; experience "
                   f"{r['time_experience']:.2f}, train {r['time_train']:.2f} incl. weight push "
                   f"{r['time_weight_sync']:.3f}), resp len {r['response_length']:.1f}, engine start "
-                  f"{r['engine_start_s']:.1f} s", flush=True)
+                  f"{r['engine_start_s']:.1f} s; dtype {r['dtype']}, shortcut {r['on_policy_shortcut']}, buckets "
+                  f"{r['length_buckets']}; efficiency log-prob forward {eff_lp}, training fwd+bwd "
+                  f"{r['efficiency_train'] or float('nan'):.2f}; padded share log-prob {r['padded_share_logprob']:.2f}, train "
+                  f"{r['padded_share_train']:.2f}", flush=True)
         h, v = out[which]["hf"], out[which][variants[1][0]]
         for key, _ in variants[2:]:
             out[which][f"generate_hf_over_{key}"] = h["time_generate"] / out[which][key]["time_generate"]
+            # a later vllm row: the whole step against the first vllm row (e.g. issue 32's items off vs on)
+            out[which][f"step_{key}_over_vllm"] = out[which][key]["time_step"] / v["time_step"]
+            print(f"  {which}: step {key} / vllm = {out[which][f'step_{key}_over_vllm']:.2f}x wall; engine start "
+                  f"{v['engine_start_s']:.1f} s then {out[which][key]['engine_start_s']:.1f} s (second start of the "
+                  f"same model)", flush=True)
         out[which]["generate_hf_over_vllm"] = h["time_generate"] / v["time_generate"]
         out[which]["generate_tokens_per_s_vllm_over_hf"] = v["tokens_per_generate_s"] / h["tokens_per_generate_s"]
         out[which]["step_hf_over_vllm"] = h["time_step"] / v["time_step"]
@@ -300,7 +383,8 @@ def main():
                          "this process for --backends, what `num_threads: null` gives a user)")
     ap.add_argument("--vllm-variants", nargs="+", default=[""],
                     help="--backends: one vllm row per entry, each a space-separated list of config overrides "
-                         "('' = defaults), e.g. '' 'rollout.vllm_seeding=request'")
+                         "('' = defaults), e.g. '' 'rollout.vllm_seeding=request'; issue 32's on/off comparison: "
+                         f"'' '{ITEMS_OFF}'")
     args = ap.parse_args()
     REAL_B, REAL_G, REAL_NEW = args.real_shape
     if args.threads is not None:

@@ -1,9 +1,7 @@
 """`openrlhf-div eval` end to end with a tiny Hugging Face model built offline, plus the HF and
-(faked) vLLM samplers."""
+(stand-in) vLLM samplers."""
 import json
 import os
-import sys
-import types
 
 import pytest
 
@@ -156,40 +154,39 @@ def test_eval_command_errors(model_dir, tmp_path, capsys):
     assert "db_root" in capsys.readouterr().err
 
 
-def test_vllm_path_same_schema(model_dir, monkeypatch):
-    """With vllm importable, make_generate_fn uses it and returns the same schema (a stand-in
-    module with vLLM's LLM / SamplingParams surface; the real one needs a GPU)."""
+def test_vllm_engine_is_the_registry_sampler_on_the_model_train_loads(model_dir, monkeypatch):
+    """``--engine vllm`` loads the model through the one loading path (``load_pretrained``: a folder, a
+    ``.gguf`` file, a Hub id) and hands it to the sampler registry's ``vllm`` entry, the in-process
+    engine training uses (started from the loaded model's config, weights pushed). A stand-in entry
+    stands for vLLM here (the real one: tests/test_real_model.py on the SmolLM2 GGUF,
+    tests/test_vllm_sampler.py on a tiny model). Before the seam, eval built its own ``vllm.LLM`` from
+    the path, which could not read a .gguf file (issue 30, defect 10)."""
+    from openrlhf_div.engines.local import sampler_registry as reg
+
     seen = {}
 
-    class SamplingParams:
-        def __init__(self, n=1, temperature=1.0, top_p=1.0, max_tokens=16, seed=None):
-            self.n, self.temperature, self.top_p, self.max_tokens, self.seed = n, temperature, top_p, max_tokens, seed
+    class StandIn(reg.HFSampler):
+        name = "vllm"
 
-    class LLM:
-        def __init__(self, model, **kw):
-            seen["model"] = model
+    def factory(model, tokenizer, rollout_cfg, *, device, seed):
+        seen.update(model=model, eager=rollout_cfg.vllm_enforce_eager, device=device, seed=seed)
+        return StandIn(model, tokenizer)
 
-        def generate(self, prompts, params, use_tqdm=True):
-            seen.setdefault("params", []).append(params)
-            seen.setdefault("inputs", []).append(prompts)
-            out = types.SimpleNamespace
-            return [out(outputs=[out(text=f"{i}#{j}") for j in range(params.n)]) for i, _ in enumerate(prompts)]
-
-    fake = types.ModuleType("vllm")
-    fake.LLM, fake.SamplingParams = LLM, SamplingParams
-    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(reg._REGISTRY, "vllm", reg.SamplerSpec("vllm", factory, lambda m, d: None, "stand-in"))
     monkeypatch.setattr("openrlhf_div.engines.local.samplers.vllm_available", lambda: True)
-    fn, tok, engine = make_generate_fn(model_dir, engine="vllm", seed=3)
-    assert engine == "vllm" and seen["model"] == model_dir and tok.eos_token == "<eos>"
-    assert fn(["What is", "SELECT"], n=3, temperature=0.6, top_p=0.95, max_new_tokens=7) == [
-        ["0#0", "0#1", "0#2"], ["1#0", "1#1", "1#2"]]
-    p = seen["params"][-1]
-    assert (p.n, p.temperature, p.top_p, p.max_tokens, p.seed) == (3, 0.6, 0.95, 7, 3)
-    # prompts go in as token ids, tokenized like the HF path
-    assert seen["inputs"][-1] == [{"prompt_token_ids": tok("What is")["input_ids"]},
-                                  {"prompt_token_ids": tok("SELECT")["input_ids"]}]
-    assert fn(["a"], n=2, greedy=True) == [["0#0", "0#0"]]
-    assert seen["params"][-1].temperature == 0.0 and seen["params"][-1].n == 1
+    fn, tok, engine = make_generate_fn(model_dir, engine="vllm", device="cpu", seed=3, vllm_enforce_eager=True)
+    assert engine == "vllm" and tok.eos_token == "<eos>" and seen["eager"] is True and seen["seed"] == 3
+    disk = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    for (k, a), b in zip(seen["model"].state_dict().items(), disk.state_dict().values()):
+        assert torch.equal(a, b), k  # the loaded model's weights reach the sampler
+    out = fn(["What is", "SELECT"], n=3, temperature=0.6, top_p=0.95, max_new_tokens=4)
+    assert [len(g) for g in out] == [3, 3] and all(isinstance(c, str) and c.truncated is not None for g in out for c in g)
+    assert [len(g) for g in fn(["a"], n=2, greedy=True)] == [2]
+    # a model vLLM cannot take: one line naming why and the engines that can
+    monkeypatch.setitem(reg._REGISTRY, "vllm", reg.SamplerSpec("vllm", factory, lambda m, d: "head size 16", "x"))
+    with pytest.raises(RuntimeError, match=r"^--engine vllm: vLLM cannot sample .* here: head size 16; use --engine "
+                                           r"local or hf$"):
+        make_generate_fn(model_dir, engine="vllm", device="cpu")
 
 
 def test_eval_defaults_to_the_engine_sampler_and_samples_carry_everything(model_dir, tmp_path):

@@ -18,6 +18,7 @@ in the response" (the real ``math`` grader is strict, and this 135M model rarely
 final answer in the strict form, so D_pef would be empty and training degenerate, which the
 trainer now refuses); everything else is the real thing.
 """
+import importlib.util
 import json
 import os
 import random
@@ -106,16 +107,24 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def test_eval_on_gsm8k_style_jsonl(data, tmp_path):
+ENGINES = ["local", "hf", pytest.param("vllm", marks=pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm is not installed"))]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_eval_on_gsm8k_style_jsonl(data, tmp_path, engine):
+    """The GGUF file on every eval engine (issue 30, defect 10: ``--engine vllm`` ended in "OSError: ...
+    is not a valid JSON file"; now every engine takes the model train loads, through one path)."""
     from openrlhf_div.cli.main import main
 
     out = tmp_path / "eval"
     rc = main(["eval", "--model", GGUF, "--task", "math", "--data", str(data / "train.jsonl"), "--n", "2",
                "--k", "1,2", "--max-new-tokens", "16", "--limit", "2", "--out", str(out), "--no-progress",
-               "--task-opt", "num_workers=1"])
+               "--task-opt", "num_workers=1", "--engine", engine, "--device", "cpu"]
+              + (["--vllm-eager"] if engine == "vllm" else []))
     assert rc == 0
     res = json.load(open(out / "eval.json"))
-    assert res["settings"]["engine"] == "local" and next(iter(res["by_source"].values()))["problems"] == 2
+    assert res["settings"]["engine"] == engine and next(iter(res["by_source"].values()))["problems"] == 2
     samples = [json.loads(x) for x in open(out / "samples.jsonl")]
     assert samples[0]["prompt"].startswith("<|im_start|>system")  # SmolLM2's chat template
     assert samples[0]["prompt"].count("<|im_start|>") == 3  # no extra BOS in front

@@ -95,11 +95,11 @@ def test_registered_backends_follow_the_protocol_and_a_new_one_is_accepted(rec):
 
 def test_auto_picks_in_order_and_an_explicit_backend_that_cannot_run_is_refused(monkeypatch):
     lines = []
-    monkeypatch.setitem(reg._REGISTRY, "vllm", reg.SamplerSpec("vllm", None, lambda m, d: "not here (test)", "v"))
+    monkeypatch.setitem(reg._REGISTRY, "vllm", reg.SamplerSpec("vllm", None, lambda m, d: "not here (test)", "v", "vLLM"))
     assert reg.resolve_backend("auto", None, "cpu", log=lines.append) == "hf"
     assert lines == ["[openrlhf-div] rollout.backend=auto: sampling with hf (the local KV-cache sampler): "
                      "not here (test)"]
-    with pytest.raises(reg.SamplerUnavailable, match=r"rollout.backend=vllm but vllm cannot sample here: "
+    with pytest.raises(reg.SamplerUnavailable, match=r"rollout.backend=vllm but vLLM cannot sample here: "
                                                      r"not here \(test\). Use rollout.backend=auto or hf"):
         reg.resolve_backend("vllm", None, "cpu")
 

@@ -75,6 +75,25 @@ def test_auto_falls_back_to_hf_when_the_engine_does_not_start(monkeypatch):
         sampler_registry.build_sampler("vllm", None, None, explicit, device="cpu", seed=0)
 
 
+def test_inductor_aot_artifacts_can_finish_loading():
+    """vLLM 0.29's AOT reload calls ``compiled_fn.finalize_loading(vllm_config)``; on CPU the compiled
+    function is torch's Inductor wrapper, which lacked it (openrlhf_div/compat/vllm_aot_cache.py)."""
+    wrap = pytest.importorskip("torch._dynamo.aot_compile_types")
+    from openrlhf_div.compat.vllm_aot_cache import allow_inductor_aot_reload
+
+    class Compiled:  # what deserialize_bundled_cache_entry hands the wrapper: a callable with serialize
+        serialize = None
+
+        def __call__(self, x):
+            return x + 1
+
+    assert allow_inductor_aot_reload() is True
+    f = wrap.BundledAOTAutogradSerializableCallable(Compiled())
+    f.finalize_loading(object())  # before the fix: AttributeError via __getattr__ on the wrapped function
+    assert f(1) == 2
+    assert allow_inductor_aot_reload() is True  # idempotent
+
+
 def test_backend_config_validation():
     assert load_config(None, ["task=toy_copy"]).rollout.backend == "auto"
     with pytest.raises(ConfigError, match="rollout.backend must be one of auto, hf, vllm"):
@@ -147,3 +166,16 @@ def test_vllm_sampler_follows_the_trainer(tmp_path, eager):
         tr.close_sampler()
     with pytest.raises(RuntimeError, match="the vLLM sampler was closed"):
         draw(7)
+    if not eager:  # a second start of the same model loads the compiled graph instead of compiling again
+        from vllm.compilation.counter import compilation_counter
+
+        from openrlhf_div.engines.local.vllm_sampler import VLLMSampler
+
+        loaded = compilation_counter.num_aot_artifacts_loaded
+        again = VLLMSampler(tr.model, tr.tokenizer, kv_cache_gb=0.1, enforce_eager=False)
+        try:
+            assert compilation_counter.num_aot_artifacts_loaded == loaded + 1
+            c2 = again.generate(prompts, n_samples=4, max_new_tokens=8, generator=torch.Generator().manual_seed(7))
+            assert float((c2.log_probs - _trainer_log_probs(tr.model, c2)).abs().max()) < LOGPROB_TOL
+        finally:
+            again.close()

@@ -153,7 +153,7 @@ def cispo(b: LossInputs, eps_low, eps_high):
 
 @register_policy_loss("clip_cov", defaults={"eps_low": 0.2, "eps_high": 0.2, "dual_clip": 3.0,
                                             "clip_cov_ratio": 2e-4, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0},
-                      metrics=("clipfrac",), help={
+                      metrics=("clipfrac",), batch_statistics=True, help={
     **_CLIP_HELP,
     "clip_cov_ratio": ("share of tokens Clip-Cov detaches: max(1, floor(ratio N)) among lb < Cov_t < ub",
                        "Clip-Cov (Cui et al. 2025); docs/ALGORITHMS.md section 2"),
@@ -167,7 +167,8 @@ def clip_cov(b: LossInputs, eps_low, eps_high, dual_clip, clip_cov_ratio, clip_c
             {"clipfrac": _clipfrac(b, eps_low, eps_high)})
 
 
-@register_policy_loss("kl_cov", defaults={"kl_cov_ratio": 2e-3, "kl_cov_k": 1.0, "kl_cov_min_one": False}, help={
+@register_policy_loss("kl_cov", defaults={"kl_cov_ratio": 2e-3, "kl_cov_k": 1.0, "kl_cov_min_one": False},
+                      batch_statistics=True, help={
     "kl_cov_ratio": ("share of tokens KL-Cov penalises: the top floor(ratio N) by covariance Cov_t",
                      "KL-Cov (Cui et al. 2025); docs/ALGORITHMS.md section 2"),
     "kl_cov_k": ("k of the penalty -A r_t + k |log r_t| on the selected tokens",

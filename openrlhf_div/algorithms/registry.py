@@ -122,6 +122,8 @@ class Component:
     group: bool = True          # estimator: advantages need >= 2 responses per prompt
     openrlhf_estimator: str = "group_norm"  # estimator: OpenRLHF's critic-free estimator flag
     help: Mapping[str, Tuple[str, str]] = field(default_factory=dict)  # hparam -> (one line, its source)
+    batch_statistics: bool = False  # policy loss / regularizer: its per-token loss depends on the other
+    #                                 rows of its micro-batch (Clip-Cov, KL-Cov); engines keep such grouping
 
     def check_metrics(self, metrics: Mapping[str, Any]) -> None:
         """The metrics ``fn`` returned are exactly the ones it declared."""

@@ -83,9 +83,14 @@ def add_parser(sub) -> None:
                    help="malformed dataset rows: stop with an error (default) or skip and count them")
     p.add_argument("--limit", type=int, default=None, help="first N problems per dataset")
     p.add_argument("--engine", choices=["auto", "local", "hf", "vllm"], default="auto",
-                   help="local: the training engine's KV-cache sampler; hf: Hugging Face generate; vllm; "
-                        "auto (default): vllm when installed and a GPU is present, else local")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda (Hugging Face engine)")
+                   help="local: the training engine's KV-cache sampler; hf: Hugging Face generate; vllm: the "
+                        "training engine's in-process vLLM sampler; auto (default): vllm when installed and a GPU "
+                        "is present, else local. Every engine takes every --model form (the model is loaded once, "
+                        "as train loads it; a .gguf is de-quantized and cached)")
+    p.add_argument("--vllm-eager", action="store_true",
+                   help="vllm engine without torch.compile (rollout.vllm_enforce_eager): starts in seconds instead "
+                        "of minutes on a CPU, samples slower")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -156,8 +161,13 @@ def run(args) -> int:
         return 2
 
     t0 = time.time()
-    gen_fn, tokenizer, engine = make_generate_fn(args.model, engine=args.engine, device=args.device,
-                                                 dtype=args.dtype, batch_size=args.batch_size, seed=args.seed)
+    try:
+        gen_fn, tokenizer, engine = make_generate_fn(args.model, engine=args.engine, device=args.device,
+                                                     dtype=args.dtype, batch_size=args.batch_size, seed=args.seed,
+                                                     vllm_enforce_eager=args.vllm_eager)
+    except RuntimeError as exc:  # an engine that cannot run here: one line naming why and the alternative
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         result = evaluate(task, examples, gen_fn, n=args.n, ks=ks, greedy=args.greedy,
                           temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
@@ -167,6 +177,8 @@ def run(args) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        getattr(gen_fn, "close", lambda: None)()  # the vllm engine's shutdown
     out = args.out or os.path.join("runs", "eval", f"{os.path.basename(os.path.normpath(args.model))}-{args.task}")
     model = os.path.abspath(args.model) if os.path.exists(args.model) else args.model
     info = {"source": "eval", "data": summaries, "task_options": dict(args.task_opt),

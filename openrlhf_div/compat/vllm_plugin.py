@@ -53,8 +53,10 @@ def register() -> None:
     granted = _request_amx()
     _STATE.update(pid=os.getpid(), amx_requested=granted is not None, amx_granted=granted)
     from openrlhf_div.compat import engine_death
+    from openrlhf_div.compat.vllm_aot_cache import allow_inductor_aot_reload
 
     engine_death.install()
+    allow_inductor_aot_reload()  # a CPU engine's second start loads its compiled graph (issue 32)
 
 
 def amx_state() -> Dict[str, object]:

@@ -42,7 +42,11 @@ class ModelConfig:
     tiny_heads: int = _f(4, "Attention heads of the tiny model.")
     tiny_kv_heads: int = _f(2, "Key/value heads of the tiny model (grouped-query attention).")
     init_seed: Optional[int] = _f(None, "Seed of the tiny model's initial weights (null: the run's seed).")
-    dtype: str = _f("float32", "Parameter dtype: float32, bfloat16 or float16 (checkpoints are saved in it).")
+    dtype: str = _f("auto", "Parameter dtype: auto, float32, bfloat16 or float16 (checkpoints are saved in it). "
+                            "auto: a short timed matmul probe of the model's own shapes picks bfloat16 with float32 "
+                            "master weights where it is faster (AMX / AVX512-BF16 CPUs, bf16 GPUs), else float32; "
+                            "tiny models (hidden < 256) stay float32. The choice is printed and kept in "
+                            "run_info.json and the run's config.yaml.")
     master_weights: bool = _f(False, "With dtype bfloat16: the optimizer updates float32 master copies of the "
                                      "weights (float32 moments) while forward/backward run in bfloat16; small "
                                      "updates are not rounded away (checkpoints keep the float32 copies).")
@@ -96,6 +100,11 @@ class RolloutConfig:
                                              "~1e-5..1e-3 per token (more in bfloat16), and that difference enters "
                                              "the importance ratio (clipped like any off-policy drift); false saves "
                                              "one no-grad forward per step.")
+    on_policy_shortcut: bool = _f(True, "With one optimizer pass over one mini-batch per rollout batch "
+                                        "(optim.ppo_epochs=1, optim.mini_batches=1), old log-probs are the training "
+                                        "forward's own, detached: no separate old-log-prob forward (the weights have "
+                                        "not moved, so the values are the same). Switches itself off otherwise, and "
+                                        "for methods whose rollout side reads old log-probs (unlikeliness, DS).")
     generation_batch_size: Optional[int] = _f(None, "Rows per generation call (null: all B*G at once; the vllm "
                                                     "backend schedules its own batches).")
     backend: str = _f("auto", "Sampler of train, presample and the trainer's evaluation: `vllm` (an in-process vLLM "
@@ -135,6 +144,10 @@ class OptimConfig:
     ppo_epochs: int = _f(1, "Passes over each rollout batch.")
     mini_batches: int = _f(1, "Optimizer steps per pass (the rollout batch is split into this many mini-batches).")
     micro_batch_size: int = _f(128, "Online rows per forward/backward (gradient accumulation inside a mini-batch).")
+    length_buckets: bool = _f(True, "Micro-batches of rows of similar length, each cut to its own longest row, in "
+                                    "training and in the no-grad log-prob forwards: less padding, same loss. Off "
+                                    "by itself where the loss depends on which rows share a micro-batch "
+                                    "(micro-batch-token-mean, Clip-Cov, KL-Cov).")
     anchor_ratio: float = _f(8.0, "Online samples per D_pef anchor sample in each optimizer step (DPH-RL: "
                                   "128 x 16 : 256 = 8).")
     log_z_lr: Optional[float] = _f(None, "Learning rate of FlowRL's log Z head (null: learning_rate).")
@@ -292,9 +305,9 @@ class TrainConfig:
             raise ConfigError(f"data.prompt_template must contain {{prompt}}, got {self.data.prompt_template!r}")
         if self.data.max_prompt_tokens is not None and int(self.data.max_prompt_tokens) < 1:
             raise ConfigError(f"data.max_prompt_tokens must be >= 1, got {self.data.max_prompt_tokens}")
-        if self.model.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"model.dtype must be float32, bfloat16 or float16, got {self.model.dtype!r}")
-        if self.model.master_weights and self.model.dtype != "bfloat16":
+        if self.model.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"model.dtype must be auto, float32, bfloat16 or float16, got {self.model.dtype!r}")
+        if self.model.master_weights and self.model.dtype not in ("bfloat16", "auto"):
             raise ConfigError(f"model.master_weights needs model.dtype=bfloat16 (got {self.model.dtype}): with float32 "
                               f"the weights are their own master copy, and float16 would also need loss scaling, "
                               f"which the local engine does not do")

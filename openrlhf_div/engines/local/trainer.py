@@ -71,6 +71,8 @@ from .generation import (
 )
 from .evaluation import eval_row, evaluate_policy
 from .sampler_registry import open_sampler
+from .dtype_probe import resolve_auto_dtype
+from .speed import PaddingMeter, bucket_decision, bucketed, shortcut_decision, trim
 from .checkpoint import (CorruptCheckpointError, NonFiniteWeightsError, check_weights,  # noqa: F401
                          latest_pointer, read_trainer_state, restore_rng_states, resume_checkpoint, rng_states,
                          weight_norm, write_checkpoint)
@@ -117,7 +119,7 @@ class Experience:
     input_ids: torch.Tensor        # [N, P + R]
     attention_mask: torch.Tensor   # [N, P + R]
     mask: torch.Tensor             # [N, R] float response mask
-    old_log_probs: torch.Tensor    # [N, R]
+    old_log_probs: Optional[torch.Tensor]  # [N, R]; None: the on-policy shortcut (the training forward's)
     advantages: torch.Tensor       # [N, R]
     rewards: torch.Tensor          # [N] task rewards
     shaped_rewards: torch.Tensor   # [N]
@@ -171,11 +173,15 @@ class Trainer:
 
         # ---- models: the policy, and the reference only if the method asks for it
         m = cfg.model
-        # with float32 master weights the policy is loaded in float32, copied, then cast (.precision)
+        # with float32 master weights (or model.dtype auto, decided below) the policy is loaded in
+        # float32, copied, then cast (.precision)
         self.model, self.tokenizer = build_policy(cfg, self.device, os.path.join(ckpt, "model") if ckpt else None,
-                                                  dtype=torch.float32 if m.master_weights else None)
+                                                  dtype=torch.float32 if m.master_weights or m.dtype == "auto"
+                                                  else None)
         if m.lora_rank > 0 and not hasattr(self.model, "peft_config"):
             self.model = apply_lora(self.model, m.lora_rank, m.lora_alpha, m.lora_dropout, m.lora_target_modules)
+        # model.dtype auto: a timed matmul probe picks float32 or bfloat16 + master weights (.dtype_probe)
+        self.dtype_choice = resolve_auto_dtype(cfg, self.model, self.device)  # bfloat16 comes with master weights
         self.master = None
         if m.master_weights:
             self.master = MasterWeights(p for p in self.model.parameters() if p.requires_grad)
@@ -187,6 +193,14 @@ class Trainer:
         # self.model; vllm: an in-process engine); every sampling call below goes through it
         self.sampler = open_sampler(cfg.rollout.backend, self.model, self.tokenizer, cfg.rollout,
                                     device=self.device, seed=cfg.seed)
+        # ---- what may be skipped or regrouped without changing a loss (.speed), said once
+        self.on_policy_shortcut, why = shortcut_decision(cfg, self.method, self.model)
+        print(f"[openrlhf-div] on-policy shortcut {'on' if self.on_policy_shortcut else 'off'}: {why}"
+              + ("; old log-probs are the training forward's, detached (no separate forward)"
+                 if self.on_policy_shortcut else ""), flush=True)
+        self.length_buckets, why = bucket_decision(cfg, self.method)
+        print(f"[openrlhf-div] length buckets in training {'on' if self.length_buckets else 'off'}: {why}", flush=True)
+        self._pad = {"logprob": PaddingMeter(), "train": PaddingMeter()}
         self.ref_model = None
         if self.needs.ref_log_probs:
             self.ref_model, _ = build_policy(cfg, self.device)
@@ -281,11 +295,25 @@ class Trainer:
     # ------------------------------------------------------------------ forward helpers
     @torch.no_grad()
     def _no_grad_log_probs(self, model, input_ids, attention_mask, response_mask) -> torch.Tensor:
-        mb = self.cfg.optim.micro_batch_size
-        outs = [sequence_log_probs(model, input_ids[i:i + mb], attention_mask[i:i + mb], response_mask[i:i + mb],
-                                   temperature=self.cfg.rollout.temperature)
-                for i in range(0, input_ids.shape[0], mb)]
-        return torch.cat(outs, 0)
+        """``[N, R]`` log-probs in micro-batches of ``optim.micro_batch_size`` rows; with
+        ``optim.length_buckets`` rows of similar length go together, each micro-batch cut to its
+        own widest row (:func:`.speed.trim`; exact)."""
+        mb, N, R = self.cfg.optim.micro_batch_size, input_ids.shape[0], response_mask.shape[1]
+        if not self.cfg.optim.length_buckets:
+            self._pad["logprob"].add(attention_mask)
+            outs = [sequence_log_probs(model, input_ids[i:i + mb], attention_mask[i:i + mb],
+                                       response_mask[i:i + mb], temperature=self.cfg.rollout.temperature)
+                    for i in range(0, N, mb)]
+            return torch.cat(outs, 0)
+        order = torch.as_tensor(bucketed(range(N), attention_mask.sum(1).tolist()), device=input_ids.device)
+        out = torch.zeros(N, R, dtype=torch.float32, device=input_ids.device)
+        for i in range(0, N, mb):
+            idx = order[i:i + mb]
+            ids, attn, rmask = trim(input_ids[idx], attention_mask[idx], response_mask[idx])
+            self._pad["logprob"].add(attn)
+            lp = sequence_log_probs(model, ids, attn, rmask, temperature=self.cfg.rollout.temperature)
+            out[idx, :lp.shape[1]] = lp.float()
+        return out
 
     # ------------------------------------------------------------------ rollouts
     @property
@@ -321,14 +349,21 @@ class Trainer:
             t_gen += time.perf_counter() - t0
             c_gen += time.process_time() - c0
             mask = gen.response_mask.float()
-            with self.phase("logprobs"):
-                old = (self._no_grad_log_probs(self.model, gen.input_ids, gen.attention_mask, gen.response_mask)
-                       if r.recompute_old_log_probs else gen.log_probs)
+            if self.on_policy_shortcut:  # the training forward gives them; the rollout side does not read them
+                old = None
+            elif r.recompute_old_log_probs:
+                with self.phase("logprobs"):
+                    old = self._no_grad_log_probs(self.model, gen.input_ids, gen.attention_mask, gen.response_mask)
+            else:
+                old = gen.log_probs
             self.model.train()
             results = self.task.reward_results(list(gen.texts), [examples[i // G].get("label")
                                                                  for i in range(len(gen.texts))])
             rewards = torch.tensor([float(x.reward) for x in results], dtype=torch.float32)
-            ro = method.rollout(rewards, G, old_log_probs=old, mask=mask, lengths=gen.response_lengths)
+            # (shortcut: the method's rollout side reads no old log-probs - .speed checked - and gets the
+            # sampler's for their shape)
+            ro = method.rollout(rewards, G, old_log_probs=gen.log_probs if old is None else old, mask=mask,
+                                lengths=gen.response_lengths)
             all_rewards.append(rewards)
             all_task_correct += [bool(x.correct) for x in results]
             all_lengths.append(gen.response_lengths.float().cpu())
@@ -338,7 +373,8 @@ class Trainer:
                 rows = list(range(g * G, (g + 1) * G))
                 kept.append({"prompt_ids": [gen.prompt_ids[i] for i in rows],
                              "response_ids": [gen.response_ids[i] for i in rows],
-                             "old": old[rows].cpu(), "rewards": rewards[rows], "shaped": ro.rewards[rows],
+                             "old": None if old is None else old[rows].cpu(), "rewards": rewards[rows],
+                             "shaped": ro.rewards[rows],
                              "correct": ro.correct[rows], "adv": ro.advantages[rows].cpu()})
             n_groups = len(kept)
             if n_groups >= B or tries >= r.dynamic_sampling_max_tries:
@@ -360,7 +396,7 @@ class Trainer:
         ids, attn, rmask = pack_sequences(prompt_ids, response_ids, self.tokenizer.pad_token_id, self.device)
         R = rmask.shape[1]
         mask = rmask.float()
-        old = torch.cat([fit_width(k["old"], R) for k in kept]).to(self.device)
+        old = None if self.on_policy_shortcut else torch.cat([fit_width(k["old"], R) for k in kept]).to(self.device)
         rewards = torch.cat([k["rewards"] for k in kept])
         shaped = torch.cat([k["shaped"] for k in kept])
         correct = torch.cat([k["correct"] for k in kept])
@@ -393,6 +429,9 @@ class Trainer:
                 anchors = []
                 if self.anchor_cursor is not None:
                     anchors = self.anchor_cursor.next(anchor_count(len(rows), None, o.anchor_ratio))
+                if self.length_buckets:  # micro-batches of rows of similar length (.speed; same loss)
+                    rows = bucketed(rows, exp.attention_mask.sum(1).tolist())
+                    anchors = sorted(anchors, key=lambda a: len(a.prompt_ids) + len(a.response_ids))
                 n_on_tok = float(exp.mask[rows].sum())
                 n_anc_tok = float(sum(len(a.response_ids) for a in anchors))
                 n_micro = max(1, math.ceil(len(rows) / o.micro_batch_size))
@@ -429,6 +468,9 @@ class Trainer:
         """The step's anchors per micro-batch: round-robin, or, for ``micro-batch-token-mean``,
         contiguous blocks of whole ``micro_batch_seqs`` groups (the authors' anchor micro-batches)."""
         if self.method.aggregation != "micro-batch-token-mean":
+            if self.length_buckets:  # contiguous blocks of the length-sorted anchors, like the online rows
+                per = math.ceil(len(anchors) / n_micro) if anchors else 0
+                return [anchors[k * per:(k + 1) * per] for k in range(n_micro)]
             return [anchors[k::n_micro] for k in range(n_micro)]
         k = int(self.method.hparams["micro_batch_seqs"])
         groups = [anchors[i:i + k] for i in range(0, len(anchors), k)]
@@ -443,6 +485,7 @@ class Trainer:
         prompt_ids = [exp.prompt_ids[i] for i in rows] + [a.prompt_ids for a in anchors]
         response_ids = [exp.response_ids[i] for i in rows] + [a.response_ids for a in anchors]
         ids, attn, rmask = pack_sequences(prompt_ids, response_ids, self.tokenizer.pad_token_id, self.device)
+        self._pad["train"].add(attn)
         R = rmask.shape[1]
         entropy_mode = True if self.needs.entropy else ("detached" if self.cfg.logging.entropy else False)
         fo = response_forward(self.model, ids, attn, rmask, temperature=self.cfg.rollout.temperature,
@@ -452,7 +495,9 @@ class Trainer:
         if n_on:
             idx = torch.as_tensor(rows, device=self.device)
             online = LossInputs(
-                log_probs=fo.log_probs[:n_on], old_log_probs=fit_width(exp.old_log_probs[idx], R),
+                log_probs=fo.log_probs[:n_on],
+                old_log_probs=(fo.log_probs[:n_on].detach() if exp.old_log_probs is None  # on-policy shortcut
+                               else fit_width(exp.old_log_probs[idx], R)),
                 advantages=fit_width(exp.advantages[idx], R), mask=mask[:n_on], correct=exp.correct[idx],
                 entropy=fo.entropy[:n_on] if self.needs.entropy else None,
                 ref_log_probs=fit_width(exp.ref_log_probs[idx], R) if self.needs.ref_log_probs else None,
@@ -504,6 +549,10 @@ class Trainer:
         if self._weights_changed or not self.sampler.awake:
             self.sampler.sync(self.model)  # the new weights reach the sampler before the next rollout
         stats["time_weight_sync"] = self.sampler.push_seconds
+        for phase, meter in self._pad.items():  # padded share of the computed positions, this step
+            stats[f"padded_share_{phase}"] = meter.share
+            stats[f"useful_tokens_{phase}"] = float(meter.useful)
+            self._pad[phase] = PaddingMeter()
         self.step += 1
         t2 = time.perf_counter()
         n = self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
@@ -578,7 +627,10 @@ class Trainer:
         info = {"seed": self.cfg.seed, "device": str(self.device), "num_threads": torch.get_num_threads(),
                 "method": self.method.describe(), "n_train_examples": len(self.train_examples),
                 "n_eval_examples": len(self.eval_examples), "n_anchor_samples": len(self.anchor_samples),
-                "reference_model_loaded": self.ref_model is not None, "rollout_backend": self.backend}
+                "reference_model_loaded": self.ref_model is not None, "rollout_backend": self.backend,
+                "on_policy_shortcut": self.on_policy_shortcut, "length_buckets": self.length_buckets,
+                "dtype": self.cfg.model.dtype, "master_weights": self.cfg.model.master_weights,
+                "dtype_choice": self.dtype_choice}
         self.log.write_run_info(dump_config(absolute_paths(self.cfg)), info, self.step if resumed else None)
 
     # ------------------------------------------------------------------ the loop

@@ -105,9 +105,8 @@ def _hf_weights(model) -> List[Tuple[str, torch.Tensor]]:
 def _config_dir(cfg) -> str:
     """A folder holding only ``cfg``'s ``config.json``, at a path fixed by its content
     (``~/.cache/openrlhf_div/vllm_models/<hash>``): vLLM's compile cache is keyed by the model
-    path among other things, so a fresh temporary folder per start could never hit it. (On this
-    CPU, vLLM 0.29 + torch 2.13, the cached graph then fails to load - "'function' object has no
-    attribute 'finalize_loading'" - and vLLM compiles again; a GPU build may fare better.)"""
+    path among other things, so a fresh temporary folder per start could never hit it (vLLM 0.29's
+    CPU build then needs :mod:`openrlhf_div.compat.vllm_aot_cache` to load what it finds)."""
     import hashlib
 
     text = cfg.to_json_string(use_diff=False)
@@ -191,9 +190,13 @@ class VLLMSampler:
         np_rng = np.random.get_state()
         t0 = time.perf_counter()
         if not enforce_eager:
-            print("[openrlhf-div] vLLM sampler: compiling the model graph (torch.compile; on a CPU this takes "
-                  "minutes - SmolLM2-135M ~2-3 min on 2 cores - and vLLM 0.29's CPU build does not reload its "
-                  "compile cache, so every start pays it; rollout.vllm_enforce_eager=true skips it)", flush=True)
+            from openrlhf_div.compat.vllm_aot_cache import allow_inductor_aot_reload
+
+            allow_inductor_aot_reload()  # vLLM 0.29's CPU build could not reload its compiled graph
+            print("[openrlhf-div] vLLM sampler: compiled engine - the first start on this machine compiles the model "
+                  "graph (torch.compile; minutes on a CPU, SmolLM2-135M ~1-3 min on 2 cores), later starts of the "
+                  "same model load it from vLLM's compile cache; rollout.vllm_enforce_eager=true skips both",
+                  flush=True)
         from vllm import LLM
 
         try:
