@@ -40,6 +40,11 @@ def test_explain_reads_the_line_through_a_ray_style_wrapper():
                             "died from SIGILL: illegal instruction]")
     assert engine_death.explain(RayTaskError(inner)).startswith("vLLM engine process X (pid 9) died from SIGILL")
     assert engine_death.explain(ValueError("bad option")) is None
+
+    class ActorDiedError(Exception):  # a killed policy actor is no vLLM engine death
+        pass
+
+    assert engine_death.explain(RayTaskError(ActorDiedError("The actor died unexpectedly"))) is None
     generic = engine_death.explain(EngineDeadError("EngineCore encountered an issue."))
     assert generic and "not recorded" in generic
 

@@ -83,8 +83,8 @@ def explain(exc: BaseException) -> Optional[str]:
         name = type(e).__name__
         text = str(e)
         texts.append(text)
-        if name in ("EngineDeadError", "RayActorError", "ActorDiedError") or "EngineDeadError" in text \
-                or "EngineCore encountered an issue" in text:
+        # only vLLM's own death signal: a Ray actor that died (a killed policy actor) is not a dead engine
+        if name == "EngineDeadError" or "EngineDeadError" in text or "EngineCore encountered an issue" in text:
             engine_dead = True
     for text in texts:  # a line that travelled inside the message (through Ray)
         start = text.find(MARK)
