@@ -56,7 +56,14 @@ class _DivPPOTrainer(PPOTrainer.__ray_actor_class__):
         pool = getattr(self.experience_maker, "anchor_pool", None)
         if pool is not None and client_states is not None:
             client_states[ANCHOR_POOL_STATE] = pool.state_dict()
-        return super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
+        try:
+            return super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
+        finally:
+            # the step's metrics reach the disk now, not at SummaryWriter's next 120 s flush: a
+            # checkpoint save that fails (full disk, a killed actor) must not take them along
+            writer = getattr(getattr(self, "tensorboard_logger", None), "writer", None)
+            if writer is not None:
+                writer.flush()
 
     def init_checkpoint_states(self) -> Dict:
         states = super().init_checkpoint_states()
