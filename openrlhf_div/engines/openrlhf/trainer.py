@@ -40,6 +40,16 @@ def online_view(experiences: List) -> List[SimpleNamespace]:
 class _DivPPOTrainer(PPOTrainer.__ray_actor_class__):
     def __init__(self, pretrain, strategy, actor_model_group, critic_model_group, reward_model_group,
                  reference_model_group, vllm_engines, **generate_kwargs):
+        # The controller is in no torch.distributed group, so OpenRLHF's prompt loader shuffles with
+        # torch's global RNG, unseeded in this process: two runs with one --train.seed trained on
+        # different prompts per step (found by tests/e2e/test_ray_faults.py). Seed it first.
+        import random
+
+        import torch
+
+        seed = int(getattr(strategy.args.train, "seed", 0) or 0)
+        random.seed(seed)
+        torch.manual_seed(seed)
         super().__init__(pretrain, strategy, actor_model_group, critic_model_group, reward_model_group,
                          reference_model_group, vllm_engines, **generate_kwargs)
         method = method_from_args(strategy.args)
