@@ -237,7 +237,8 @@ def test_ray_job_stop_mid_step_resumes_with_the_same_prompts_anchors_and_step(ra
     """dph_js (D_pef anchors from the pre-sampling stage, shared by the three jobs): an uninterrupted
     run, then a run stopped with ``ray job stop`` during step 2 (its rollout done, its training not:
     the controller pauses there), then that
-    run resubmitted with ``--ckpt.load_enable``. The prompts each step trains on (in order), the D_pef
+    run resubmitted with ``--ckpt.load_enable``. The prompts each step trains on (its batch of the
+    prompt loader; inside a step samples return in vLLM's completion order), the D_pef
     anchor ids drawn for it and the step numbers must equal the uninterrupted run's."""
     import sys
 
@@ -286,11 +287,12 @@ def test_ray_job_stop_mid_step_resumes_with_the_same_prompts_anchors_and_step(ra
     got = [x for x in got_first if x["step"] == 1] + [x for x in _trace(run)[len(got_first):]]
     assert [x["step"] for x in got] == [1, 2], got
     for w, g in zip(want, got):
-        assert g["prompts"] == w["prompts"], (w["step"], w["prompts"], g["prompts"])
+        # the prompt loader's batch (inside a step the samples come back in vLLM's completion order)
+        assert sorted(g["prompts"]) == sorted(w["prompts"]), (w["step"], w["prompts"], g["prompts"])
         assert g["anchors"] == w["anchors"], (w["step"], w["anchors"], g["anchors"])
     assert sorted(h.tb_scalars(os.path.join(run, "tb_resume"))["train/rollout/reward_mean"]) == [2]
     fu.record("`ray job stop` during step 2 (dph_js)", "resumed at step 2 with the uninterrupted run's prompts "
-              f"({len(want[1]['prompts'])} in order) and D_pef anchor ids ({len(want[1]['anchors'])}) for step 2; "
+              f"({len(want[1]['prompts'])} samples) and D_pef anchor ids ({len(want[1]['anchors'])}) for step 2; "
               "step 1 identical too; job finished")
 
 
