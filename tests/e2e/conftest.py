@@ -48,3 +48,28 @@ def ray_head(tiny_experiment):
         head.stop()
         left = head.own_pids()
         assert not left, f"Ray processes left behind: {left}"
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The fault corpus's lines (test_ray_faults.py): one per case, then the summary."""
+    import e2e_faults_util as fu
+
+    ran = [r for key in ("passed", "failed") for r in terminalreporter.stats.get(key, [])
+           if getattr(r, "when", "") == "call" and "test_ray_faults.py" in r.nodeid]
+    if not ran:
+        return
+    failed = [r.nodeid.split("::")[-1] for r in ran if r.failed]
+    terminalreporter.write_sep("-", "Ray fault corpus (issue 34)")
+    for line in fu.RECORDS:
+        terminalreporter.write_line(line)
+    for name in failed:
+        terminalreporter.write_line(f"NOT survived: {name}")
+    for r in terminalreporter.stats.get("xfailed", []):
+        if "test_ray_faults.py" in r.nodeid:
+            terminalreporter.write_line(f"not counted (expected to fail until its protection lands): "
+                                        f"{r.nodeid.split('::')[-1]}: {getattr(r, 'wasxfail', '')}")
+    counted = {r.nodeid for r in ran}
+    lost = len({t for t in fu.COUNTS["lost"] if t in counted})
+    silent = len({t for t in fu.COUNTS["silent"] if t in counted})
+    terminalreporter.write_line(f"{len(ran) - len(failed)} of {len(ran)} faults survived, "
+                                f"{lost} runs lost, {silent} silent")

@@ -21,6 +21,7 @@ into other actors or the driver.
 """
 from __future__ import annotations
 
+import os
 from typing import Dict, Optional
 
 import torch
@@ -40,6 +41,8 @@ from ..contract import anchor_rows, correct_rows, row_values  # noqa: E402
 from ..contract import ANCHOR_FLAG  # noqa: E402
 from ..flags import check_supported, method_from_args  # noqa: E402
 from ..layout import EngineLayout, uses_authors_layout  # noqa: E402
+from .checkpoints import (TAG_RE, check_finite_scalar, read_latest, resolve_resume_tag,  # noqa: E402
+                          save_actor_checkpoint)
 from .loss import (AUTHORS_KEY, authors_micro_batches, div_actor_loss, split_masks,  # noqa: E402
                    split_window_norms)
 
@@ -68,6 +71,8 @@ class DivActorPPOTrainer(ActorPPOTrainer):
         check_supported(self.div_method, strategy.args, need_data=False)
         self._div_generator = torch.Generator().manual_seed(int(getattr(self.args.train, "seed", 0)))
         self.last_loss: Optional[torch.Tensor] = None  # the loss handed to backward (for checks)
+        self.div_step = 0  # the rollout step being trained (set by the policy actor's fit)
+        self.div_last_good: Optional[str] = None  # the checkpoint `latest` names (for error messages)
         self.log_z_head = self.log_z_optim = None
         self._ensure_log_z_head()
 
@@ -186,6 +191,8 @@ class DivActorPPOTrainer(ActorPPOTrainer):
                 aux = aux * self.replay_buffer.dynamic_sample_loss_scale[step]
             loss = loss + aux
         self.last_loss = loss.detach()
+        # a non-finite loss stops the job here, before backward: no update, nothing checkpointed
+        check_finite_scalar(self.last_loss, "loss", self.div_step, self.div_last_good)
 
         authors = (loss_batch_info or {}).get(AUTHORS_KEY)
         if authors is not None and hasattr(self.actor.model, "set_gradient_accumulation_boundary"):
@@ -198,6 +205,9 @@ class DivActorPPOTrainer(ActorPPOTrainer):
         boundary = self._ds_boundary() if optimizer_step else False
         if optimizer_step:
             self.strategy.optimizer_step(self.actor_optim, self.actor, self.actor_scheduler, name="actor")
+            if boundary:  # DeepSpeed computed the step's global norm: a non-finite one stops the job
+                check_finite_scalar(self.strategy.get_grad_norm(self.actor), "gradient norm", self.div_step,
+                                    self.div_last_good)
             if self.log_z_head is not None and boundary:
                 self._log_z_step()
             if self.ema_model:
@@ -266,12 +276,60 @@ def _build_ray_actor_classes():
         """``PolicyModelActor`` that trains with :class:`DivActorPPOTrainer`; its model (and EMA model)
         is a :class:`~.logprob_actor.HiddenLogProbActor` (log-probs without ``[tokens, V]`` logits)."""
 
-        def init_model_from_pretrained(self, *args, **kwargs):
+        def init_model_from_pretrained(self, strategy, *args, **kwargs):
             from .logprob_actor import HiddenLogProbActor
 
-            with _swapped(_ppo_actor, "ActorPPOTrainer", DivActorPPOTrainer), \
-                    _swapped(_ppo_actor, "Actor", HiddenLogProbActor):
-                return super().init_model_from_pretrained(*args, **kwargs)
+            upstream_load = strategy.load_ckpt
+
+            def load_ckpt(model, load_dir, tag=None, **kw):
+                # the checkpoint `latest` names, verified; a damaged one is named and skipped
+                if tag is None:
+                    tag = resolve_resume_tag(load_dir, rank0=strategy.is_rank_0())
+                    if tag is None:
+                        return upstream_load(model, load_dir, tag=None, **kw)
+                    strategy.print(f"[openrlhf-div] loading checkpoint {os.path.join(load_dir, tag)}")
+                return upstream_load(model, load_dir, tag=tag, **kw)
+
+            strategy.load_ckpt = load_ckpt
+            try:
+                with _swapped(_ppo_actor, "ActorPPOTrainer", DivActorPPOTrainer), \
+                        _swapped(_ppo_actor, "Actor", HiddenLogProbActor):
+                    out = super().init_model_from_pretrained(strategy, *args, **kwargs)
+            finally:
+                strategy.load_ckpt = upstream_load
+            self._div_step = int((self.checkpoint_states or {}).get("global_step", 0) or 0)
+            return out
+
+        def _ckpt_dir(self) -> str:
+            return os.path.join(self.strategy.args.ckpt.path, "_actor")
+
+        def fit(self, kl_ctl: float = 0):
+            # the controller calls fit once per rollout step: count them for the guards' messages
+            self._div_step = getattr(self, "_div_step", 0) + 1
+            self.trainer.div_step = self._div_step
+            latest = read_latest(self._ckpt_dir())
+            self.trainer.div_last_good = os.path.join(self._ckpt_dir(), latest) if latest else None
+            return super().fit(kl_ctl)
+
+        def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None):
+            """Upstream's save with openrlhf-div's order (see .checkpoints): non-finite weights
+            refused, manifest, then ``latest``, then rotation; a failed write named."""
+            args = self.strategy.args
+            if self.disable_ds_ckpt or not TAG_RE.match(str(tag)):
+                return super().save_checkpoint(tag, client_states, metric_value, metric_key)
+            from openrlhf.utils.distributed_util import torch_dist_barrier_and_cuda_sync
+
+            client_states = client_states or {}
+            step = int(client_states.get("global_step", getattr(self, "_div_step", 0)))
+            save_actor_checkpoint(
+                self.strategy, self.actor.model, self._ckpt_dir(), tag, max_num=args.ckpt.max_num,
+                max_mem=args.ckpt.max_mem, client_state=client_states, metric_value=metric_value,
+                metric_key=metric_key, step=step, params=list(self.actor.model.parameters()),
+                barrier=torch_dist_barrier_and_cuda_sync)
+            if self.save_hf_ckpt:
+                self.strategy.save_model(self.ema_model if args.train.enable_ema else self.actor, self.tokenizer,
+                                         os.path.join(args.ckpt.path, f"{tag}_hf"))
+            torch_dist_barrier_and_cuda_sync()
 
     _DivPolicyModelActor.__module__ = __name__
     _DivPolicyModelActor.__qualname__ = "_DivPolicyModelActor"

@@ -390,7 +390,34 @@ def run(p: Plan) -> None:
 
     init_ray()  # the task's variables (OPENRLHF_DIV_*) reach every worker; see jobs.py
     with div_classes(p.args) as upstream_cli:
-        upstream_cli.train(p.args)
+        try:
+            upstream_cli.train(p.args)
+        except Exception as exc:  # noqa: BLE001
+            _exit_naming(exc)
+            raise
+
+
+def _exit_naming(exc: BaseException) -> None:
+    """A fault of :mod:`.checkpoints` (non-finite loss / weights, a failed or damaged checkpoint)
+    ends the job with its traceback, then one line naming it, last: ``SystemExit(1)``."""
+    from .checkpoints import named_fault
+
+    line = named_fault(exc)
+    if line is None:
+        return
+    import traceback
+
+    traceback.print_exc()
+    try:  # the actors' shutdown chatter would otherwise stream in after the line below
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+    except Exception:  # noqa: BLE001
+        pass
+    sys.stdout.flush()
+    print(f"error: {line}", file=sys.stderr, flush=True)
+    raise SystemExit(1)
 
 
 def load_argv_plugins(argv: Sequence[str]) -> None:

@@ -26,6 +26,7 @@ and the summary are the engine-neutral :mod:`openrlhf_div.engines.anchor_data`, 
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from openrlhf_div.engines.anchor_data import (Sample, ShardStore, format_summary, near_perfect,  # noqa: F401
@@ -65,6 +66,19 @@ def add_presample_arguments(parser) -> None:
     g.add_argument("--presample.overwrite", action="store_true", help="discard an existing run in the directory")
 
 
+def reward_identity(url: str) -> str:
+    """What identifies a reward in the settings: a reward file by its name and content (under
+    ``ray job submit`` its path lies in Ray's per-upload copy of the working directory, which
+    changes with any edit of the repository, so a resubmitted job would find "different settings"),
+    anything else (an HTTP endpoint) as given."""
+    import hashlib
+
+    if url.endswith(".py") and os.path.isfile(url):
+        with open(url, "rb") as fh:
+            return f"{os.path.basename(url)} sha256:{hashlib.sha256(fh.read()).hexdigest()[:16]}"
+    return url
+
+
 def settings_from_args(args) -> Dict[str, Any]:
     p = args.presample
     tau = p.tau if p.tau is not None else p.n_pre
@@ -75,7 +89,7 @@ def settings_from_args(args) -> Dict[str, Any]:
             "model": args.actor.model_name_or_path, "data": args.data.prompt_dataset,
             "input_key": args.data.input_key, "label_key": args.data.label_key,
             "apply_chat_template": bool(args.data.apply_chat_template), "input_template": args.data.input_template,
-            "reward": list(args.reward.remote_url or []),
+            "reward": [reward_identity(u) for u in (args.reward.remote_url or [])],
             # only when on, so runs started before the option existed still resume
             **({"resample_anchor_responses": True} if getattr(p, "resample_anchor_responses", False) else {}),
             **({"anchor_top_p": float(p.anchor_top_p)} if getattr(p, "anchor_top_p", None) is not None else {})}

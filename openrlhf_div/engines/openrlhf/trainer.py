@@ -40,6 +40,16 @@ def online_view(experiences: List) -> List[SimpleNamespace]:
 class _DivPPOTrainer(PPOTrainer.__ray_actor_class__):
     def __init__(self, pretrain, strategy, actor_model_group, critic_model_group, reward_model_group,
                  reference_model_group, vllm_engines, **generate_kwargs):
+        # The controller is in no torch.distributed group, so OpenRLHF's prompt loader shuffles with
+        # torch's global RNG, unseeded in this process: two runs with one --train.seed trained on
+        # different prompts per step (found by tests/e2e/test_ray_faults.py). Seed it first.
+        import random
+
+        import torch
+
+        seed = int(getattr(strategy.args.train, "seed", 0) or 0)
+        random.seed(seed)
+        torch.manual_seed(seed)
         super().__init__(pretrain, strategy, actor_model_group, critic_model_group, reward_model_group,
                          reference_model_group, vllm_engines, **generate_kwargs)
         method = method_from_args(strategy.args)
@@ -56,7 +66,14 @@ class _DivPPOTrainer(PPOTrainer.__ray_actor_class__):
         pool = getattr(self.experience_maker, "anchor_pool", None)
         if pool is not None and client_states is not None:
             client_states[ANCHOR_POOL_STATE] = pool.state_dict()
-        return super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
+        try:
+            return super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
+        finally:
+            # the step's metrics reach the disk now, not at SummaryWriter's next 120 s flush: a
+            # checkpoint save that fails (full disk, a killed actor) must not take them along
+            writer = getattr(getattr(self, "tensorboard_logger", None), "writer", None)
+            if writer is not None:
+                writer.flush()
 
     def init_checkpoint_states(self) -> Dict:
         states = super().init_checkpoint_states()
