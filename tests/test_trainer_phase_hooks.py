@@ -14,8 +14,10 @@ torch.set_num_threads(1)
 
 def test_phase_hooks_bracket_generation_logprobs_and_the_optimizer(tmp_path):
     data = write_copy_last_data(tmp_path)
-    # rkl: old log-probs recomputed and a reference pass (two log-prob phases per step)
-    cfg = load_config(None, local_overrides(data, tmp_path / "run", "rkl", ["rollout.recompute_old_log_probs=true"]))
+    # rkl: old log-probs recomputed (the on-policy shortcut off) and a reference pass (two log-prob
+    # phases per step)
+    cfg = load_config(None, local_overrides(data, tmp_path / "run", "rkl", ["rollout.recompute_old_log_probs=true",
+                                                                          "rollout.on_policy_shortcut=false"]))
     tr = Trainer(cfg)
     events = []
     tr.phase_hooks.append(lambda name, start, info: events.append((name, start, dict(info))))
