@@ -205,9 +205,70 @@ class TwoNodes:
     def python(self, node: str, code: str, *, timeout: float = 300) -> NodeResult:
         return self.run(node, [sys.executable, "-c", code], timeout=timeout)
 
+    def submit(self, exp, *args: str, run_dir: str, presample_dir: Optional[str] = None,
+               timeout: float = 900, extra_env: Optional[Dict[str, str]] = None,
+               script: str = "examples/scripts/run.sh") -> "ray_harness.JobResult":
+        """``bash examples/scripts/run.sh ARGS`` on node A against the head (real ``ray job submit``),
+        with the experiment's variables, like :func:`ray_harness.submit` on one node."""
+        env = dict(exp.env)
+        env.update({"RAY_ADDRESS": self.address, "PYTHON": sys.executable, "RUN_DIR": run_dir})
+        if presample_dir:
+            env["PRESAMPLE_DIR"] = presample_dir
+        env.update(extra_env or {})
+        r = self.run("A", ["bash", os.path.join(ray_harness.REPO, script), *args], env=env,
+                     cwd=ray_harness.REPO, timeout=timeout)
+        return ray_harness.JobResult(r.returncode, r.output, run_dir)
+
+    def actor_nodes(self) -> Dict[str, List[str]]:
+        """``{actor class name: [hostname of the node it ran on, ...]}`` of every actor the cluster
+        has seen (Ray's state API, asked on node A)."""
+        code = (
+            "import json, ray\n"
+            "from ray.util.state import list_actors, list_nodes\n"
+            f"ray.init(address='{HEAD}:{GCS_PORT}', logging_level='ERROR', log_to_driver=False)\n"
+            "host = {n.node_id: n.node_name for n in list_nodes(limit=100)}\n"
+            "ip = {n.node_id: n.node_ip for n in list_nodes(limit=100)}\n"
+            "out = {}\n"
+            "for a in list_actors(limit=10000, detail=True):\n"
+            "    out.setdefault(a.class_name, []).append(ip.get(a.node_id, '?'))\n"
+            "print('ACTORS ' + json.dumps(out))\n")
+        r = self.python("A", code)
+        line = next((ln for ln in r.output.splitlines() if ln.startswith("ACTORS ")), None)
+        assert line, r.output[-3000:]
+        names = {v: k for k, v in ADDR.items()}
+        return {k: sorted(names.get(ip, ip) for ip in v) for k, v in json.loads(line[7:]).items()}
+
+    def job_driver_node(self, output: str) -> str:
+        """The node ("A"/"B") whose driver ran the job a ``ray job submit`` ``output`` names (Ray's
+        job table: ``driver_node_id``)."""
+        import re
+
+        ids = re.findall(r"raysubmit_[A-Za-z0-9]+", output)
+        assert ids, output[-3000:]
+        code = (
+            "from ray.job_submission import JobSubmissionClient\n"
+            "from ray.util.state import list_nodes\n"
+            "import ray\n"
+            f"ray.init(address='{HEAD}:{GCS_PORT}', logging_level='ERROR', log_to_driver=False)\n"
+            f"info = JobSubmissionClient('{self.address}').get_job_info('{ids[-1]}')\n"
+            "ip = {n.node_id: n.node_ip for n in list_nodes(limit=100)}\n"
+            "print('DRIVER ' + str(ip.get(info.driver_node_id)))\n")
+        r = self.python("A", code)
+        line = next((ln for ln in r.output.splitlines() if ln.startswith("DRIVER ")), None)
+        assert line, r.output[-3000:]
+        return {v: k for k, v in ADDR.items()}.get(line.split()[1], line.split()[1])
+
     # ---------------------------------------------------------------- link control (node loss)
     def link(self, node: str, up: bool) -> None:
         _run(["ip", "-n", self.netns[node], "link", "set", "eth0", "up" if up else "down"])
+
+    def rejoin(self, node: str = "B", timeout: float = 600) -> None:
+        """Bring ``node`` back after a cut: its link up, its Ray processes (which the GCS declared
+        dead) stopped inside its own pid namespace, a fresh worker node started; waits for two
+        alive nodes."""
+        self.link(node, True)
+        self.run(node, [os.path.join(os.path.dirname(sys.executable), "ray"), "stop", "--force"], timeout=120)
+        self._ray(timeout, head=False)
 
     # ---------------------------------------------------------------- start / stop
     def start(self, timeout: float = 600) -> "TwoNodes":
@@ -271,20 +332,22 @@ class TwoNodes:
             with open(f"/proc/{u.pid}/task/{u.pid}/children") as fh:
                 self.init_pid[node] = int(fh.read().split()[0])
 
-    def _ray(self, timeout: float) -> None:
+    def _ray(self, timeout: float, head: bool = True) -> None:
         common = ["--num-cpus", str(self.cpus), "--temp-dir", "/tmp/ray", "--disable-usage-stats",
                   "--object-store-memory", str(self.object_store_bytes)]
         ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-        head = [ray_bin, "start", "--head", "--node-ip-address", HEAD, "--port", str(GCS_PORT),
+        head_cmd = [ray_bin, "start", "--head", "--node-ip-address", HEAD, "--port", str(GCS_PORT),
                 "--include-dashboard=true", "--dashboard-host", HEAD, "--dashboard-port", str(DASHBOARD_PORT),
                 "--num-gpus", str(self.gpus["A"]), "--resources", json.dumps({"nodeA": 1})] + common
         worker = [ray_bin, "start", "--address", f"{HEAD}:{GCS_PORT}", "--node-ip-address", ADDR["B"],
                   "--num-gpus", str(self.gpus["B"]), "--resources", json.dumps({"nodeB": 1})] + common
         t0 = time.time()
-        r = self.run("A", head, timeout=timeout)
-        if r.returncode != 0:
-            raise RuntimeError(f"ray start --head on node A exited {r.returncode}:\n{r.output[-3000:]}")
-        self.timings["head_s"] = time.time() - t0
+        if head:
+            r = self.run("A", head_cmd, timeout=timeout)
+            if r.returncode != 0:
+                raise RuntimeError(f"ray start --head on node A exited {r.returncode}:\n{r.output[-3000:]}")
+            self.timings["head_s"] = time.time() - t0
+        t0 = time.time()
         r = self.run("B", worker, timeout=timeout)
         if r.returncode != 0:
             raise RuntimeError(f"ray start on node B exited {r.returncode}:\n{r.output[-3000:]}")
@@ -306,11 +369,17 @@ class TwoNodes:
         if len(alive) != 2:
             raise RuntimeError(f"two alive Ray nodes expected, got {alive}:\n{r.output[-3000:]}")
         self.nodes = alive
-        self.timings["worker_s"] = time.time() - t0 - self.timings["head_s"]
+        self.timings["worker_s" if head else "rejoin_s"] = time.time() - t0
 
     def logs(self, node: str) -> str:
-        """Node ``node``'s Ray session logs folder, as the host sees it."""
-        return os.path.join(self.node_tmp(node), "ray", "session_latest", "logs")
+        """Node ``node``'s Ray session logs folder, as the host sees it (``session_latest`` is a link
+        to the path inside the node)."""
+        ray_tmp = os.path.join(self.node_tmp(node), "ray")
+        try:
+            session = os.path.basename(os.readlink(os.path.join(ray_tmp, "session_latest")))
+        except OSError:
+            session = "session_latest"
+        return os.path.join(ray_tmp, session, "logs")
 
     def stop(self) -> None:
         if self._stopped:
