@@ -8,6 +8,9 @@
 #   RAY_ADDRESS    dashboard address for `ray job submit`    (default: http://127.0.0.1:8265)
 #   DATA_DIR, RUN_DIR, PRESAMPLE_DIR, SEED   expanded inside the configs (${VAR:-default})
 #   DRY_RUN=1      print the commands instead of running them
+#   RAY_ENTRYPOINT_RESOURCES   with --submit: Ray resources the job's driver needs, JSON (e.g.
+#                  '{"nodeB": 1}' to run it on the node started with --resources '{"nodeB": 1}')
+#   STAGES         with --submit: all (default) | presample | train -- which stages the job runs
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PYTHON="${PYTHON:-python3}"
@@ -142,13 +145,17 @@ submit_job() {
   cfg="$(config_path "$1")"
   shift
   rel="${cfg#"${REPO_ROOT}"/}"
-  local steps="true" dry=""
+  local steps="true" dry="" stages="${STAGES:-all}"
+  case "$stages" in
+    all|presample|train) ;;
+    *) say "STAGES=${stages}: expected all, presample or train"; return 2 ;;
+  esac
   if wants_dry_run "$@"; then
     # dry all the way: print the job (nothing is submitted) whose stages are dry runs too
     dry=" --dry-run"
     local DRY_RUN=1
   fi
-  if has_presample "$cfg"; then
+  if [[ "$stages" != "train" ]] && has_presample "$cfg"; then
     local plugins=() pl=""
     mapfile -t plugins < <(plugin_args "$@")
     if [[ ${#plugins[@]} -gt 0 ]]; then pl="$(printf ' %q' "${plugins[@]}")"; fi
@@ -156,6 +163,13 @@ submit_job() {
   fi
   local extra=""
   if [[ $# -gt 0 ]]; then extra="$(printf ' %q' "$@")"; fi
+  local train="python -m openrlhf_div.cli.train_ppo_ray --config ${rel}${extra}"
+  if [[ "$stages" == "presample" ]]; then
+    if [[ "$steps" == "true" ]]; then say "STAGES=presample: ${rel} has no presample section"; return 2; fi
+    train="true"
+  fi
+  local entry=()
+  if [[ -n "${RAY_ENTRYPOINT_RESOURCES:-}" ]]; then entry=(--entrypoint-resources "$RAY_ENTRYPOINT_RESOURCES"); fi
   local renv
   renv="$(runtime_env_json "$cfg")" || return 1
   # OpenRLHF's train() puts TOKENIZERS_PARALLELISM, NCCL_DEBUG and RAY_ENABLE_ZERO_COPY_TORCH_TENSORS
@@ -163,7 +177,7 @@ submit_job() {
   # the driver as plain environment variables instead.
   local upstream_env=("TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-true}" "NCCL_DEBUG=${NCCL_DEBUG:-WARN}"
                       "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=${RAY_ENABLE_ZERO_COPY_TORCH_TENSORS:-1}")
-  run ray job submit --address "${RAY_ADDRESS:-http://127.0.0.1:8265}" \
+  run ray job submit --address "${RAY_ADDRESS:-http://127.0.0.1:8265}" "${entry[@]}" \
     --runtime-env-json "$renv" \
-    -- env "${upstream_env[@]}" bash -c "${steps} && python -m openrlhf_div.cli.train_ppo_ray --config ${rel}${extra}"
+    -- env "${upstream_env[@]}" bash -c "${steps} && ${train}"
 }

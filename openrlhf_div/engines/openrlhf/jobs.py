@@ -14,6 +14,9 @@ Facts this module is built on (Ray 2.55, OpenRLHF 0.11.2):
 * A job's relative paths resolve inside Ray's per-node temporary copy of the working
   directory: checkpoints, exports and pre-sampling output written there are lost with it.
   :func:`check_job_paths` requires absolute paths for outputs and for local inputs.
+* On several nodes, gloo groups (weight sync, TP) must advertise each node's own address: every
+  run's runtime env names :data:`WORKER_SETUP_HOOK` as Ray's ``worker_process_setup_hook``
+  (:mod:`.nodes`).
 * The working directory is uploaded through the GCS, at most ``GCS_STORAGE_MAX_SIZE`` (512 MiB)
   zipped; :data:`UPLOAD_EXCLUDES` keeps data, runs, checkpoints and the venv out, and
   :func:`upload_size` measures what Ray would upload (with Ray's own exclusion rules) before
@@ -47,6 +50,10 @@ RAY_UPLOAD_LIMIT = 512 * 1024 * 1024
 
 JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray in a submitted job's driver
 
+#: Ray runs it in every worker process of a run: gloo advertises the node's Ray address, not
+#: whatever the hostname resolves to (openrlhf_div.engines.openrlhf.nodes)
+WORKER_SETUP_HOOK = "openrlhf_div.engines.openrlhf.nodes.setup_worker"
+
 
 def task_env(environ: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
     """The variables every Ray worker of a run needs: ``OPENRLHF_DIV_*`` and :data:`CONFIG_VARS`."""
@@ -59,16 +66,19 @@ def job_runtime_env_vars(environ: Optional[Mapping[str, str]] = None) -> Dict[st
     return {k: v for k, v in task_env(environ).items() if k not in UPSTREAM_ENV}
 
 
-def _job_env_keys(environ: Mapping[str, str]) -> set:
+def _job_runtime_env(environ: Mapping[str, str]) -> Dict[str, Any]:
     raw = environ.get(JOB_CONFIG_ENV)
     if not raw:
-        return set()
+        return {}
     try:
         cfg = json.loads(raw)
     except ValueError:
-        return set()
-    runtime_env = cfg.get("runtime_env") or {}
-    return set((runtime_env.get("env_vars") or {}).keys())
+        return {}
+    return cfg.get("runtime_env") or {}
+
+
+def _job_env_keys(environ: Mapping[str, str]) -> set:
+    return set((_job_runtime_env(environ).get("env_vars") or {}).keys())
 
 
 def driver_runtime_env(environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
@@ -79,7 +89,10 @@ def driver_runtime_env(environ: Optional[Mapping[str, str]] = None) -> Dict[str,
     env = {k: environ.get(k, v) for k, v in UPSTREAM_ENV.items()}
     env.update(task_env(environ))
     taken = _job_env_keys(environ)
-    return {"env_vars": {k: v for k, v in env.items() if k not in taken}}
+    out: Dict[str, Any] = {"env_vars": {k: v for k, v in env.items() if k not in taken}}
+    if "worker_process_setup_hook" not in _job_runtime_env(environ):
+        out["worker_process_setup_hook"] = WORKER_SETUP_HOOK
+    return out
 
 
 def init_ray(environ: Optional[Mapping[str, str]] = None) -> None:
@@ -157,7 +170,8 @@ def job_runtime_env(repo_root: str, environ: Optional[Mapping[str, str]] = None,
             f"the job's working directory {repo_root} would upload {size / 2**20:.0f} MiB, over Ray's "
             f"{limit / 2**20:.0f} MiB limit; move large files out of the repository (data/, runs/ and "
             "checkpoints are excluded already) or add them to .rayignore")
-    return {"working_dir": repo_root, "excludes": list(UPLOAD_EXCLUDES), "env_vars": job_runtime_env_vars(environ)}
+    return {"working_dir": repo_root, "excludes": list(UPLOAD_EXCLUDES), "env_vars": job_runtime_env_vars(environ),
+            "worker_process_setup_hook": WORKER_SETUP_HOOK}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

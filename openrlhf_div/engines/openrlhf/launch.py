@@ -389,10 +389,18 @@ def run(p: Plan) -> None:
     from .jobs import init_ray
 
     init_ray()  # the task's variables (OPENRLHF_DIV_*) reach every worker; see jobs.py
+    from .nodes import LOST_NODE_EXIT, check_shared_paths, config_paths, watch_nodes
+
+    check_shared_paths(config_paths(p.args))  # several nodes: each sees every path (nodes.py)
+    watch = watch_nodes()  # a node lost mid-run ends the run in one line (nodes.py)
     with div_classes(p.args) as upstream_cli:
         try:
             upstream_cli.train(p.args)
         except Exception as exc:  # noqa: BLE001
+            lost = watch.explain() if watch else None
+            if lost:  # Ray's error about an actor on that node reached us before the watchdog
+                print(lost, file=sys.stderr, flush=True)
+                raise SystemExit(LOST_NODE_EXIT) from None
             _exit_naming(exc)
             raise
 
@@ -454,8 +462,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(p.command)
     if p.dry_run:
         return 0
+    from .nodes import SharedPathError
+
     try:
         run(p)
+    except SharedPathError as exc:  # a config path some node cannot see (nodes.py)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:  # a dead vLLM engine: end with the one line that names it
         from openrlhf_div.compat.engine_death import explain
 

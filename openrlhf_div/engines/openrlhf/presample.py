@@ -218,6 +218,11 @@ def run(args) -> Dict[str, Any]:
     from .jobs import init_ray
 
     init_ray()  # OpenRLHF's keys + the task's variables, never a key the job already sets
+    from .nodes import check_shared_paths, config_paths, watch_nodes
+
+    # the anchors are this stage's output (presample.out), not its input
+    check_shared_paths(config_paths(args, skip=("div.anchor_data",)))  # several nodes: each sees every path (nodes.py)
+    watch_nodes()  # a node lost mid-run ends the stage in one line (nodes.py)
     strategy = get_strategy(args)
     model = args.actor.model_name_or_path
     tokenizer = get_tokenizer(model, None, "left", strategy, use_fast=not args.data.disable_fast_tokenizer)
@@ -320,5 +325,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if getattr(parsed, "dry_run", False):
         print(json.dumps(settings_from_args(args), indent=2, default=str))
         return 0
-    print(format_summary(run(args)))
+    from .nodes import SharedPathError
+
+    try:
+        print(format_summary(run(args)))
+    except SharedPathError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
