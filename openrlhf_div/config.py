@@ -227,7 +227,8 @@ def unknown_key(key: str, valid: Sequence[str], where: str = "", what: str = "co
 
 # ------------------------------------------------------------------ experiment configs
 #: the sections of an OpenRLHF / Megatron experiment config (configs/openrlhf/*.yaml)
-EXPERIMENT_SECTIONS = ("experiment", "description", "paper", "div", "openrlhf", "cluster", "presample", "notes")
+EXPERIMENT_SECTIONS = ("experiment", "description", "paper", "div", "openrlhf", "cluster", "presample", "notes",
+                       "env", "tiny")
 
 
 def load_experiment(path: str) -> Dict[str, Any]:

@@ -41,7 +41,7 @@ dense bf16 peak (H100 / H200 SXM: 989 TFLOP/s; ``--peak-tflops`` for another car
 
 ``--dry-run`` runs every case at toy size on the CPU (the rehearsal: same code paths, no figures
 worth reading; docs are not touched) with OpenRLHF's CUDA-only calls redirected by the test
-seams (``tests/e2e/site/cpu_seams.py``, ``tests/mcore_cpu.py``). ``--report A.json [B.json]``
+seams (``openrlhf_div/compat/cpu_seams.py``, ``tests/mcore_cpu.py``). ``--report A.json [B.json]``
 merges results (e.g. the two device commands) and writes the docs section.
 """
 from __future__ import annotations
@@ -620,8 +620,7 @@ def case_actor_step(ctx: Ctx, p: Dict[str, Any]) -> Dict[str, Any]:
     stubs = {"flash_attn": install_flash_attn_standin(), "ray": install_ray_stub(), "vllm": install_vllm_stub()}
     if not ctx.cuda:  # the rehearsal: OpenRLHF's CUDA-only calls -> CPU (test seams, docs/scaling.md)
         os.environ["DS_ACCELERATOR"] = "cpu"
-        sys.path.insert(0, os.path.join(ROOT, "tests", "e2e", "site"))
-        import cpu_seams
+        from openrlhf_div.compat import cpu_seams
 
         cpu_seams.install_import_hooks()
     _dist_env()

@@ -90,11 +90,19 @@ def test_submit_requires_absolute_paths(tmp_path):
     e = dict(os.environ, PYTHON=sys.executable, RAY_ADDRESS="http://127.0.0.1:1")
     for k in ("RUN_DIR", "DATA_DIR", "PRESAMPLE_DIR", "DRY_RUN"):
         e.pop(k, None)
-    r = subprocess.run(["bash", RUN, "qwen25math7b_dapo17k_dph_js", "--submit"],
+    cfg_path = os.path.join(ROOT, "configs", "openrlhf", "qwen25math7b_dapo17k_dph_js.yaml")
+    r = subprocess.run([sys.executable, "-m", "openrlhf_div.engines.openrlhf.jobs", ROOT, cfg_path],
                        capture_output=True, text=True, env=e, timeout=120)
     assert r.returncode != 0
     assert "absolute paths" in r.stderr and "ckpt.path" in r.stderr and "runs/qwen25math7b_dapo17k_dph_js/ckpt" in r.stderr
-    assert "ray job submit" not in r.stdout
+    # the launcher gives a fresh user absolute paths: a new run folder under the checkout's runs/
+    r = subprocess.run(["bash", RUN, "qwen25math7b_dapo17k_dph_js", "--submit"],
+                       capture_output=True, text=True, env=dict(e, DRY_RUN="1"), timeout=120)
+    assert r.returncode == 0, r.stderr
+    renv = json.loads(shlex.split(r.stdout.splitlines()[-1])[shlex.split(r.stdout.splitlines()[-1]).index("--runtime-env-json") + 1])
+    run_dir = renv["env_vars"]["RUN_DIR"]
+    assert run_dir.startswith(os.path.join(ROOT, "runs", "qwen25math7b_dapo17k_dph_js") + os.sep), run_dir
+    assert os.path.isabs(renv["env_vars"]["DATA_DIR"]) and os.path.isabs(renv["env_vars"]["PRESAMPLE_DIR"])
     cfg = {"openrlhf": {"ckpt.path": "${RUN_DIR}/ckpt", "data.prompt_dataset": "${DATA_DIR}/x.jsonl",
                         "actor.model_name_or_path": "Qwen/Qwen2.5-7B"}}
     os.environ["RUN_DIR"], os.environ["DATA_DIR"] = str(tmp_path), str(tmp_path)

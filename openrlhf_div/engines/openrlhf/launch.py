@@ -212,6 +212,13 @@ class Plan:
     cluster_gpus: Optional[int] = None
     config: Optional[str] = None
     dry_run: bool = False
+    env: Dict[str, str] = field(default_factory=dict)   # the config's env: section
+
+    def needs(self) -> Dict[str, Any]:
+        """What the live cluster must hold (:func:`~.jobs.check_resources`): one GPU and one CPU
+        per bundle of OpenRLHF's placement groups."""
+        detail = " + ".join(f"{k} {v}" for k, v in self.gpus.items() if k != "total")
+        return {"GPU": self.gpus.get("total", 0), "CPU": self.gpus.get("total", 0), "detail": detail}
 
     @property
     def command(self) -> str:
@@ -241,7 +248,8 @@ class Plan:
         lines.append(f"reward      : {a.reward.remote_url}")
         lines.append(f"GPUs needed : {self.gpus.get('total', 0)} = " + " + ".join(
             f"{k} {v}" for k, v in self.gpus.items() if k != "total")
-            + (f" (cluster has {self.cluster_gpus})" if self.cluster_gpus else ""))
+            + (f" (the config's cluster: block declares {self.cluster_gpus}; the live cluster is checked "
+               "at start)" if self.cluster_gpus else ""))
         return "\n".join(lines)
 
 
@@ -286,7 +294,8 @@ def plan(argv: Sequence[str], parser: Optional[argparse.ArgumentParser] = None) 
                 f"{cfg_path}: the topology needs {gpus['total']} GPUs ({gpus}) but the cluster "
                 f"section declares {cluster_gpus}"
             )
-    return Plan(final_argv, args, method, derived, gpus, cluster_gpus, cfg_path, dry_run)
+    env = {str(k): str(v) for k, v in (cfg.get("env") or {}).items()}
+    return Plan(final_argv, args, method, derived, gpus, cluster_gpus, cfg_path, dry_run, env)
 
 
 def _check_batches(method, args) -> None:
@@ -339,10 +348,21 @@ def div_classes(args=None):
         yield upstream_cli
 
 
+def apply_config_env(cfg_or_env) -> None:
+    """A config's ``env:`` section into this process's environment (a variable already set wins);
+    ``OPENRLHF_DIV_*`` ones then reach every Ray worker (:func:`~.jobs.task_env`)."""
+    env = cfg_or_env.get("env") if isinstance(cfg_or_env.get("env"), dict) else cfg_or_env
+    for k, v in (env or {}).items():
+        os.environ.setdefault(str(k), str(v))
+
+
 def run(p: Plan) -> None:
     from .jobs import init_ray
 
-    init_ray()  # the task's variables (OPENRLHF_DIV_*) reach every worker; see jobs.py
+    apply_config_env(p.env)
+    # the task's variables (OPENRLHF_DIV_*) reach every worker (jobs.py); the CPU layer without a
+    # GPU; a private cluster when none runs; a run the live cluster cannot place stops here
+    init_ray(need=p.needs())
     with div_classes(p.args) as upstream_cli:
         upstream_cli.train(p.args)
 
@@ -377,5 +397,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(p.command)
     if p.dry_run:
         return 0
-    run(p)
+    from .jobs import PlacementError
+
+    try:
+        run(p)
+    except PlacementError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0

@@ -203,7 +203,11 @@ def run(args) -> Dict[str, Any]:
 
     from .jobs import init_ray
 
-    init_ray()  # OpenRLHF's keys + the task's variables, never a key the job already sets
+    ref = args.ref.num_nodes * args.ref.num_gpus_per_node
+    vllm = args.vllm.num_engines * args.vllm.tensor_parallel_size
+    # OpenRLHF's keys + the task's variables, never a key the job already sets; fails fast when
+    # the live cluster cannot place the reference actor and the vLLM engines
+    init_ray(need={"GPU": ref + vllm, "CPU": ref + vllm, "detail": f"reference {ref} + vllm {vllm}"})
     strategy = get_strategy(args)
     model = args.actor.model_name_or_path
     tokenizer = get_tokenizer(model, None, "left", strategy, use_fast=not args.data.disable_fast_tokenizer)
@@ -306,5 +310,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if getattr(parsed, "dry_run", False):
         print(json.dumps(settings_from_args(args), indent=2, default=str))
         return 0
-    print(format_summary(run(args)))
+    from .jobs import PlacementError
+    from .launch import apply_config_env
+
+    apply_config_env(cfg)
+    try:
+        print(format_summary(run(args)))
+    except PlacementError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
