@@ -247,8 +247,28 @@ def _plt():
     return plt
 
 
-def plot_passk(metrics: Mapping[str, Any], path: str) -> str:
-    """pass@k curves per model (k = 1..n), one panel for all problems and one per split."""
+def _wrapped(text: str, fig_width_in: float, fontsize: float = 12.0) -> str:
+    """``text`` broken into lines that fit a figure ``fig_width_in`` inches wide."""
+    import textwrap
+
+    per_line = max(20, int(fig_width_in * 72 / (0.55 * fontsize)))  # ~0.55 em per character
+    return "\n".join(textwrap.wrap(text, per_line))
+
+
+def _k_axis(ax, plt, kmax: int) -> None:
+    """A log2 k axis with ticks 1, 2, 4, ... up to ``kmax`` (and ``kmax`` itself), ending at ``kmax``."""
+    ticks = [1 << i for i in range(kmax.bit_length()) if (1 << i) <= kmax]
+    if ticks[-1] != kmax:
+        ticks.append(kmax)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks)
+    ax.get_xaxis().set_major_formatter(plt.FuncFormatter(lambda v, _: f"{int(round(v))}"))
+    ax.get_xaxis().set_minor_locator(plt.NullLocator())
+    ax.set_xlim(1 / 1.15, kmax * 1.15) if kmax > 1 else ax.set_xlim(0.5, 2)
+
+
+def passk_figure(metrics: Mapping[str, Any]):
+    """The pass@k figure (see :func:`plot_passk`), not yet saved."""
     plt = _plt()
     base = metrics["base"]
     panels = [("all evaluation problems", "pass_at_k")]
@@ -256,14 +276,17 @@ def plot_passk(metrics: Mapping[str, Any], path: str) -> str:
         if _get(base, f"splits::{s}::pass_at_k"):
             panels.append((f"split {s}", f"splits::{s}::pass_at_k"))
     rows = [("base", base)] + list(metrics["methods"].items())
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
+    width = max(6.0, 5.2 * len(panels))
+    fig, axes = plt.subplots(1, len(panels), figsize=(width, 4.4), squeeze=False, layout="constrained")
     cmap = plt.get_cmap("tab10")
     for ax, (title, p) in zip(axes[0], panels):
+        kmax = 1
         for i, (name, M) in enumerate(rows):
             curve = _get(M, p)
             if not curve:
                 continue
             ks = sorted(int(k) for k in curve)
+            kmax = max(kmax, ks[-1])
             y = np.array([curve[str(k)] for k in ks])
             style = (dict(color="black", lw=2.2, ls="--", marker="o") if name == "base" else
                      dict(color=cmap(i % 10), lw=1.6, marker=MARKERS[i % len(MARKERS)],
@@ -273,16 +296,21 @@ def plot_passk(metrics: Mapping[str, Any], path: str) -> str:
             if sd:
                 e = np.array([sd.get(str(k), 0.0) for k in ks])
                 ax.fill_between(ks, y - e, y + e, color=style["color"], alpha=0.15, lw=0)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks([1, 2, 4, 8, 16])
-        ax.get_xaxis().set_major_formatter(plt.FuncFormatter(lambda v, _: f"{int(v)}"))
+        _k_axis(ax, plt, kmax)
         ax.set_xlabel("k (samples)")
         ax.set_ylabel("pass@k (unbiased)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"{metrics.get('task', '')}: pass@k per method (mean over seeds, band = ±1 sd)")
-    fig.tight_layout()
+    fig.suptitle(_wrapped(f"{metrics.get('task', '')}: pass@k per method (mean over seeds, band = ±1 sd)", width))
+    return fig
+
+
+def plot_passk(metrics: Mapping[str, Any], path: str) -> str:
+    """pass@k curves per model (k = 1..n), one panel for all problems and one per split; the k
+    axis ends at the largest k evaluated, the title is wrapped to the figure's width."""
+    plt = _plt()
+    fig = passk_figure(metrics)
     fig.savefig(path + ".tmp.png", dpi=120)
     plt.close(fig)
     os.replace(path + ".tmp.png", path)
@@ -332,7 +360,7 @@ def plot_styles(metrics: Mapping[str, Any], path: str, split: Optional[str] = No
     ax2.set_title("(b) problems by # distinct correct styles")
     ax2.legend(fontsize=7, bbox_to_anchor=(1.0, 1.0), loc="upper left")
     where = f" (split {split})" if split else ""
-    fig.suptitle(f"{metrics.get('task', '')}: style distribution per method{where}, mean over seeds")
+    fig.suptitle(_wrapped(f"{metrics.get('task', '')}: style distribution per method{where}, mean over seeds", 12))
     fig.tight_layout()
     fig.savefig(path + ".tmp.png", dpi=120)
     plt.close(fig)
