@@ -230,12 +230,12 @@ class Trainer:
         self.step = 0
         self.log = RunLog(self.run_dir, tensorboard=cfg.logging.tensorboard, run_name=self.method.name,
                           config={"method": self.method.describe(), "seed": cfg.seed})
+        self._degenerate = DegenerateMonitor(cfg.optim.stop_after_degenerate_steps)  # restored on resume
         if ckpt:
             self._load_checkpoint(ckpt)  # the policy's weights came from the checkpoint: the sampler has them
         # reference for the exploding-weights check after every optimizer step
         self._start_weight_norm = weight_norm(self._checked_params())
         self.interrupt = GracefulInterrupt()
-        self._degenerate = DegenerateMonitor(cfg.optim.stop_after_degenerate_steps)
 
     # ------------------------------------------------------------------ data plumbing
     def _data_paths(self):
@@ -531,6 +531,7 @@ class Trainer:
             "rng": rng_states(self.gen_rng, self.train_rng),
             "prompt_cursor": self.prompt_cursor.state_dict(),
             "anchor_cursor": self.anchor_cursor.state_dict() if self.anchor_cursor is not None else None,
+            "degenerate_monitor": self._degenerate.state_dict(),
             "method": self.method.describe(),
         }
         return write_checkpoint(self.checkpoint_dir(), self.step, self.model, self.tokenizer, state,
@@ -551,6 +552,13 @@ class Trainer:
         # metrics logged after this checkpoint belong to steps that will be redone
         for fname in ("metrics.jsonl", "eval.jsonl"):
             self.log.truncate(fname, self.step)
+        if st.get("degenerate_monitor") is not None:
+            self._degenerate.load_state_dict(st["degenerate_monitor"])
+        else:  # a checkpoint from before the counters were saved: count them from the log
+            from .checkpoint import read_jsonl_rows
+
+            p = os.path.join(self.run_dir, "metrics.jsonl")
+            self._degenerate.rebuild(read_jsonl_rows(p)[0] if os.path.exists(p) else [])
 
     def _write_run_info(self, resumed: bool) -> None:
         info = {"seed": self.cfg.seed, "device": str(self.device), "num_threads": torch.get_num_threads(),
