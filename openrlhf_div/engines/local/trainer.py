@@ -498,6 +498,10 @@ class Trainer:
             return None
         res = evaluate_policy(self.model, self.tokenizer, self.task, self.eval_examples, self.cfg,
                               run_dir=self.run_dir, name=self.method.name, step=self.step, sampler=self.sampler)
+        if self.step == 0:  # the initial policy's evaluation: `compare` uses it as the base
+            import shutil
+
+            shutil.copyfile(os.path.join(self.run_dir, "eval.json"), os.path.join(self.run_dir, "eval_step0.json"))
         row = eval_row(self.step, res)
         self.log.append("eval.jsonl", row)
         self.log.scalars("eval", row, self.step)

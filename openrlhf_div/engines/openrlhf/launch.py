@@ -363,6 +363,9 @@ def run(p: Plan) -> None:
     # the task's variables (OPENRLHF_DIV_*) reach every worker (jobs.py); the CPU layer without a
     # GPU; a private cluster when none runs; a run the live cluster cannot place stops here
     init_ray(need=p.needs())
+    from .runfolder import write_driver_files
+
+    write_driver_files(p, load_config(p.config) if p.config else {})  # config.yaml, run_info.json
     with div_classes(p.args) as upstream_cli:
         upstream_cli.train(p.args)
 
