@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .results import atomic_write_json, atomic_write_text, check_settings, load_run, model_metrics
+from .results import atomic_write_json, atomic_write_text, check_settings, load_run, model_metrics, read_eval_json
 
 STYLE_COLORS = {"A": "#4C72B0", "B": "#DD8452", "C": "#55A868", "D": "#C44E52", "E": "#8172B3",
                 "other": "#7f7f7f"}
@@ -426,6 +427,27 @@ def write_report(out_dir: str, metrics: Mapping[str, Any], *, settings: Optional
 
 
 # ------------------------------------------------------------------ compare
+#: the initial policy's evaluation a run folder keeps (local engine: eval.at_start; Ray: --eval.dataset)
+STEP0_FILE = "eval_step0.json"
+
+
+def step0_base(evals: Sequence[Mapping[str, Any]]) -> Tuple[Dict[str, Any], str]:
+    """The base of a comparison without a base run: the step-0 evaluation (the initial model,
+    before any training step) that the first of the runs holds (``eval_step0.json`` next to
+    its ``eval.json``, written by both engines). Raises when none of them holds one."""
+    for e in evals:
+        path = os.path.join(os.path.dirname(e["_path"]), STEP0_FILE)
+        if os.path.isfile(path):
+            d = read_eval_json(path)
+            d["_path"], d["role"], d["name"] = os.path.abspath(path), "base", "base"
+            d["metrics"] = {**d["metrics"], "keep_rate": 1.0, "explore_rate": 0.0}  # the base against itself
+            return d, (f"base: the step-0 evaluation (the initial model, before training) held by run "
+                       f"{e['name']} ({path}); no separate base run")
+    raise ValueError("compare: no base run and none of the runs holds a step-0 evaluation (eval_step0.json); "
+                     "pass a base run with --base DIR, or train with the initial evaluation on "
+                     "(local: eval.at_start=true; Ray: --eval.dataset FILE)")
+
+
 def compare_runs(run_dirs: Iterable[str], out_dir: str, *, base_dir: Optional[str] = None,
                  style_split: Optional[str] = "auto", allow_mismatch: bool = False,
                  evaluate_missing: Optional[Callable[[str], Any]] = None) -> Dict[str, str]:
@@ -433,21 +455,29 @@ def compare_runs(run_dirs: Iterable[str], out_dir: str, *, base_dir: Optional[st
     see :func:`~.results.load_run` for what a ``RUN_DIR`` may be, ``NAME=DIR`` and
     ``evaluate_missing``).
 
-    The base is ``base_dir`` or the one run with ``role == "base"``. Methods are grouped by
+    The base is ``base_dir``, the one run with ``role == "base"``, or else the step-0
+    evaluation a run holds (:func:`step0_base`); the report and stderr say which. Methods are grouped by
     ``name``; runs of one name with different seeds are aggregated. Keep / explore rates are
     recomputed against this base (at the runs' ``keep_k``). Runs evaluated with different
     settings (:func:`~.results.settings_differences`) are an error listing the differences,
     unless ``allow_mismatch``: then the report says so at the top.
     """
     evals = [load_run(d, evaluate_missing=evaluate_missing) for d in run_dirs]
+    base_note = ""
     if base_dir is not None:
         base_eval = load_run(base_dir, role="base", evaluate_missing=evaluate_missing)
+        base_note = f"base: the run {base_dir} (--base)"
     else:
         bases = [e for e in evals if e["role"] == "base"]
-        if len(bases) != 1:
-            raise ValueError(f"compare: found {len(bases)} run(s) with role 'base' among the given "
+        if len(bases) > 1:
+            raise ValueError(f"compare: found {len(bases)} runs with role 'base' among the given "
                              f"directories; pass exactly one base run, or name it with --base DIR")
-        base_eval = bases[0]
+        if bases:
+            base_eval = bases[0]
+            base_note = f"base: the run with role 'base' ({os.path.dirname(base_eval['_path'])})"
+        else:
+            base_eval, base_note = step0_base(evals)
+    print(f"compare: {base_note}", file=sys.stderr)
     tasks = {e["task"] for e in evals} | {base_eval["task"]}
     if len(tasks) != 1:
         raise ValueError(f"compare: runs are from different tasks {sorted(tasks)}; compare one task at a time")
@@ -477,8 +507,8 @@ def compare_runs(run_dirs: Iterable[str], out_dir: str, *, base_dir: Optional[st
         per_seed[key] = M
         settings[e["name"]] = {k: v for k, v in e["settings"].items() if not isinstance(v, (dict, list))}
     metrics = build_metrics(next(iter(tasks)), base_M, methods, settings_mismatch=mismatch)
-    intro = ""
+    intro = f"**Base.** {base_note[len('base: '):]}." if base_note else ""
     if mismatch:
-        intro = ("**Warning: these runs were evaluated with different settings (compared with --allow-mismatch); "
+        intro += ("\n\n" if intro else "") + ("**Warning: these runs were evaluated with different settings (compared with --allow-mismatch); "
                  "their numbers are not directly comparable:**\n\n" + "\n".join(f"- {d}" for d in mismatch))
     return write_report(out_dir, metrics, settings=settings, style_split=style_split, intro=intro)
