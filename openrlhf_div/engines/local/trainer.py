@@ -505,6 +505,8 @@ class Trainer:
         row = eval_row(self.step, res)
         self.log.append("eval.jsonl", row)
         self.log.scalars("eval", row, self.step)
+        if self.cfg.logging.progress:  # one line per evaluation (eval.every N: a periodic pass@k line)
+            print(passk_line(row), flush=True)
         return row
 
     # ------------------------------------------------------------------ checkpoints
@@ -594,10 +596,7 @@ class Trainer:
                     finally:
                         self.log.append("metrics.jsonl", last)
                     self.log.scalars("train", last, self.step)
-                    bar.set_postfix(reward=f"{last['reward_mean']:.3f}",
-                                    loss=f"{last.get('loss', float('nan')):.4f}",
-                                    degenerate=f"{int(last.get('degenerate_steps_total', 0))}/{self.step}",
-                                    s_per_step=f"{last['time_step']:.2f}")
+                    bar.set_postfix(progress_figures(last, self.step))
                     bar.update(1)
                     e = self.cfg.eval.every
                     if e and self.step % e == 0 and self.step < total:
@@ -626,6 +625,26 @@ class Trainer:
         if getattr(self, "sampler", None) is not None:
             self.sampler.close()
             self.sampler = None
+
+
+def progress_figures(m: Dict[str, Any], step: int) -> Dict[str, str]:
+    """The progress line's figures of a step's metrics: reward, loss, the policy's entropy, the
+    anchor term for methods that have one (DPH: ``loss_pef``), degenerate steps, seconds per step
+    (the line itself adds the ETA)."""
+    out = {"reward": f"{m['reward_mean']:.3f}", "loss": f"{m.get('loss', float('nan')):.4f}"}
+    if "entropy" in m:
+        out["entropy"] = f"{m['entropy']:.3f}"
+    if "loss_pef" in m:
+        out["anchor"] = f"{m['loss_pef']:.4f}"
+    out["degenerate"] = f"{int(m.get('degenerate_steps_total', 0))}/{step}"
+    out["s_per_step"] = f"{m['time_step']:.2f}"
+    return out
+
+
+def passk_line(row: Dict[str, Any]) -> str:
+    """``[eval] step 20: pass@1 0.281, pass@4 0.500 (8 prompts x 4 samples)`` from an ``eval.jsonl`` row."""
+    ks = ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k.startswith("pass@"))
+    return f"[eval] step {row['step']}: {ks} ({row['n_prompts']} prompts x {row['n_samples']} samples)"
 
 
 # =============================================================================== entry point
