@@ -134,14 +134,18 @@ def vllm_generate_fn(engines, tokenizer, seed: int):
     from vllm import SamplingParams
 
     def fn(prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=512, greedy=False):
+        # one request per sample (n=1 each, its own seed), as OpenRLHF's rollouts do: AsyncLLM's
+        # streamed outputs of an n>1 request need not carry all n completions in its last one
         refs = []
         for i, prompt in enumerate(prompts):
             ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            sp = SamplingParams(n=n, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
-                                max_tokens=max_new_tokens, seed=seed + i)
-            refs.append(engines[i % len(engines)].generate.remote(ids, sp))
+            for j in range(n):
+                sp = SamplingParams(n=1, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
+                                    max_tokens=max_new_tokens, seed=seed + i * n + j)
+                refs.append(engines[(i * n + j) % len(engines)].generate.remote(ids, sp))
         outs = ray.get(refs)
-        return [[o.text for o in out.outputs] for out in outs]
+        texts = [out.outputs[0].text for out in outs]
+        return [texts[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     return fn
 

@@ -72,18 +72,32 @@ class _DivPPOTrainer(PPOTrainer.__ray_actor_class__):
     def fit(self, global_step: int = 0) -> None:
         """OpenRLHF's loop, with the run folder's evaluations around it: the initial policy (step 0,
         unless resuming) and the final one (the weights the last step broadcast to vLLM)."""
-        from .runfolder import evaluate_with_engines
-
         states = super().init_checkpoint_states()
         start = int(states.get("global_step", 0) or 0)
         self._div_folder().truncate(start)  # rows of steps a resumed run redoes
         self._div_last_step = start
         if start == 0:
-            evaluate_with_engines(self, 0)
+            self._div_evaluate(0)
         out = super().fit(global_step)
         if self._div_last_step > start:
-            evaluate_with_engines(self, self._div_last_step)
+            self._div_evaluate(self._div_last_step)
         return out
+
+    def _div_evaluate(self, step: int) -> None:
+        """The run folder's evaluation; a failure there is reported (one line + its traceback on
+        stderr) and does not take the training down: the run folder then lacks that evaluation."""
+        import sys
+        import traceback
+
+        from .runfolder import evaluate_with_engines
+
+        try:
+            evaluate_with_engines(self, step)
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            print(f"[openrlhf-div] error: the run folder's evaluation at step {step} failed "
+                  f"({type(exc).__name__}: {exc}); training goes on, eval.json of that step is missing",
+                  file=sys.stderr, flush=True)
 
     def init_checkpoint_states(self) -> Dict:
         states = super().init_checkpoint_states()
