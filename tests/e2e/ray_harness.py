@@ -12,9 +12,10 @@ It drives the product's own laptop path; nothing here makes the run work that a 
   as on a user's laptop. It is stopped by killing its own process group (never ``ray stop``,
   which would stop other clusters on the machine).
 * :func:`submit` runs ``examples/scripts/run.sh EXPERIMENT --submit`` (real ``ray job submit``) with the
-  experiment's variables and, with ``probe=True`` heads, the test-only probe
-  (``tests/e2e/site/e2e_probe.py``) as a plug-in; :func:`tb_scalars` and :func:`probe_records`
-  read what the job left.
+  experiment's variables; a ``probe=True`` head has the test-only probe
+  (``tests/e2e/site/e2e_probe.py``) imported in every worker (``OPENRLHF_DIV_SITE_HOOKS``, read by
+  the package's CPU-layer ``sitecustomize``); :func:`tb_scalars` and :func:`probe_records` read
+  what the job left.
 
 Other engines (e.g. the Megatron actor) reuse it: write a ``configs/openrlhf/tiny_cpu_*.yaml``
 and call ``submit(head, exp, "examples/scripts/run.sh", "tiny_cpu_<that>", "--submit", run_dir=...)``.
@@ -119,6 +120,8 @@ class RayHead:
         keep = ("OPENRLHF_DIV_FORCE_CPU_GEMM",)
         for k in [k for k in env if k.startswith("OPENRLHF_DIV_") and k not in keep]:
             env.pop(k)  # task variables must reach the workers through the job, not the raylet
+        if self.probe:  # test-only: the CPU layer's sitecustomize imports it in every worker
+            env["OPENRLHF_DIV_SITE_HOOKS"] = PROBE
         env.update(self.extra_env)
         return env
 
@@ -271,8 +274,6 @@ def submit(head: RayHead, exp: TinyExperiment, script: str, *args: str, run_dir:
     env = head.env()
     env.update(exp.env)
     env.update({"RAY_ADDRESS": head.address, "PYTHON": sys.executable, "RUN_DIR": os.path.abspath(run_dir)})
-    if head.probe:  # test-only instrumentation, carried to every worker like a user's plug-in
-        env["OPENRLHF_DIV_PLUGINS"] = PROBE
     if presample_dir:
         env["PRESAMPLE_DIR"] = os.path.abspath(presample_dir)
     env.update(extra_env or {})

@@ -1,7 +1,7 @@
-"""Test instrumentation for the CPU end-to-end runs: a plug-in file (``OPENRLHF_DIV_PLUGINS``,
-set by ``tests/e2e/ray_harness.submit`` when the head has ``probe=True``), so every process that
-resolves a method (the driver, the actors, the trainer) imports it; never by production code.
-It registers its patch through the package's CPU layer (:func:`openrlhf_div.compat.cpu_seams.add_hook`).
+"""Test instrumentation for the CPU end-to-end runs: the Ray head of ``tests/e2e/ray_harness``
+(``probe=True``) sets ``OPENRLHF_DIV_SITE_HOOKS`` to this file, and the package's CPU-layer
+``sitecustomize`` imports it (as module ``e2e_probe``) in every worker process at start-up; never
+production code. It registers its patch through :func:`openrlhf_div.compat.cpu_seams.add_hook`.
 
 After every ``broadcast_to_vllm`` of OpenRLHF's controller (``BasePPOTrainer``, the base of our
 ``DivPPOTrainer``), it scores one fixed token sequence twice: with the policy actor's own forward
@@ -64,24 +64,10 @@ def _patch_ppo_trainer(mod) -> None:
     cls._e2e_probe = True
 
 
-def _in_ray_actor() -> bool:
-    try:
-        import ray
-
-        return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
-    except Exception:  # noqa: BLE001
-        return False
-
-
 def install() -> None:
-    """Patch the controller only inside a Ray actor (the trainer imports its plug-ins while it is
-    built). In the driver the patch would travel with the pickled trainer class and refer to this
-    file's plug-in module, which a worker cannot import by that name before its plug-ins load."""
-    if not _in_ray_actor():
-        return
     from openrlhf_div.compat import cpu_seams
 
     cpu_seams.add_hook("openrlhf.trainer.ppo_trainer", _patch_ppo_trainer)
 
 
-install()  # imported as a plug-in
+install()  # imported by the CPU layer's sitecustomize
