@@ -78,7 +78,7 @@ if [[ "$mode" == dry ]]; then
   fi
   # the CPU stand-ins for OpenRLHF's and megatron-core's CUDA-only calls, the ones the end-to-end tests
   # load into every process of their CPU cluster (docs/scaling.md, "CUDA-only seams"); never on a GPU
-  export GPU_KIT_SITE="$ROOT/tests/e2e/site" OPENRLHF_DIV_CPU_SEAMS=1
+  export GPU_KIT_SITE="$ROOT/openrlhf_div/compat/cpu_site" OPENRLHF_DIV_CPU_SEAMS=1
   "$PY" benchmarks/gpu_kit.py device-view -- benchmarks/gpu_bench.py --dry-run "$@"
   exit $?
 fi

@@ -7,7 +7,7 @@ warm-up, the bandit) goes through :func:`progress_bar`. On a terminal it is a ``
 or every ``every_seconds`` seconds (whichever comes first), plus one at the end, so a log
 written to a file holds no ``\\r`` redraws::
 
-    train grpo: 40/100 (40%) 12.3 s, 3.25 step/s, reward=0.512, loss=0.0131
+    train grpo: 40/100 (40%) 12.3 s, 3.25 step/s, ETA 18 s, reward=0.512, loss=0.0131, entropy=0.83
 
 Libraries we drive get the same treatment: :func:`quiet_library_bars` turns the Hugging Face
 Hub / transformers bars off around model loading and saving (per-shard noise inside a run);
@@ -58,6 +58,16 @@ class _NoProgress:
         self.close()
 
 
+def _duration(seconds: float) -> str:
+    """``42 s``, ``3 min 05 s``, ``2 h 07 min``."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {(s % 3600) // 60:02d} min"
+
+
 class LineProgress(_NoProgress):
     """Progress as plain lines (see the module docstring); the ``tqdm`` methods the project uses
     (``update``, ``set_postfix``, ``set_description``, ``close``, context manager)."""
@@ -88,7 +98,10 @@ class LineProgress(_NoProgress):
         else:
             head += f"{self.n} {self.unit}"
         rate = f", {done / el:.3g} {self.unit}/s" if el > 0 and done > 0 else ""
-        return f"{head} {el:.1f} s{rate}" + (f", {self._postfix}" if self._postfix else "")
+        eta = ""
+        if self.total and el > 0 and done > 0 and self.n < self.total:
+            eta = f", ETA {_duration((self.total - self.n) * el / done)}"
+        return f"{head} {el:.1f} s{rate}{eta}" + (f", {self._postfix}" if self._postfix else "")
 
     def _emit(self) -> None:
         print(self._line(), file=self.stream if self.stream is not None else sys.stderr, flush=True)

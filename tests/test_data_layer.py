@@ -219,6 +219,23 @@ def test_consecutive_degenerate_steps_stop_the_run_with_the_reason(tmp_path):
     assert rows[-1]["degenerate_groups_frac"] == 1.0 and rows[-1]["degenerate_steps_total"] == 2.0
 
 
+def test_degenerate_counters_continue_across_a_resume(tmp_path):
+    """Issue 30: after a resume ``degenerate_steps_total`` restarted from 0 and the stop counted
+    consecutive steps from the resume on. Two degenerate steps, a checkpoint, a resume with a
+    limit of 3: the third degenerate step (the first after the resume) stops the run."""
+    from openrlhf_div.engines.local.trainer import train
+
+    path = _jsonl(tmp_path / "t.jsonl", [{"prompt": p + "=", "label": "zz", "id": p} for p in ("ab", "cd", "ef")])
+    run = tmp_path / "run"
+    Trainer(load_config(None, _ov(path, run, extra=["optim.stop_after_degenerate_steps=3"]))).train()
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["degenerate_steps_total"] for r in rows] == [1.0, 2.0]
+    with pytest.raises(DegenerateRunError, match=r"3 consecutive steps \(up to step 3\)"):
+        train(resume=str(run), overrides=["optim.steps=6"])
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["degenerate_steps_total"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 3.0)]
+
+
 def test_anchor_method_with_empty_d_pef_stops_with_the_histogram(tmp_path):
     rows = [{"prompt": p + "=", "label": "zz", "id": p} for p in ("ab", "cd", "ef", "fa")]
     path = _jsonl(tmp_path / "t.jsonl", rows)

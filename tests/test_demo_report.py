@@ -155,7 +155,7 @@ def test_report_files_and_schema(tmp_path):
 
 def test_compare_errors(tmp_path):
     _write_runs(tmp_path / "runs")
-    with pytest.raises(ValueError, match="role 'base'"):
+    with pytest.raises(ValueError, match="no base run and none of the runs holds a step-0 evaluation"):
         compare_runs([str(tmp_path / "runs" / "grpo" / "seed0")], str(tmp_path / "o"))
     with pytest.raises(FileNotFoundError, match="eval.json"):
         read_eval_json(str(tmp_path / "nothing"))
@@ -208,3 +208,26 @@ def test_old_formats_are_refused_with_a_way_out(tmp_path):
     json.dump({"format": "openrlhf-div.eval/1", "task": "demo"}, open(tmp_path / "old" / "eval.json", "w"))
     with pytest.raises(ValueError, match="openrlhf-div eval"):
         read_eval_json(str(tmp_path / "old"))
+
+
+def test_compare_without_a_base_run_uses_the_step0_evaluation(tmp_path, capsys):
+    """Issue 30: `compare` needs no separate base run; a run folder's eval_step0.json (both engines
+    write it: the initial model, before any step) is the base, and the report says so."""
+    base_problems = fake_problems(0)
+    run = tmp_path / "grpo"
+    write_eval_json(str(run), task="demo", name="grpo", role="method", seed=0,
+                    metrics=model_metrics(fake_problems(11, acc=0.9), base=base_problems, styles=STYLES),
+                    problems=fake_problems(11, acc=0.9), settings=SETTINGS)
+    step0 = tmp_path / "step0"
+    write_eval_json(str(step0), task="demo", name="grpo", role="method", seed=0,
+                    metrics=model_metrics(base_problems, styles=STYLES), problems=base_problems, settings=SETTINGS)
+    os.replace(step0 / "eval.json", run / "eval_step0.json")
+    out = tmp_path / "cmp"
+    compare_runs([str(run)], str(out))
+    m = json.load(open(out / "metrics.json"))
+    assert m["base"]["pass@1"] == pytest.approx(model_metrics(base_problems)["pass@1"])
+    assert m["methods"]["grpo"]["keep_rate"] == pytest.approx(
+        model_metrics(fake_problems(11, acc=0.9), base=base_problems)["keep_rate"])
+    md = open(out / "report.md").read()
+    assert "step-0 evaluation" in md and "eval_step0.json" in md
+    assert "step-0 evaluation" in capsys.readouterr().err

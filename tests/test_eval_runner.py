@@ -63,8 +63,8 @@ def passk(n, c, k):
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def dist(texts, m):
-    grams = [tuple(t.split()[i:i + m]) for t in texts for i in range(len(t.split()) - m + 1)]
+def dist(texts, m):  # character m-grams: the project's one dist-n (tests/test_dist_n.py)
+    grams = [t[i:i + m] for t in texts for i in range(len(t) - m + 1)]
     return len(set(grams)) / len(grams) if grams else 0.0  # no m-grams: 0 by convention
 
 

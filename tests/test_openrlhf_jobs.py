@@ -90,11 +90,19 @@ def test_submit_requires_absolute_paths(tmp_path):
     e = dict(os.environ, PYTHON=sys.executable, RAY_ADDRESS="http://127.0.0.1:1")
     for k in ("RUN_DIR", "DATA_DIR", "PRESAMPLE_DIR", "DRY_RUN"):
         e.pop(k, None)
-    r = subprocess.run(["bash", RUN, "qwen25math7b_dapo17k_dph_js", "--submit"],
+    cfg_path = os.path.join(ROOT, "configs", "openrlhf", "qwen25math7b_dapo17k_dph_js.yaml")
+    r = subprocess.run([sys.executable, "-m", "openrlhf_div.engines.openrlhf.jobs", ROOT, cfg_path],
                        capture_output=True, text=True, env=e, timeout=120)
     assert r.returncode != 0
     assert "absolute paths" in r.stderr and "ckpt.path" in r.stderr and "runs/qwen25math7b_dapo17k_dph_js/ckpt" in r.stderr
-    assert "ray job submit" not in r.stdout
+    # the launcher gives a fresh user absolute paths: a new run folder under the checkout's runs/
+    r = subprocess.run(["bash", RUN, "qwen25math7b_dapo17k_dph_js", "--submit"],
+                       capture_output=True, text=True, env=dict(e, DRY_RUN="1"), timeout=120)
+    assert r.returncode == 0, r.stderr
+    renv = json.loads(shlex.split(r.stdout.splitlines()[-1])[shlex.split(r.stdout.splitlines()[-1]).index("--runtime-env-json") + 1])
+    run_dir = renv["env_vars"]["RUN_DIR"]
+    assert run_dir.startswith(os.path.join(ROOT, "runs", "qwen25math7b_dapo17k_dph_js") + os.sep), run_dir
+    assert os.path.isabs(renv["env_vars"]["DATA_DIR"]) and os.path.isabs(renv["env_vars"]["PRESAMPLE_DIR"])
     cfg = {"openrlhf": {"ckpt.path": "${RUN_DIR}/ckpt", "data.prompt_dataset": "${DATA_DIR}/x.jsonl",
                         "actor.model_name_or_path": "Qwen/Qwen2.5-7B"}}
     os.environ["RUN_DIR"], os.environ["DATA_DIR"] = str(tmp_path), str(tmp_path)
@@ -160,3 +168,33 @@ def test_launcher_dry_run_is_dry_all_the_way(tmp_path):
     # a plug-in reaches the pre-sampling stage too
     assert "presample_ray --config configs/openrlhf/qwen25math7b_dapo17k_dph_js.yaml --plugin my.methods --dry-run" \
         in words[-1]
+
+
+def test_placement_check_names_what_is_missing():
+    """Issue 30: the driver compares the plan's needs with the live cluster (ray.cluster_resources())
+    and stops in one line instead of waiting on a placement group forever (e2e:
+    tests/e2e/test_laptop_path.py)."""
+    need = {"GPU": 6, "CPU": 6, "detail": "actor 1 + vllm 5"}
+    with pytest.raises(jobs.PlacementError) as exc:
+        jobs.check_resources(need, "127.0.0.1:6379", have={"CPU": 8.0, "GPU": 4.0})
+    msg = str(exc.value)
+    assert "\n" not in msg and "needs 6 GPU(s) (actor 1 + vllm 5)" in msg and "has 4" in msg
+    assert "--num-gpus 6" in msg
+    with pytest.raises(jobs.PlacementError, match="needs 6 CPU"):
+        jobs.check_resources(need, have={"CPU": 2.0, "GPU": 8.0})
+    jobs.check_resources(need, have={"CPU": 8.0, "GPU": 6.0})  # enough: no error
+
+
+def test_cpu_layer_applies_without_a_gpu_only():
+    from openrlhf_div.compat import cpu_seams
+
+    assert cpu_seams.cpu_mode({"OPENRLHF_DIV_CPU_SEAMS": "1"}) and not cpu_seams.cpu_mode({"OPENRLHF_DIV_CPU_SEAMS": "0"})
+    assert cpu_seams.cpu_mode({}) == (not cpu_seams.gpu_present())
+    env = cpu_seams.worker_env({"OMP_NUM_THREADS": "4"})
+    assert env["OPENRLHF_DIV_CPU_SEAMS"] == "1" and env["DS_ACCELERATOR"] == "cpu"
+    assert env["OMP_NUM_THREADS"] == "4"  # a value already set wins
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == cpu_seams.SITE_DIR
+    assert os.path.isfile(os.path.join(cpu_seams.SITE_DIR, "sitecustomize.py"))
+    rt = jobs.driver_runtime_env({}, cpu=True)["env_vars"]
+    assert rt["OPENRLHF_DIV_CPU_SEAMS"] == "1" and "PYTHONPATH" in rt
+    assert "OPENRLHF_DIV_CPU_SEAMS" not in jobs.driver_runtime_env({}, cpu=False)["env_vars"]

@@ -78,3 +78,28 @@ def test_demo_log_written_to_a_file_has_no_redraws_and_no_deepspeed_warning(tmp_
     assert "warm-up (supervised): " in text and "train grpo: 2/2 (100%)" in text  # progress, as lines
     assert "Setting accelerator to CPU" not in text and "DeepSpeed" not in text
     assert len(text.splitlines()) < 200, len(text.splitlines())
+
+
+def test_progress_line_has_an_eta_and_the_method_figures():
+    """Issue 30: the progress line gains an ETA and the method's key figures (entropy; the anchor
+    term for DPH); every evaluation prints one pass@k line."""
+    from openrlhf_div.engines.local.trainer import passk_line, progress_figures
+
+    buf, clock = io.StringIO(), _Clock()
+    bar = LineProgress(total=100, desc="train dph_js", unit="step", stream=buf, every_percent=25, every_seconds=600,
+                       clock=clock)
+    m = {"reward_mean": 0.5, "loss": 0.01, "entropy": 0.83, "loss_pef": 0.2, "degenerate_steps_total": 1.0,
+         "time_step": 2.0}
+    for _ in range(25):
+        clock.t += 2.0
+        bar.set_postfix(progress_figures(m, 25))
+        bar.update(1)
+    line = buf.getvalue().splitlines()[0]
+    # 25 steps in 50 s: 75 left at 0.5 step/s -> 150 s
+    assert "25/100 (25%) 50.0 s, 0.5 step/s, ETA 2 min 30 s," in line, line
+    assert "entropy=0.830" in line and "anchor=0.2000" in line and "degenerate=1/25" in line
+    assert "anchor=" not in ", ".join(f"{k}={v}" for k, v in progress_figures(
+        {k: v for k, v in m.items() if k != "loss_pef"}, 3).items())  # no anchor term: not shown
+    row = {"step": 20, "n_prompts": 8, "n_samples": 4, "reward_mean": 0.3, "pass@1": 0.28125, "pass@4": 0.5,
+           "pass_at_k": {"1": 0.28125}}
+    assert passk_line(row) == "[eval] step 20: pass@1 0.281, pass@4 0.500 (8 prompts x 4 samples)"

@@ -36,7 +36,7 @@ expects), so a test that the real kernel would fail fails on every CPU:
 
 docs/scaling.md ("CPU weight sync") names these stand-ins. Used by
 ``tests/test_vllm_weights.py`` and, in every process of the CPU e2e cluster, by
-``tests/e2e/site/cpu_seams.py`` when ``OPENRLHF_DIV_FORCE_CPU_GEMM`` names a branch.
+``openrlhf_div/compat/cpu_seams.py`` when ``OPENRLHF_DIV_FORCE_CPU_GEMM`` names a branch.
 """
 from __future__ import annotations
 

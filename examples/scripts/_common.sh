@@ -3,24 +3,61 @@
 # experiment) and sweep_methods.sh; not meant to be run on its own.
 #
 # Environment (all optional):
-#   PYTHON         python with openrlhf-div installed        (default: python3)
-#   NUM_GPUS       GPUs the local Ray head offers            (default: all visible)
+#   PYTHON         python with openrlhf-div installed (default: the repository's .venv/bin/python
+#                  when there is one, else python3)
+#   NUM_GPUS       GPUs a Ray head started by --submit offers (default: all visible; 4 logical
+#                  GPUs on a machine without GPU)
 #   RAY_ADDRESS    dashboard address for `ray job submit`    (default: http://127.0.0.1:8265)
-#   DATA_DIR, RUN_DIR, PRESAMPLE_DIR, SEED   expanded inside the configs (${VAR:-default})
+#   RUN_DIR        the run folder (default: a new runs/<experiment>/<timestamp> for every run)
+#   DATA_DIR, PRESAMPLE_DIR, TINY_MODEL, SEED   expanded inside the configs (${VAR:-default})
 #   DRY_RUN=1      print the commands instead of running them
 #   RAY_ENTRYPOINT_RESOURCES   with --submit: Ray resources the job's driver needs, JSON (e.g.
 #                  '{"nodeB": 1}' to run it on the node started with --resources '{"nodeB": 1}')
 #   STAGES         with --submit: all (default) | presample | train -- which stages the job runs
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-PYTHON="${PYTHON:-python3}"
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x "${REPO_ROOT}/.venv/bin/python" ]]; then PYTHON="${REPO_ROOT}/.venv/bin/python"; else PYTHON=python3; fi
+fi
 export PYTHONPATH="${REPO_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 
 say() { printf '[openrlhf-div] %s\n' "$*" >&2; }
 
+# Stop with one line when $PYTHON cannot import Ray (the README's set-up installs it).
+require_ray() {
+  if ! "$PYTHON" -c 'import ray' >/dev/null 2>&1; then
+    say "error: ray is not importable by ${PYTHON}: run the README's set-up (bash scripts/setup_env.sh) or set PYTHON to the python that has openrlhf-div's stack"
+    exit 2
+  fi
+}
+
+# Ray's command line of $PYTHON's installation.
+ray_cli() {
+  local bin
+  bin="$(dirname "$PYTHON")/ray"
+  if [[ -x "$bin" ]]; then "$bin" "$@"; else "$PYTHON" -m ray.scripts.scripts "$@"; fi
+}
+
+# The run's variables (new run folder, absolute paths, the config's env:) and, for a config with a
+# tiny: section, its tiny model and data built on first use (openrlhf_div.engines.openrlhf.prepare).
+# Usage: prepare_run CONFIG [driver flags...]
+prepare_run() {
+  local cfg="$1" out nb=()
+  shift
+  if [[ "${DRY_RUN:-0}" == "1" ]] || wants_dry_run "$@"; then nb=(--no-build); fi
+  out="$("$PYTHON" -m openrlhf_div.engines.openrlhf.prepare --repo "$REPO_ROOT" "${nb[@]}" "$cfg")" || exit 2
+  eval "$out"
+}
+
+# The launcher's last line: where the run's files are.
+say_run_dir() {
+  if [[ "${DRY_RUN:-0}" != "1" ]] && ! wants_dry_run "$@"; then say "run folder: ${RUN_DIR}"; fi
+}
+
 # Run a command, or print it when DRY_RUN=1.
 run() {
   if [[ "${DRY_RUN:-0}" == "1" ]]; then
+    if [[ "$1" == "ray_cli" ]]; then printf 'ray '; shift; fi
     printf '%q ' "$@"
     printf '\n'
   else
@@ -71,19 +108,31 @@ plugin_args() {
   if [[ ${#out[@]} -gt 0 ]]; then printf '%s\n' "${out[@]}"; fi
 }
 
-# Start a local Ray head unless one is already running on this machine.
+# For --submit: a Ray dashboard answering at RAY_ADDRESS; with RAY_ADDRESS unset and nothing at
+# the default address, start a head on this machine (logical GPUs where there is no GPU: the
+# job's driver applies the CPU layer, openrlhf_div.compat.cpu_seams). Stop it with `ray stop`.
 ensure_ray_head() {
   if [[ "${DRY_RUN:-0}" == "1" ]]; then
-    echo "ray start --head (unless already running)"
+    say "dry run: ray start --head here unless a cluster answers at ${RAY_ADDRESS:-http://127.0.0.1:8265}"
     return 0
   fi
-  if ray status >/dev/null 2>&1; then
-    say "using the running Ray cluster"
-  else
-    local gpus=()
-    if [[ -n "${NUM_GPUS:-}" ]]; then gpus=(--num-gpus "$NUM_GPUS"); fi
-    ray start --head --node-ip-address 127.0.0.1 --include-dashboard=true "${gpus[@]}"
+  local addr="${RAY_ADDRESS:-http://127.0.0.1:8265}"
+  if "$PYTHON" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + "/api/version", timeout=5)' \
+      "$addr" >/dev/null 2>&1; then
+    return 0
   fi
+  if [[ -n "${RAY_ADDRESS:-}" ]]; then
+    say "error: no Ray dashboard answers at RAY_ADDRESS=${RAY_ADDRESS}: start the cluster there, or unset RAY_ADDRESS to start one on this machine"
+    exit 2
+  fi
+  local gpus="${NUM_GPUS:-}" cpus=()
+  if [[ -z "$gpus" ]]; then
+    gpus="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() or 4)')"
+  fi
+  if [[ "$(nproc)" -lt 8 ]]; then cpus=(--num-cpus 8); fi  # one logical CPU per placement bundle
+  say "no Ray cluster at ${addr}: starting a head on this machine (${gpus} GPU(s); logical ones where there is no GPU); stop it with: ray stop"
+  ray_cli start --head --node-ip-address 127.0.0.1 --include-dashboard=true --dashboard-host 127.0.0.1 \
+    --num-gpus "$gpus" "${cpus[@]}" >&2
 }
 
 # True when the config (its extends chain resolved by openrlhf_div.config) has a presample stage;
@@ -114,11 +163,13 @@ run_local() {
   cfg="$(config_path "$1")"
   shift
   cd "$REPO_ROOT" || return 1
+  require_ray
+  prepare_run "$cfg" "$@"
+  # no Ray head here: the driver joins the running cluster (RAY_ADDRESS, or the one `ray start`
+  # recorded) or starts a private one for this run (openrlhf_div.engines.openrlhf.jobs.init_ray)
   local pre=()
   if wants_dry_run "$@"; then
     pre=(--dry-run)
-  else
-    ensure_ray_head
   fi
   if has_presample "$cfg"; then
     say "pre-sampling D_pef / D_exp (resumable; instant when already done)"
@@ -127,6 +178,7 @@ run_local() {
     run "$PYTHON" -m openrlhf_div.cli.presample_ray --config "$cfg" "${plugins[@]}" "${pre[@]}"
   fi
   run "$PYTHON" -m openrlhf_div.cli.train_ppo_ray --config "$cfg" "$@"
+  say_run_dir "$@"
 }
 
 # JSON for --runtime-env-json: ship the repository (without data/, runs/, checkpoints, .venv) as
@@ -144,6 +196,8 @@ submit_job() {
   local cfg rel
   cfg="$(config_path "$1")"
   shift
+  require_ray
+  prepare_run "$cfg" "$@"
   rel="${cfg#"${REPO_ROOT}"/}"
   local steps="true" dry="" stages="${STAGES:-all}"
   case "$stages" in
@@ -177,7 +231,9 @@ submit_job() {
   # the driver as plain environment variables instead.
   local upstream_env=("TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-true}" "NCCL_DEBUG=${NCCL_DEBUG:-WARN}"
                       "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=${RAY_ENABLE_ZERO_COPY_TORCH_TENSORS:-1}")
-  run ray job submit --address "${RAY_ADDRESS:-http://127.0.0.1:8265}" "${entry[@]}" \
+  ensure_ray_head
+  run ray_cli job submit --address "${RAY_ADDRESS:-http://127.0.0.1:8265}" "${entry[@]}" \
     --runtime-env-json "$renv" \
     -- env "${upstream_env[@]}" bash -c "${steps} && ${train}"
+  say_run_dir "$@"
 }

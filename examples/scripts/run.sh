@@ -5,9 +5,12 @@
 #
 # EXPERIMENT is an experiment's file name without .yaml (llama8b_bird_dph_js,
 # omnisql32b_bird_dph_js_megatron_tp8, tiny_cpu_grpo, ...) or the path of a config.
-# Without --submit: a local Ray head (started unless one runs), the DPH pre-sampling stage when
-# the config has one (resumable; instant when done), then training. With --submit: both stages
-# as one `ray job submit` job to RAY_ADDRESS (default http://127.0.0.1:8265).
+# Without --submit: the running Ray cluster (or a private one the driver starts for the run),
+# the DPH pre-sampling stage when the config has one (resumable; instant when done), then
+# training. With --submit: both stages as one `ray job submit` job to RAY_ADDRESS (default
+# http://127.0.0.1:8265; a head is started here when nothing answers there and RAY_ADDRESS is
+# unset). Every run gets a new folder runs/EXPERIMENT/<timestamp> (RUN_DIR overrides it); the
+# last line names it. Without a GPU the CPU path (tiny_cpu_*) runs as it is on a laptop.
 # Driver flags go to training, e.g. --dry-run, --div.anchor_eta 0.1, --ckpt.load_enable; a
 # --plugin MODULE (a module registering your own method) goes to the pre-sampling stage too.
 # Environment (see _common.sh): DATA_DIR, RUN_DIR, PRESAMPLE_DIR, TINY_MODEL, SEED, PYTHON,
@@ -16,7 +19,7 @@ set -euo pipefail
 # shellcheck source=examples/scripts/_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 
-usage() { sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
 EXPERIMENT="${1:-}"
 if [[ -z "$EXPERIMENT" || "$EXPERIMENT" == -* ]]; then

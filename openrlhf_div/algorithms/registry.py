@@ -1,4 +1,5 @@
-"""The registries: components by name, and methods composed of them (ARCHITECTURE.md).
+"""The registries: components by name, and methods composed of them (docs/plugins.md: the
+registration signatures and a worked example each for a method, an estimator and a task).
 
 A **component** is a plain autograd function registered under a name, with the
 hyperparameters it takes (``defaults``) and what it asks of an engine (:class:`Needs`):

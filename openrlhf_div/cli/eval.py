@@ -39,6 +39,10 @@ def _parse_opt(text: str):
     return key.strip().replace("-", "_"), val
 
 
+#: how this command spells the options a data error points to (openrlhf_div.tasks.datasets.HINTS)
+DATA_HINTS = {"on_error": "--on-error skip", "duplicate_ids": "--duplicate-ids rename", "max_prompt": None}
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("eval", help="evaluate a model: pass@k, mean@k, greedy, diversity, keep/explore",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -133,7 +137,7 @@ def run(args) -> int:
             ex, summary = load_examples(path, args.task, source=args.source, prompt_field=args.prompt_field,
                                         label_field=args.label_field, id_field=args.id_field, split=args.split,
                                         on_error=args.on_error, limit=args.limit,
-                                        duplicate_ids=args.duplicate_ids)
+                                        duplicate_ids=args.duplicate_ids, hints=DATA_HINTS)
         except DatasetError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

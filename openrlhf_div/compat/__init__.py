@@ -7,8 +7,22 @@
 * :mod:`.vllm_weights` — ``update_vllm_weights``: in-place weight updates into a live vLLM
   model that also hold where vLLM's CPU GEMM dispatch packed the weights (oneDNN, sgl-kernel,
   zentorch); imported by name, it needs vLLM.
+* :mod:`.cpu_seams` — OpenRLHF's CUDA-only calls redirected to the CPU, applied whenever no GPU
+  is present (every process of a CPU Ray run, through ``cpu_site/sitecustomize.py``).
+
+The ``install_*`` names are imported on first use: importing this package (as every process of a
+CPU run does, for :mod:`.cpu_seams`) costs no torch import.
 """
-from .flash_attn_standin import install as install_flash_attn_standin
-from .vllm_stub import install as install_vllm_stub
+import importlib
+
+_LAZY = {"install_flash_attn_standin": ".flash_attn_standin",
+         "install_vllm_stub": ".vllm_stub"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return importlib.import_module(_LAZY[name], __name__).install
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["install_flash_attn_standin", "install_vllm_stub"]

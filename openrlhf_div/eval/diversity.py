@@ -25,20 +25,26 @@ def keep_explore_rates(base_solved: Mapping[Hashable, bool],
     return keep, explore
 
 
-def distinct_n(texts: Sequence[str], n: int = 2, tokenize=str.split) -> float:
-    """dist-n (LAD Table 4): distinct n-grams / total n-grams over the samples of one problem."""
+def distinct_n(texts: Sequence[str], n: int = 2) -> float:
+    """dist-n (LAD Table 4): distinct n-grams / total n-grams over the samples of one problem.
+
+    The project's one definition, used by every report (``eval.json``'s ``metrics`` and its
+    ``by_source``, ``results.md``, ``compare``): the n-grams are **character** n-grams of each
+    response (independent of any tokenizer, and defined for one-word answers such as ``"7"``,
+    where word bigrams would not exist). A response shorter than ``n`` contributes none; no
+    n-gram at all gives 0.0. Example: ``["ab a", "ab"]``, n=2: ``ab``, ``b ``, `` a``, ``ab`` ->
+    3 distinct / 4 = 0.75."""
     if n < 1:
         raise ValueError(f"distinct_n needs n >= 1, got {n}")
-    grams: List[Tuple[str, ...]] = []
+    grams: List[str] = []
     for t in texts:
-        toks = tokenize(t)
-        grams.extend(tuple(toks[i:i + n]) for i in range(len(toks) - n + 1))
+        grams.extend(t[i:i + n] for i in range(len(t) - n + 1))
     return len(set(grams)) / len(grams) if grams else 0.0
 
 
-def mean_distinct_n(samples_per_problem: Iterable[Sequence[str]], n: int = 2, tokenize=str.split) -> float:
-    """dist-n averaged over problems."""
-    vals = [distinct_n(s, n, tokenize) for s in samples_per_problem]
+def mean_distinct_n(samples_per_problem: Iterable[Sequence[str]], n: int = 2) -> float:
+    """dist-n (:func:`distinct_n`) averaged over problems."""
+    vals = [distinct_n(s, n) for s in samples_per_problem]
     return sum(vals) / len(vals) if vals else 0.0
 
 

@@ -8,7 +8,8 @@ the demo and the CLI share it. Per dataset (the examples' ``source``) it reports
 * ``mean@n`` -- the mean accuracy of the ``n`` samples (averaged over problems);
 * ``greedy`` -- temperature-0 accuracy (when ``greedy=True``);
 * ``mean_reward`` -- the mean task reward (differs from accuracy for Countdown's 0.1);
-* ``dist-m`` -- distinct m-grams / total m-grams over a problem's samples, averaged;
+* ``dist-m`` -- distinct character m-grams / total m-grams over a problem's samples, averaged
+  (the one definition: :func:`openrlhf_div.eval.diversity.distinct_n`);
 * ``distinct_correct`` -- distinct correct solutions per problem (``task.solution_key``) and
   the share of problems with at least 3;
 * ``keep_rate`` / ``explore_rate`` against a base model's results (DPH 6.2): among problems

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .results import atomic_write_json, atomic_write_text, check_settings, load_run, model_metrics
+from .results import atomic_write_json, atomic_write_text, check_settings, load_run, model_metrics, read_eval_json
 
 STYLE_COLORS = {"A": "#4C72B0", "B": "#DD8452", "C": "#55A868", "D": "#C44E52", "E": "#8172B3",
                 "other": "#7f7f7f"}
@@ -247,8 +248,28 @@ def _plt():
     return plt
 
 
-def plot_passk(metrics: Mapping[str, Any], path: str) -> str:
-    """pass@k curves per model (k = 1..n), one panel for all problems and one per split."""
+def _wrapped(text: str, fig_width_in: float, fontsize: float = 12.0) -> str:
+    """``text`` broken into lines that fit a figure ``fig_width_in`` inches wide."""
+    import textwrap
+
+    per_line = max(20, int(fig_width_in * 72 / (0.55 * fontsize)))  # ~0.55 em per character
+    return "\n".join(textwrap.wrap(text, per_line))
+
+
+def _k_axis(ax, plt, kmax: int) -> None:
+    """A log2 k axis with ticks 1, 2, 4, ... up to ``kmax`` (and ``kmax`` itself), ending at ``kmax``."""
+    ticks = [1 << i for i in range(kmax.bit_length()) if (1 << i) <= kmax]
+    if ticks[-1] != kmax:
+        ticks.append(kmax)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks)
+    ax.get_xaxis().set_major_formatter(plt.FuncFormatter(lambda v, _: f"{int(round(v))}"))
+    ax.get_xaxis().set_minor_locator(plt.NullLocator())
+    ax.set_xlim(1 / 1.15, kmax * 1.15) if kmax > 1 else ax.set_xlim(0.5, 2)
+
+
+def passk_figure(metrics: Mapping[str, Any]):
+    """The pass@k figure (see :func:`plot_passk`), not yet saved."""
     plt = _plt()
     base = metrics["base"]
     panels = [("all evaluation problems", "pass_at_k")]
@@ -256,14 +277,17 @@ def plot_passk(metrics: Mapping[str, Any], path: str) -> str:
         if _get(base, f"splits::{s}::pass_at_k"):
             panels.append((f"split {s}", f"splits::{s}::pass_at_k"))
     rows = [("base", base)] + list(metrics["methods"].items())
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
+    width = max(6.0, 5.2 * len(panels))
+    fig, axes = plt.subplots(1, len(panels), figsize=(width, 4.4), squeeze=False, layout="constrained")
     cmap = plt.get_cmap("tab10")
     for ax, (title, p) in zip(axes[0], panels):
+        kmax = 1
         for i, (name, M) in enumerate(rows):
             curve = _get(M, p)
             if not curve:
                 continue
             ks = sorted(int(k) for k in curve)
+            kmax = max(kmax, ks[-1])
             y = np.array([curve[str(k)] for k in ks])
             style = (dict(color="black", lw=2.2, ls="--", marker="o") if name == "base" else
                      dict(color=cmap(i % 10), lw=1.6, marker=MARKERS[i % len(MARKERS)],
@@ -273,16 +297,21 @@ def plot_passk(metrics: Mapping[str, Any], path: str) -> str:
             if sd:
                 e = np.array([sd.get(str(k), 0.0) for k in ks])
                 ax.fill_between(ks, y - e, y + e, color=style["color"], alpha=0.15, lw=0)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks([1, 2, 4, 8, 16])
-        ax.get_xaxis().set_major_formatter(plt.FuncFormatter(lambda v, _: f"{int(v)}"))
+        _k_axis(ax, plt, kmax)
         ax.set_xlabel("k (samples)")
         ax.set_ylabel("pass@k (unbiased)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"{metrics.get('task', '')}: pass@k per method (mean over seeds, band = ±1 sd)")
-    fig.tight_layout()
+    fig.suptitle(_wrapped(f"{metrics.get('task', '')}: pass@k per method (mean over seeds, band = ±1 sd)", width))
+    return fig
+
+
+def plot_passk(metrics: Mapping[str, Any], path: str) -> str:
+    """pass@k curves per model (k = 1..n), one panel for all problems and one per split; the k
+    axis ends at the largest k evaluated, the title is wrapped to the figure's width."""
+    plt = _plt()
+    fig = passk_figure(metrics)
     fig.savefig(path + ".tmp.png", dpi=120)
     plt.close(fig)
     os.replace(path + ".tmp.png", path)
@@ -332,7 +361,7 @@ def plot_styles(metrics: Mapping[str, Any], path: str, split: Optional[str] = No
     ax2.set_title("(b) problems by # distinct correct styles")
     ax2.legend(fontsize=7, bbox_to_anchor=(1.0, 1.0), loc="upper left")
     where = f" (split {split})" if split else ""
-    fig.suptitle(f"{metrics.get('task', '')}: style distribution per method{where}, mean over seeds")
+    fig.suptitle(_wrapped(f"{metrics.get('task', '')}: style distribution per method{where}, mean over seeds", 12))
     fig.tight_layout()
     fig.savefig(path + ".tmp.png", dpi=120)
     plt.close(fig)
@@ -398,6 +427,27 @@ def write_report(out_dir: str, metrics: Mapping[str, Any], *, settings: Optional
 
 
 # ------------------------------------------------------------------ compare
+#: the initial policy's evaluation a run folder keeps (local engine: eval.at_start; Ray: --eval.dataset)
+STEP0_FILE = "eval_step0.json"
+
+
+def step0_base(evals: Sequence[Mapping[str, Any]]) -> Tuple[Dict[str, Any], str]:
+    """The base of a comparison without a base run: the step-0 evaluation (the initial model,
+    before any training step) that the first of the runs holds (``eval_step0.json`` next to
+    its ``eval.json``, written by both engines). Raises when none of them holds one."""
+    for e in evals:
+        path = os.path.join(os.path.dirname(e["_path"]), STEP0_FILE)
+        if os.path.isfile(path):
+            d = read_eval_json(path)
+            d["_path"], d["role"], d["name"] = os.path.abspath(path), "base", "base"
+            d["metrics"] = {**d["metrics"], "keep_rate": 1.0, "explore_rate": 0.0}  # the base against itself
+            return d, (f"base: the step-0 evaluation (the initial model, before training) held by run "
+                       f"{e['name']} ({path}); no separate base run")
+    raise ValueError("compare: no base run and none of the runs holds a step-0 evaluation (eval_step0.json); "
+                     "pass a base run with --base DIR, or train with the initial evaluation on "
+                     "(local: eval.at_start=true; Ray: --eval.dataset FILE)")
+
+
 def compare_runs(run_dirs: Iterable[str], out_dir: str, *, base_dir: Optional[str] = None,
                  style_split: Optional[str] = "auto", allow_mismatch: bool = False,
                  evaluate_missing: Optional[Callable[[str], Any]] = None) -> Dict[str, str]:
@@ -405,21 +455,29 @@ def compare_runs(run_dirs: Iterable[str], out_dir: str, *, base_dir: Optional[st
     see :func:`~.results.load_run` for what a ``RUN_DIR`` may be, ``NAME=DIR`` and
     ``evaluate_missing``).
 
-    The base is ``base_dir`` or the one run with ``role == "base"``. Methods are grouped by
+    The base is ``base_dir``, the one run with ``role == "base"``, or else the step-0
+    evaluation a run holds (:func:`step0_base`); the report and stderr say which. Methods are grouped by
     ``name``; runs of one name with different seeds are aggregated. Keep / explore rates are
     recomputed against this base (at the runs' ``keep_k``). Runs evaluated with different
     settings (:func:`~.results.settings_differences`) are an error listing the differences,
     unless ``allow_mismatch``: then the report says so at the top.
     """
     evals = [load_run(d, evaluate_missing=evaluate_missing) for d in run_dirs]
+    base_note = ""
     if base_dir is not None:
         base_eval = load_run(base_dir, role="base", evaluate_missing=evaluate_missing)
+        base_note = f"base: the run {base_dir} (--base)"
     else:
         bases = [e for e in evals if e["role"] == "base"]
-        if len(bases) != 1:
-            raise ValueError(f"compare: found {len(bases)} run(s) with role 'base' among the given "
+        if len(bases) > 1:
+            raise ValueError(f"compare: found {len(bases)} runs with role 'base' among the given "
                              f"directories; pass exactly one base run, or name it with --base DIR")
-        base_eval = bases[0]
+        if bases:
+            base_eval = bases[0]
+            base_note = f"base: the run with role 'base' ({os.path.dirname(base_eval['_path'])})"
+        else:
+            base_eval, base_note = step0_base(evals)
+    print(f"compare: {base_note}", file=sys.stderr)
     tasks = {e["task"] for e in evals} | {base_eval["task"]}
     if len(tasks) != 1:
         raise ValueError(f"compare: runs are from different tasks {sorted(tasks)}; compare one task at a time")
@@ -449,8 +507,8 @@ def compare_runs(run_dirs: Iterable[str], out_dir: str, *, base_dir: Optional[st
         per_seed[key] = M
         settings[e["name"]] = {k: v for k, v in e["settings"].items() if not isinstance(v, (dict, list))}
     metrics = build_metrics(next(iter(tasks)), base_M, methods, settings_mismatch=mismatch)
-    intro = ""
+    intro = f"**Base.** {base_note[len('base: '):]}." if base_note else ""
     if mismatch:
-        intro = ("**Warning: these runs were evaluated with different settings (compared with --allow-mismatch); "
+        intro += ("\n\n" if intro else "") + ("**Warning: these runs were evaluated with different settings (compared with --allow-mismatch); "
                  "their numbers are not directly comparable:**\n\n" + "\n".join(f"- {d}" for d in mismatch))
     return write_report(out_dir, metrics, settings=settings, style_split=style_split, intro=intro)

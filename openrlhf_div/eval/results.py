@@ -28,8 +28,8 @@ them with the task. :func:`model_metrics` turns those scored samples into the me
   base-unsolved ones it solves (``None`` when that split is empty). For the base itself they
   are 1.0 and 0.0 by definition.
 - ``dist-2``, ``dist-3``: distinct character n-grams / all character n-grams over a
-  problem's samples, averaged over problems (LAD Table 4; responses here are one "word",
-  so characters are the unit); ``unique_frac``: distinct responses / n, averaged.
+  problem's samples, averaged over problems (LAD Table 4; the one definition,
+  :func:`openrlhf_div.eval.diversity.distinct_n`, also that of ``by_source``); ``unique_frac``: distinct responses / n, averaged.
 - ``mean_reward``: the mean task reward of the samples (when the records carry ``rewards``).
 - ``splits``: the same accuracy and style metrics per ``source`` (e.g. ``demo/regular``,
   ``demo/rare``).
@@ -60,7 +60,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .diversity import distinct_n, keep_explore_rates
+from .diversity import keep_explore_rates, mean_distinct_n
 from .passk import pass_at_k
 from openrlhf_div.io import atomic_write_text as _atomic_write_text
 
@@ -151,7 +151,7 @@ def model_metrics(problems: Sequence[Mapping[str, Any]], base: Optional[Sequence
         M["keep_rate"], M["explore_rate"] = None, None
     if all(p.get("responses") is not None for p in problems):
         for k in (2, 3):
-            M[f"dist-{k}"] = float(np.mean([distinct_n(p["responses"], k, tokenize=list) for p in problems]))
+            M[f"dist-{k}"] = mean_distinct_n([p["responses"] for p in problems], k)
         M["unique_frac"] = float(np.mean([len(set(p["responses"])) / n for p in problems]))
     sources = sorted({str(p.get("source", "")) for p in problems})
     if len(sources) > 1:

@@ -28,7 +28,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = ["DatasetError", "LoadSummary", "load_examples", "read_records", "normalize_record"]
 
@@ -316,11 +316,19 @@ def _default_source(path: str) -> str:
     return stem
 
 
+#: how :func:`load_examples`'s errors name the options that help, by default (its own keywords);
+#: each command passes its own spelling (``openrlhf_div.cli.eval.DATA_HINTS``, the local engine's
+#: ``openrlhf_div.engines.local.data.DATA_HINTS``); tests/test_hint_options.py parses every one
+HINTS: Dict[str, Optional[str]] = {"on_error": "on_error='skip'", "duplicate_ids": "duplicate_ids='rename'",
+                                   "max_prompt": "max_prompt_chars"}
+
+
 def load_examples(path: str, task: str, *, source: Optional[str] = None, prompt_field: Optional[str] = None,
                   label_field: Optional[str] = None, id_field: Optional[str] = None,
                   source_field: Optional[str] = None, split: Optional[str] = None, on_error: str = "raise",
                   limit: Optional[int] = None, strip_instructions: bool = True, duplicate_ids: str = "error",
-                  max_prompt_chars: Optional[int] = None) -> Tuple[List[Dict[str, Any]], LoadSummary]:
+                  max_prompt_chars: Optional[int] = None,
+                  hints: Optional[Mapping[str, Optional[str]]] = None) -> Tuple[List[Dict[str, Any]], LoadSummary]:
     """Load and normalise one dataset file or folder for ``task`` (``math``, ``sql``,
     ``countdown``, or any other name with ``prompt``/``label`` fields).
 
@@ -333,7 +341,11 @@ def load_examples(path: str, task: str, *, source: Optional[str] = None, prompt_
     ``max_prompt_chars``: a longer prompt is a malformed row (the trainer checks tokens later).
     Every example's location (``"file:line"`` / ``"file row i"``) is kept in
     ``summary.locations[id]`` for later errors (prompt too long in tokens, ...).
+    ``hints``: how the caller's command spells the options an error points to (:data:`HINTS`;
+    the CLIs pass their own: ``--on-error skip`` for ``eval``, ``data.duplicate_ids=rename`` for
+    ``train``); ``None`` for one the command lacks, and the message names no option for it.
     """
+    hints = {**HINTS, **(hints or {})}
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     if duplicate_ids not in ("error", "rename"):
@@ -353,11 +365,15 @@ def load_examples(path: str, task: str, *, source: Optional[str] = None, prompt_
                                   strip_instructions=strip_instructions)
             if max_prompt_chars is not None and len(ex["prompt"]) > max_prompt_chars:
                 raise ValueError(f"prompt of {len(ex['prompt']):,} characters exceeds the limit of "
-                                 f"{max_prompt_chars:,} (raise data.max_prompt_tokens or drop the row)")
+                                 f"{max_prompt_chars:,} ("
+                                 + (f"raise {hints['max_prompt']} or " if hints.get("max_prompt") else "")
+                                 + "drop the row)")
         except (ValueError, TypeError) as exc:
             msg = str(exc) if isinstance(exc, DatasetError) else f"{loc}: {exc}"
             if on_error == "raise":
-                raise DatasetError(msg + " (pass on_error='skip' / --on-error skip to skip such rows)") from None
+                skip = hints.get("on_error")
+                raise DatasetError(msg + (f" (fix the row, or pass {skip} to skip such rows)" if skip
+                                          else " (fix or remove the row)")) from None
             summary.skipped += 1
             if len(summary.errors) < 100:
                 summary.errors.append(msg)
@@ -388,8 +404,9 @@ def load_examples(path: str, task: str, *, source: Optional[str] = None, prompt_
             if duplicate_ids == "error":
                 raise DatasetError(
                     f"{loc}: duplicate id {rid!r} (source {src!r}), first at {first_loc[(src, rid)]}. Ids must be "
-                    f"unique (prompts are cached by id); fix the data or rename duplicates explicitly with "
-                    f"data.duplicate_ids=rename (eval: --duplicate-ids rename)")
+                    f"unique (prompts are cached by id); fix the data"
+                    + (f" or rename duplicates explicitly with {hints['duplicate_ids']}"
+                       if hints.get("duplicate_ids") else ""))
             rid = f"{rid}#{n}"
             summary.renamed_ids += 1
         else:

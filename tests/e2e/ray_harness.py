@@ -1,15 +1,21 @@
 """A reusable harness for end-to-end runs of the OpenRLHF topology on a CPU Ray cluster.
 
-* :func:`build_tiny_experiment` builds, on the spot, a tiny Qwen2 (2 layers, head_dim 64, a
-  word-level tokenizer over digits) taught single-digit sums for a few seconds so its rollouts
-  are sometimes right, and a small math data set (``{"prompt": "2 + 5 =", "answer": "7"}``).
+It drives the product's own laptop path; nothing here makes the run work that a user's run lacks:
+
+* :func:`build_tiny_experiment` builds the tiny Qwen2 and its math data with the package's
+  builder (:mod:`openrlhf_div.engines.openrlhf.tiny_experiment`, what the launcher uses for a
+  config's ``tiny:`` section).
 * :class:`RayHead` starts a private Ray head on 127.0.0.1 (every port picked free, its own
-  temp dir, logical GPUs for OpenRLHF's placement groups) with ``tests/e2e/site`` on the
-  ``PYTHONPATH`` of every process: the CPU seams (``cpu_seams.py``) and the probe
-  (``e2e_probe.py``). It is stopped by killing its own process group (never ``ray stop``,
+  temp dir, logical GPUs for OpenRLHF's placement groups). The CPU compatibility layer is not
+  the head's: the job's driver applies it because there is no GPU
+  (:func:`openrlhf_div.engines.openrlhf.jobs.init_ray`, :mod:`openrlhf_div.compat.cpu_seams`),
+  as on a user's laptop. It is stopped by killing its own process group (never ``ray stop``,
   which would stop other clusters on the machine).
 * :func:`submit` runs ``examples/scripts/run.sh EXPERIMENT --submit`` (real ``ray job submit``) with the
-  experiment's variables; :func:`tb_scalars` and :func:`probe_records` read what the job left.
+  experiment's variables; a ``probe=True`` head has the test-only probe
+  (``tests/e2e/site/e2e_probe.py``) imported in every worker (``OPENRLHF_DIV_SITE_HOOKS``, read by
+  the package's CPU-layer ``sitecustomize``); :func:`tb_scalars` and :func:`probe_records` read
+  what the job left.
 
 Other engines (e.g. the Megatron actor) reuse it: write a ``configs/openrlhf/tiny_cpu_*.yaml``
 and call ``submit(head, exp, "examples/scripts/run.sh", "tiny_cpu_<that>", "--submit", run_dir=...)``.
@@ -18,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
 import socket
@@ -30,9 +35,16 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from openrlhf_div.engines.openrlhf import tiny_experiment as _tiny  # noqa: E402
+
 SITE = os.path.join(REPO, "tests", "e2e", "site")
-DIGITS = [str(i) for i in range(10)]
-WORDS = ["+", "=", "and", "so", "is", "the", "sum"]
+PROBE = os.path.join(SITE, "e2e_probe.py")
+#: the fault corpus's injections (tests/e2e/test_ray_faults.py), each off unless its variable is set
+FAULTS = os.path.join(SITE, "e2e_faults.py")
+DIGITS, WORDS = _tiny.DIGITS, _tiny.WORDS
 
 
 def free_port() -> int:
@@ -42,46 +54,8 @@ def free_port() -> int:
 
 
 # ------------------------------------------------------------------ the tiny experiment
-def _problems(rng: random.Random, n: int) -> List[Dict[str, str]]:
-    out = []
-    for _ in range(n):
-        a, b = rng.randint(0, 4), rng.randint(0, 4)
-        out.append({"prompt": f"{a} + {b} =", "answer": str(a + b)})
-    return out
-
-
-def build_tiny_model(path: str, *, seed: int = 0, warmup_steps: int = 40) -> str:
-    """A 2-layer Qwen2 (hidden 128, 2 heads of 64, vocab 19) and its word-level tokenizer,
-    taught ``a + b = c <eos>`` for ``warmup_steps`` Adam steps so sampling at T=1 gets a
-    fraction of the sums right (rewards vary within a group)."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-    vocab = {"<pad>": 0, "<eos>": 1}
-    for w in DIGITS + WORDS:
-        vocab[w] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
-    cfg = Qwen2Config(vocab_size=len(vocab), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
-                      tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=1)
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(cfg).float()  # taught in float32 (bf16 matmuls on CPU are slow), saved in bf16
-    rng = random.Random(seed)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(warmup_steps):
-        batch = [hf_tok(f"{p['prompt']} {p['answer']} <eos>")["input_ids"] for p in _problems(rng, 16)]
-        ids = torch.tensor(batch)
-        loss = model(input_ids=ids, labels=ids).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.config.dtype = "bfloat16"
-    model.to(torch.bfloat16).save_pretrained(path)
-    hf_tok.save_pretrained(path)
-    return path
+_problems = _tiny.problems
+build_tiny_model = _tiny.build_tiny_model
 
 
 @dataclass
@@ -93,20 +67,14 @@ class TinyExperiment:
 
 
 def build_tiny_experiment(root: str, *, n_prompts: int = 8, seed: int = 0) -> TinyExperiment:
-    """Model + data under ``root`` (absolute paths: jobs run in Ray's copy of the repository)."""
+    """Model + data under ``root`` (absolute paths: jobs run in Ray's copy of the repository),
+    built by the package (:func:`openrlhf_div.engines.openrlhf.tiny_experiment.ensure`)."""
     root = os.path.abspath(root)
-    os.makedirs(os.path.join(root, "data"), exist_ok=True)
-    model = os.path.join(root, "model")
-    if not os.path.exists(os.path.join(model, "config.json")):
-        build_tiny_model(model, seed=seed)
-    data = os.path.join(root, "data", "train.jsonl")
-    with open(data, "w") as fh:
-        for p in _problems(random.Random(seed + 1), n_prompts):
-            fh.write(json.dumps(p) + "\n")
-    # The tiny model answers with a bare number: the math reward's lenient extraction. Set only in
-    # the submitting environment (never on the Ray head), so rewards > 0 also show that task
-    # variables travel with the job to the vLLM actors that score.
-    env = {"TINY_MODEL": model, "DATA_DIR": os.path.dirname(data), "OPENRLHF_DIV_MATH_EXTRACT": "lenient"}
+    model = _tiny.ensure(os.path.join(root, "model"), seed=seed)["model"]
+    data = _tiny.write_tiny_data(os.path.join(root, "data"), n_prompts=n_prompts, seed=seed)
+    # TINY_MODEL / DATA_DIR point the configs at this copy. The math reward's lenient extraction
+    # comes from the configs' env: section, as for a user (the submitting environment has none).
+    env = {"TINY_MODEL": model, "DATA_DIR": os.path.dirname(data)}
     return TinyExperiment(root, model, data, env)
 
 
@@ -139,18 +107,9 @@ class RayHead:
         env = dict(os.environ)
         env.update({
             "PATH": bin_dir + os.pathsep + env.get("PATH", ""),
-            "PYTHONPATH": os.pathsep.join([SITE, REPO] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]),
-            "OPENRLHF_DIV_CPU_SEAMS": "1",
-            "OPENRLHF_DIV_E2E_PROBE": "1" if self.probe else "0",
-            "DS_ACCELERATOR": "cpu",
-            "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            "VLLM_CPU_OMP_THREADS_BIND": env.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
-            "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
-            # vLLM's CPU platform turns OpenRLHF's executor choice for TP=1 ("uni", what a GPU
-            # runs: the model in the EngineCore process) into "mp" (one more spawned process
-            # importing vLLM, ~15 CPU-s per engine) unless this is 0; with 0 the CPU run has the
-            # GPU's process layout. AsyncLLM (OpenRLHF's engine) keeps its EngineCore process.
-            "VLLM_ENABLE_V1_MULTIPROCESSING": env.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
+            # this checkout first (the shared venv's editable install may point elsewhere)
+            "PYTHONPATH": os.pathsep.join([REPO] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                                    if p and p != SITE]),
             "RAY_DEDUP_LOGS": "0",
             "RAY_USAGE_STATS_ENABLED": "0",
             # a loaded 2-core box starts the dashboard's modules slowly (default 30 s)
@@ -160,9 +119,11 @@ class RayHead:
         })
         env.pop("RAY_ADDRESS", None)
         # OPENRLHF_DIV_FORCE_CPU_GEMM (cpu_seams): every vLLM process takes that CPU GEMM branch
-        keep = ("OPENRLHF_DIV_CPU_SEAMS", "OPENRLHF_DIV_E2E_PROBE", "OPENRLHF_DIV_FORCE_CPU_GEMM")
+        keep = ("OPENRLHF_DIV_FORCE_CPU_GEMM",)
         for k in [k for k in env if k.startswith("OPENRLHF_DIV_") and k not in keep]:
             env.pop(k)  # task variables must reach the workers through the job, not the raylet
+        # test-only: the CPU layer's sitecustomize imports these in every worker
+        env["OPENRLHF_DIV_SITE_HOOKS"] = ",".join(([PROBE] if self.probe else []) + [FAULTS])
         env.update(self.extra_env)
         return env
 

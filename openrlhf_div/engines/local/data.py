@@ -24,6 +24,10 @@ from openrlhf_div.tasks.datasets import DatasetError, LoadSummary, load_examples
 _CHARS_PER_TOKEN_MAX = 64
 
 
+#: the options ``openrlhf-div train`` has for what a data error points to (it skips no malformed row)
+DATA_HINTS = {"on_error": None, "duplicate_ids": "data.duplicate_ids=rename", "max_prompt": "data.max_prompt_tokens"}
+
+
 def load_task_examples(cfg, path: str, split: Optional[str] = None, normalized: bool = False,
                        max_prompt_chars: Optional[int] = None) -> Tuple[List[Dict[str, Any]], LoadSummary]:
     """Examples of ``path`` for ``cfg.task`` with the ``data`` section's field mapping.
@@ -33,11 +37,11 @@ def load_task_examples(cfg, path: str, split: Optional[str] = None, normalized: 
     d = cfg.data
     if normalized:
         ex, summary = _load_examples(path, "__normalized__", duplicate_ids=d.duplicate_ids,
-                                     max_prompt_chars=max_prompt_chars)
+                                     max_prompt_chars=max_prompt_chars, hints=DATA_HINTS)
     else:
         ex, summary = _load_examples(path, cfg.task, split=split, prompt_field=d.prompt_field,
                                      label_field=d.label_field, id_field=d.id_field, duplicate_ids=d.duplicate_ids,
-                                     max_prompt_chars=max_prompt_chars)
+                                     max_prompt_chars=max_prompt_chars, hints=DATA_HINTS)
     if not ex:
         raise DatasetError(f"data file {path!r} holds no examples")
     return ex, summary

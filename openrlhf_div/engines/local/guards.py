@@ -70,6 +70,26 @@ class DegenerateMonitor:
         self.consecutive = 0
         self.total = 0
 
+    # the counters travel in the checkpoint: a resumed run continues them (the stop counts the
+    # consecutive degenerate steps before the resume too, the progress line the run's total)
+    def state_dict(self) -> Dict[str, int]:
+        return {"consecutive": int(self.consecutive), "total": int(self.total)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.consecutive = int(state.get("consecutive", 0))
+        self.total = int(state.get("total", 0))
+
+    def rebuild(self, rows) -> None:
+        """The counters from the logged rows of the steps done (``metrics.jsonl``), for a
+        checkpoint written before they were saved."""
+        self.consecutive = self.total = 0
+        for r in rows:
+            if r.get("degenerate_step"):
+                self.consecutive += 1
+                self.total += 1
+            else:
+                self.consecutive = 0
+
     def update(self, stats: Dict[str, Any], step: int) -> None:
         if stats.get("degenerate_step"):
             self.consecutive += 1

@@ -129,9 +129,11 @@ class RunLog:
         from openrlhf_div import __version__
         os.makedirs(self.run_dir, exist_ok=True)
         atomic_write_text(os.path.join(self.run_dir, "config.yaml"), config_yaml)
-        full = {**dict(info), "openrlhf_div": __version__, "git_commit": git_commit(), "torch": torch.__version__,
-                "transformers": transformers.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-                "resumed_from_step": resumed_step}
+        from openrlhf_div.engines.runinfo import machine, versions
+
+        full = {**dict(info), "engine": "local", "openrlhf_div": __version__, "git_commit": git_commit(),
+                "torch": torch.__version__, "transformers": transformers.__version__, "versions": versions(),
+                "machine": machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "resumed_from_step": resumed_step}
         name = "run_info.json" if resumed_step is None else f"run_info.resume_{resumed_step:06d}.json"
         atomic_write_json(os.path.join(self.run_dir, name), full, default=str)
 

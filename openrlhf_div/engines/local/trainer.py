@@ -250,12 +250,12 @@ class Trainer:
         self.step = 0
         self.log = RunLog(self.run_dir, tensorboard=cfg.logging.tensorboard, run_name=self.method.name,
                           config={"method": self.method.describe(), "seed": cfg.seed})
+        self._degenerate = DegenerateMonitor(cfg.optim.stop_after_degenerate_steps)  # restored on resume
         if ckpt:
             self._load_checkpoint(ckpt)  # the policy's weights came from the checkpoint: the sampler has them
         # reference for the exploding-weights check after every optimizer step
         self._start_weight_norm = weight_norm(self._checked_params())
         self.interrupt = GracefulInterrupt()
-        self._degenerate = DegenerateMonitor(cfg.optim.stop_after_degenerate_steps)
 
     # ------------------------------------------------------------------ data plumbing
     def _data_paths(self):
@@ -569,9 +569,15 @@ class Trainer:
             return None
         res = evaluate_policy(self.model, self.tokenizer, self.task, self.eval_examples, self.cfg,
                               run_dir=self.run_dir, name=self.method.name, step=self.step, sampler=self.sampler)
+        if self.step == 0:  # the initial policy's evaluation: `compare` uses it as the base
+            import shutil
+
+            shutil.copyfile(os.path.join(self.run_dir, "eval.json"), os.path.join(self.run_dir, "eval_step0.json"))
         row = eval_row(self.step, res)
         self.log.append("eval.jsonl", row)
         self.log.scalars("eval", row, self.step)
+        if self.cfg.logging.progress:  # one line per evaluation (eval.every N: a periodic pass@k line)
+            print(passk_line(row), flush=True)
         return row
 
     # ------------------------------------------------------------------ checkpoints
@@ -602,6 +608,7 @@ class Trainer:
             "rng": rng_states(self.gen_rng, self.train_rng),
             "prompt_cursor": self.prompt_cursor.state_dict(),
             "anchor_cursor": self.anchor_cursor.state_dict() if self.anchor_cursor is not None else None,
+            "degenerate_monitor": self._degenerate.state_dict(),
             "method": self.method.describe(),
         }
         return write_checkpoint(self.checkpoint_dir(), self.step, self.model, self.tokenizer, state,
@@ -622,6 +629,13 @@ class Trainer:
         # metrics logged after this checkpoint belong to steps that will be redone
         for fname in ("metrics.jsonl", "eval.jsonl"):
             self.log.truncate(fname, self.step)
+        if st.get("degenerate_monitor") is not None:
+            self._degenerate.load_state_dict(st["degenerate_monitor"])
+        else:  # a checkpoint from before the counters were saved: count them from the log
+            from .checkpoint import read_jsonl_rows
+
+            p = os.path.join(self.run_dir, "metrics.jsonl")
+            self._degenerate.rebuild(read_jsonl_rows(p)[0] if os.path.exists(p) else [])
 
     def _write_run_info(self, resumed: bool) -> None:
         info = {"seed": self.cfg.seed, "device": str(self.device), "num_threads": torch.get_num_threads(),
@@ -656,10 +670,7 @@ class Trainer:
                     finally:
                         self.log.append("metrics.jsonl", last)
                     self.log.scalars("train", last, self.step)
-                    bar.set_postfix(reward=f"{last['reward_mean']:.3f}",
-                                    loss=f"{last.get('loss', float('nan')):.4f}",
-                                    degenerate=f"{int(last.get('degenerate_steps_total', 0))}/{self.step}",
-                                    s_per_step=f"{last['time_step']:.2f}")
+                    bar.set_postfix(progress_figures(last, self.step))
                     bar.update(1)
                     e = self.cfg.eval.every
                     if e and self.step % e == 0 and self.step < total:
@@ -688,6 +699,26 @@ class Trainer:
         is the backend's to refuse (vLLM raises)."""
         if getattr(self, "sampler", None) is not None:
             self.sampler.close()
+
+
+def progress_figures(m: Dict[str, Any], step: int) -> Dict[str, str]:
+    """The progress line's figures of a step's metrics: reward, loss, the policy's entropy, the
+    anchor term for methods that have one (DPH: ``loss_pef``), degenerate steps, seconds per step
+    (the line itself adds the ETA)."""
+    out = {"reward": f"{m['reward_mean']:.3f}", "loss": f"{m.get('loss', float('nan')):.4f}"}
+    if "entropy" in m:
+        out["entropy"] = f"{m['entropy']:.3f}"
+    if "loss_pef" in m:
+        out["anchor"] = f"{m['loss_pef']:.4f}"
+    out["degenerate"] = f"{int(m.get('degenerate_steps_total', 0))}/{step}"
+    out["s_per_step"] = f"{m['time_step']:.2f}"
+    return out
+
+
+def passk_line(row: Dict[str, Any]) -> str:
+    """``[eval] step 20: pass@1 0.281, pass@4 0.500 (8 prompts x 4 samples)`` from an ``eval.jsonl`` row."""
+    ks = ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k.startswith("pass@"))
+    return f"[eval] step {row['step']}: {ks} ({row['n_prompts']} prompts x {row['n_samples']} samples)"
 
 
 # =============================================================================== entry point

@@ -81,13 +81,18 @@ def _job_env_keys(environ: Mapping[str, str]) -> set:
     return set((_job_runtime_env(environ).get("env_vars") or {}).keys())
 
 
-def driver_runtime_env(environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+def driver_runtime_env(environ: Optional[Mapping[str, str]] = None, cpu: bool = False) -> Dict[str, Any]:
     """The runtime env our drivers pass to ``ray.init``: OpenRLHF's own keys (as ``train()``
-    would set them) plus :func:`task_env`, minus every key the submitted job's runtime env
-    already has (Ray refuses to merge duplicates)."""
+    would set them) plus :func:`task_env` (and, for a run without GPU, the CPU layer's
+    :func:`~openrlhf_div.compat.cpu_seams.worker_env`), minus every key the submitted job's
+    runtime env already has (Ray refuses to merge duplicates)."""
     environ = os.environ if environ is None else environ
     env = {k: environ.get(k, v) for k, v in UPSTREAM_ENV.items()}
     env.update(task_env(environ))
+    if cpu:
+        from openrlhf_div.compat.cpu_seams import worker_env
+
+        env.update(worker_env(environ))
     taken = _job_env_keys(environ)
     out: Dict[str, Any] = {"env_vars": {k: v for k, v in env.items() if k not in taken}}
     if "worker_process_setup_hook" not in _job_runtime_env(environ):
@@ -95,13 +100,89 @@ def driver_runtime_env(environ: Optional[Mapping[str, str]] = None) -> Dict[str,
     return out
 
 
-def init_ray(environ: Optional[Mapping[str, str]] = None) -> None:
+def running_cluster(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The Ray cluster this driver joins: ``RAY_ADDRESS`` (a submitted job always has it), else
+    the one ``ray start`` last recorded on this machine if its GCS is alive; ``None``: none runs."""
+    environ = os.environ if environ is None else environ
+    if environ.get("RAY_ADDRESS"):
+        return environ["RAY_ADDRESS"]
+    from ray._private import services
+
+    recorded = services.find_bootstrap_address(None)
+    if recorded and recorded in set(services.find_gcs_addresses()):
+        return recorded
+    return None
+
+
+#: logical CPUs a private CPU cluster declares at least (each OpenRLHF bundle asks for 1 CPU + 1 GPU)
+PRIVATE_MIN_CPUS = 8
+
+
+def init_ray(environ: Optional[Mapping[str, str]] = None, need: Optional[Dict[str, int]] = None) -> None:
     """``ray.init`` with :func:`driver_runtime_env` unless Ray is already initialised (then
-    OpenRLHF's ``train()`` skips its own ``ray.init``)."""
+    OpenRLHF's ``train()`` skips its own ``ray.init``).
+
+    Without a GPU the CPU compatibility layer is applied (:mod:`openrlhf_div.compat.cpu_seams`):
+    in this process and in every worker. With no running cluster (:func:`running_cluster`) the
+    driver starts a private one for this run (its own temp dir, no dashboard, stopped when the
+    driver exits) that declares ``need["GPU"]`` logical GPUs on a machine without GPU. Then
+    :func:`check_resources` stops a run the cluster cannot place (``need``), in seconds."""
+    import sys
+    import tempfile
+
     import ray
 
-    if not ray.is_initialized():
-        ray.init(runtime_env=driver_runtime_env(environ))
+    from openrlhf_div.compat import cpu_seams
+
+    if ray.is_initialized():
+        return
+    environ = os.environ if environ is None else environ
+    cpu = cpu_seams.cpu_mode(environ)
+    if cpu:
+        cpu_seams.apply_here(environ)
+    runtime_env = driver_runtime_env(environ, cpu=cpu)
+    address = running_cluster(environ)
+    if address is None:
+        kwargs: Dict[str, Any] = {}
+        if cpu:
+            gpus = int((need or {}).get("GPU", 0))
+            kwargs = {"num_gpus": gpus, "num_cpus": max(os.cpu_count() or 1, PRIVATE_MIN_CPUS, gpus + 2)}
+        what = f"{kwargs['num_gpus']} logical GPU(s): no GPU here, the CPU path" if cpu else "this machine's GPUs"
+        print(f"[openrlhf-div] no Ray cluster running (RAY_ADDRESS unset): starting a private one for this run "
+              f"({what})", file=sys.stderr, flush=True)
+        ray.init(address="local", include_dashboard=False, runtime_env=runtime_env,
+                 _temp_dir=tempfile.mkdtemp(prefix="openrlhf_div_ray_"), **kwargs)
+    elif environ.get("RAY_ADDRESS"):
+        ray.init(runtime_env=runtime_env)  # Ray reads RAY_ADDRESS itself (a submitted job's driver has it)
+    else:
+        ray.init(address=address, runtime_env=runtime_env)
+    if need:
+        check_resources(need, address or "the private cluster")
+
+
+class PlacementError(RuntimeError):
+    """The live Ray cluster cannot place what the run needs (one line: what is missing, how to provide it)."""
+
+
+def check_resources(need: Mapping[str, int], where: str = "the Ray cluster",
+                    have: Optional[Mapping[str, float]] = None) -> None:
+    """Compare the run's needs (``{"GPU": n, ..., "detail": "actor 1 + vllm 1"}``) with the live
+    cluster's resources (``ray.cluster_resources()``) and raise :class:`PlacementError` naming what
+    is missing, instead of waiting forever on a placement group Ray cannot schedule."""
+    if have is None:
+        import ray
+
+        have = ray.cluster_resources()
+    detail = need.get("detail")
+    for res in ("GPU", "CPU"):
+        want = int(need.get(res, 0) or 0)
+        got = float(have.get(res, 0.0))
+        if want > got:
+            how = (f"start the head with `ray start --head --num-{res.lower()}s {want}` (logical {res}s are "
+                   f"fine on a CPU machine: the CPU path runs everything on the CPU) or add nodes, or ask for "
+                   f"less (--actor.num_gpus_per_node, --vllm.num_engines, --ref.num_gpus_per_node)")
+            raise PlacementError(f"this run needs {want} {res}(s){f' ({detail})' if detail else ''} but {where} "
+                                 f"has {got:g}: {how}")
 
 
 # ------------------------------------------------------------------ ray job submit

@@ -252,6 +252,13 @@ class Plan:
     cluster_gpus: Optional[int] = None
     config: Optional[str] = None
     dry_run: bool = False
+    env: Dict[str, str] = field(default_factory=dict)   # the config's env: section
+
+    def needs(self) -> Dict[str, Any]:
+        """What the live cluster must hold (:func:`~.jobs.check_resources`): one GPU and one CPU
+        per bundle of OpenRLHF's placement groups."""
+        detail = " + ".join(f"{k} {v}" for k, v in self.gpus.items() if k != "total")
+        return {"GPU": self.gpus.get("total", 0), "CPU": self.gpus.get("total", 0), "detail": detail}
 
     @property
     def command(self) -> str:
@@ -281,7 +288,8 @@ class Plan:
         lines.append(f"reward      : {a.reward.remote_url}")
         lines.append(f"GPUs needed : {self.gpus.get('total', 0)} = " + " + ".join(
             f"{k} {v}" for k, v in self.gpus.items() if k != "total")
-            + (f" (cluster has {self.cluster_gpus})" if self.cluster_gpus else ""))
+            + (f" (the config's cluster: block declares {self.cluster_gpus}; the live cluster is checked "
+               "at start)" if self.cluster_gpus else ""))
         return "\n".join(lines)
 
 
@@ -323,16 +331,15 @@ def plan(argv: Sequence[str], parser: Optional[argparse.ArgumentParser] = None) 
     check_supported(method, args)
     _check_batches(method, args)
     gpus = count_gpus(args, derived.reference_actor)
+    # the config's cluster: block documents the cluster the experiment was sized for; what decides
+    # is the live cluster, checked when the run starts (jobs.check_resources), so a command-line
+    # change of the topology is judged against the GPUs that exist, not against the block
     cluster = cfg.get("cluster") or {}
     cluster_gpus = None
     if cluster:
         cluster_gpus = int(cluster.get("nodes", 1)) * int(cluster.get("gpus_per_node", 8))
-        if gpus["total"] > cluster_gpus:
-            raise ValueError(
-                f"{cfg_path}: the topology needs {gpus['total']} GPUs ({gpus}) but the cluster "
-                f"section declares {cluster_gpus}"
-            )
-    return Plan(final_argv, args, method, derived, gpus, cluster_gpus, cfg_path, dry_run)
+    env = {str(k): str(v) for k, v in (cfg.get("env") or {}).items()}
+    return Plan(final_argv, args, method, derived, gpus, cluster_gpus, cfg_path, dry_run, env)
 
 
 def _check_batches(method, args) -> None:
@@ -385,14 +392,28 @@ def div_classes(args=None):
         yield upstream_cli
 
 
+def apply_config_env(cfg_or_env) -> None:
+    """A config's ``env:`` section into this process's environment (a variable already set wins);
+    ``OPENRLHF_DIV_*`` ones then reach every Ray worker (:func:`~.jobs.task_env`)."""
+    env = cfg_or_env.get("env") if isinstance(cfg_or_env.get("env"), dict) else cfg_or_env
+    for k, v in (env or {}).items():
+        os.environ.setdefault(str(k), str(v))
+
+
 def run(p: Plan) -> None:
     from .jobs import init_ray
 
-    init_ray()  # the task's variables (OPENRLHF_DIV_*) reach every worker; see jobs.py
+    apply_config_env(p.env)
+    # the task's variables (OPENRLHF_DIV_*) reach every worker (jobs.py); the CPU layer without a
+    # GPU; a private cluster when none runs; a run the live cluster cannot place stops here
+    init_ray(need=p.needs())
     from .nodes import LOST_NODE_EXIT, check_shared_paths, config_paths, watch_nodes
 
     check_shared_paths(config_paths(p.args))  # several nodes: each sees every path (nodes.py)
     watch = watch_nodes()  # a node lost mid-run ends the run in one line (nodes.py)
+    from .runfolder import write_driver_files
+
+    write_driver_files(p, load_config(p.config) if p.config else {})  # config.yaml, run_info.json
     with div_classes(p.args) as upstream_cli:
         try:
             upstream_cli.train(p.args)
@@ -462,11 +483,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(p.command)
     if p.dry_run:
         return 0
+    from .jobs import PlacementError
     from .nodes import SharedPathError
 
     try:
         run(p)
-    except SharedPathError as exc:  # a config path some node cannot see (nodes.py)
+    except (SharedPathError, PlacementError) as exc:  # a path some node cannot see; a plan the cluster cannot place
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # a dead vLLM engine: end with the one line that names it

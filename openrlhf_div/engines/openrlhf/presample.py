@@ -217,7 +217,11 @@ def run(args) -> Dict[str, Any]:
 
     from .jobs import init_ray
 
-    init_ray()  # OpenRLHF's keys + the task's variables, never a key the job already sets
+    ref = args.ref.num_nodes * args.ref.num_gpus_per_node
+    vllm = args.vllm.num_engines * args.vllm.tensor_parallel_size
+    # OpenRLHF's keys + the task's variables, never a key the job already sets; fails fast when
+    # the live cluster cannot place the reference actor and the vLLM engines
+    init_ray(need={"GPU": ref + vllm, "CPU": ref + vllm, "detail": f"reference {ref} + vllm {vllm}"})
     from .nodes import check_shared_paths, config_paths, watch_nodes
 
     # the anchors are this stage's output (presample.out), not its input
@@ -325,11 +329,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if getattr(parsed, "dry_run", False):
         print(json.dumps(settings_from_args(args), indent=2, default=str))
         return 0
+    from .jobs import PlacementError
+    from .launch import apply_config_env
     from .nodes import SharedPathError
 
+    apply_config_env(cfg)
     try:
         print(format_summary(run(args)))
-    except SharedPathError as exc:
+    except (SharedPathError, PlacementError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

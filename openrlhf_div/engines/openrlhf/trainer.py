@@ -1,8 +1,10 @@
 """The controller: OpenRLHF's ``PPOTrainer`` with :class:`DivExperienceMaker` as its experience maker.
 
 Everything else (vLLM generation with rewards from the task's reward-function file, weight
-broadcast, evaluation, checkpoints, logging) is OpenRLHF's. Rollout statistics are computed
-over the online rows only (anchor rows carry no reward).
+broadcast, checkpoints, TensorBoard) is OpenRLHF's. Rollout statistics are computed over the
+online rows only (anchor rows carry no reward). It also keeps the run folder a local run keeps
+(:mod:`.runfolder`): ``metrics.jsonl`` per step, and the project's evaluation on
+``--eval.dataset`` with the trainer's own vLLM engines before the first step and after the last.
 """
 from __future__ import annotations
 
@@ -66,6 +68,8 @@ class _DivPPOTrainer(PPOTrainer.__ray_actor_class__):
         pool = getattr(self.experience_maker, "anchor_pool", None)
         if pool is not None and client_states is not None:
             client_states[ANCHOR_POOL_STATE] = pool.state_dict()
+        self._div_last_step = int(global_step)
+        self._div_folder().log_step(global_step, logs_dict or {})
         try:
             return super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
         finally:
@@ -74,6 +78,43 @@ class _DivPPOTrainer(PPOTrainer.__ray_actor_class__):
             writer = getattr(getattr(self, "tensorboard_logger", None), "writer", None)
             if writer is not None:
                 writer.flush()
+
+    def _div_folder(self):
+        from .runfolder import RunFolder
+
+        if getattr(self, "_div_run_folder", None) is None:
+            self._div_run_folder = RunFolder(self.args)
+        return self._div_run_folder
+
+    def fit(self, global_step: int = 0) -> None:
+        """OpenRLHF's loop, with the run folder's evaluations around it: the initial policy (step 0,
+        unless resuming) and the final one (the weights the last step broadcast to vLLM)."""
+        states = super().init_checkpoint_states()
+        start = int(states.get("global_step", 0) or 0)
+        self._div_folder().truncate(start)  # rows of steps a resumed run redoes
+        self._div_last_step = start
+        if start == 0:
+            self._div_evaluate(0)
+        out = super().fit(global_step)
+        if self._div_last_step > start:
+            self._div_evaluate(self._div_last_step)
+        return out
+
+    def _div_evaluate(self, step: int) -> None:
+        """The run folder's evaluation; a failure there is reported (one line + its traceback on
+        stderr) and does not take the training down: the run folder then lacks that evaluation."""
+        import sys
+        import traceback
+
+        from .runfolder import evaluate_with_engines
+
+        try:
+            evaluate_with_engines(self, step)
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            print(f"[openrlhf-div] error: the run folder's evaluation at step {step} failed "
+                  f"({type(exc).__name__}: {exc}); training goes on, eval.json of that step is missing",
+                  file=sys.stderr, flush=True)
 
     def init_checkpoint_states(self) -> Dict:
         states = super().init_checkpoint_states()

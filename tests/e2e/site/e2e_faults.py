@@ -130,8 +130,11 @@ def _patch_trainer(mod) -> None:
 
 
 def install() -> None:
-    import cpu_seams
+    from openrlhf_div.compat import cpu_seams
 
     cpu_seams.add_hook("openrlhf_div.engines.openrlhf.actor", _patch_actor)
     cpu_seams.add_hook("deepspeed.runtime.engine", _patch_engine)
     cpu_seams.add_hook("openrlhf.trainer.ppo_trainer", _patch_trainer)
+
+
+install()  # imported by the CPU layer's sitecustomize (OPENRLHF_DIV_SITE_HOOKS); each injection is off unless its variable is set

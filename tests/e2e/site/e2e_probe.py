@@ -1,5 +1,7 @@
-"""Test instrumentation for the CPU end-to-end runs (loaded by ``sitecustomize`` when
-``OPENRLHF_DIV_E2E_PROBE=1``; never by production code).
+"""Test instrumentation for the CPU end-to-end runs: the Ray head of ``tests/e2e/ray_harness``
+(``probe=True``) sets ``OPENRLHF_DIV_SITE_HOOKS`` to this file, and the package's CPU-layer
+``sitecustomize`` imports it (as module ``e2e_probe``) in every worker process at start-up; never
+production code. It registers its patch through :func:`openrlhf_div.compat.cpu_seams.add_hook`.
 
 After every ``broadcast_to_vllm`` of OpenRLHF's controller (``BasePPOTrainer``, the base of our
 ``DivPPOTrainer``), it scores one fixed token sequence twice: with the policy actor's own forward
@@ -63,6 +65,9 @@ def _patch_ppo_trainer(mod) -> None:
 
 
 def install() -> None:
-    import cpu_seams
+    from openrlhf_div.compat import cpu_seams
 
     cpu_seams.add_hook("openrlhf.trainer.ppo_trainer", _patch_ppo_trainer)
+
+
+install()  # imported by the CPU layer's sitecustomize

@@ -1,11 +1,13 @@
 """CPU-only patches that let OpenRLHF 0.11.2's Ray topology run on a machine without CUDA.
 
-**Production code never imports this module** (it lives under ``tests/``, outside the
-package). It is loaded only in a CPU test cluster: the end-to-end harness (``tests/e2e/``)
-starts its Ray head with ``tests/e2e/site`` on ``PYTHONPATH`` and ``OPENRLHF_DIV_CPU_SEAMS=1``;
-that folder's ``sitecustomize.py`` calls :func:`install_import_hooks` in every Python process
-of the cluster (the job driver, every Ray worker, vLLM's engine-core process). Each patch is applied when its upstream module is first
-imported, so processes that never import OpenRLHF pay nothing.
+Applied by the package whenever no GPU is present (:func:`cpu_mode`): the Ray drivers
+(:mod:`openrlhf_div.engines.openrlhf.launch`, ``presample_ray``) install the hooks in their own
+process and hand every Ray worker :func:`worker_env` (``OPENRLHF_DIV_CPU_SEAMS=1`` and the
+package's ``cpu_site`` folder on ``PYTHONPATH``); that folder's ``sitecustomize.py`` calls
+:func:`install_import_hooks` in every Python process of the run (the job driver, every Ray
+worker, vLLM's engine-core process). Each patch is applied when its upstream module is first
+imported, so processes that never import OpenRLHF pay nothing. On a machine with a GPU none of
+this is applied (``OPENRLHF_DIV_CPU_SEAMS=0`` forces it off, ``=1`` on).
 
 Every patched seam is one place where OpenRLHF calls a CUDA-only API on the path
 ``train() -> vLLM rollout -> DeepSpeed actor step -> weight sync -> checkpoint``. The list
@@ -15,7 +17,10 @@ still prove. Keep the two in step: :data:`SEAMS` names each patch.
 What is *not* patched: vLLM itself (its CPU build is real), DeepSpeed's engine (its CPU
 accelerator is real; only the JIT-compiled shared-memory collective and FusedAdam are swapped
 for their pure-torch equivalents, as DeepSpeed does itself when asked), Ray, OpenRLHF's trainer
-and experience maker, and our own actor/trainer classes.
+and experience maker, and our own actor/trainer classes. Two test-side helpers are loaded from
+the checkout's ``tests/`` only where asked for: megatron-core's CPU shim (``tests/mcore_cpu.py``,
+for the Megatron actor) and the forced CPU GEMM branch (``tests/vllm_cpu_gemm.py``,
+``OPENRLHF_DIV_FORCE_CPU_GEMM``).
 """
 from __future__ import annotations
 
@@ -232,8 +237,12 @@ def _patch_megatron_engine(mod) -> None:
 
 
 def _tests_on_path() -> None:
-    """``tests/`` (its helper modules: mcore_cpu, vllm_cpu_gemm) importable."""
-    tests_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    """The checkout's ``tests/`` (its helper modules: mcore_cpu, vllm_cpu_gemm) importable."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    tests_dir = os.path.join(repo, "tests")
+    if not os.path.isfile(os.path.join(tests_dir, "mcore_cpu.py")):
+        raise ImportError(f"the CPU path of this engine needs the checkout's tests/ helpers (mcore_cpu.py, "
+                          f"vllm_cpu_gemm.py), not found under {tests_dir}; run from a clone of the repository")
     if tests_dir not in sys.path:
         sys.path.insert(0, tests_dir)
 
@@ -274,6 +283,8 @@ _EXTRA: Dict[str, List[Callable]] = {}
 def add_hook(module: str, fn: Callable) -> None:
     """Run ``fn(module_object)`` right after ``module`` is imported (now, if it already is)."""
     _EXTRA.setdefault(module, []).append(fn)
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
     if module in sys.modules:
         fn(sys.modules[module])
 
@@ -326,3 +337,63 @@ def install_import_hooks() -> None:
 
 def enabled() -> bool:
     return os.environ.get(ENV_FLAG, "") == "1"
+
+
+# ------------------------------------------------------------------ when and where it applies
+#: the folder whose ``sitecustomize.py`` installs the hooks in every process that has it on PYTHONPATH
+SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_site")
+
+#: what a CPU run's processes need besides the hooks (defaults; a value already set wins)
+CPU_ENV: Dict[str, str] = {
+    "DS_ACCELERATOR": "cpu",              # DeepSpeed's real CPU accelerator
+    "VLLM_CPU_KVCACHE_SPACE": "1",        # GiB of KV cache per vLLM CPU engine (vLLM's default: 4)
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+    # vLLM's CPU platform turns OpenRLHF's executor choice for TP=1 ("uni", what a GPU runs: the
+    # model in the EngineCore process) into "mp" (one more spawned process importing vLLM, ~15
+    # CPU-s per engine) unless this is 0; with 0 the CPU run has the GPU's process layout.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
+
+
+def gpu_present() -> bool:
+    """A CUDA device is visible to this process."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def cpu_mode(environ=None) -> bool:
+    """Whether the CPU compatibility layer applies: ``OPENRLHF_DIV_CPU_SEAMS=1`` / ``0`` decide;
+    unset, it applies exactly when no GPU is present."""
+    environ = os.environ if environ is None else environ
+    flag = environ.get(ENV_FLAG, "")
+    if flag in ("0", "1"):
+        return flag == "1"
+    return not gpu_present()
+
+
+def worker_env(environ=None) -> Dict[str, str]:
+    """The variables every process of a CPU run gets (Ray runtime env ``env_vars``): the flag, the
+    ``cpu_site`` folder in front of ``PYTHONPATH`` (Ray expands ``${PYTHONPATH}``) and
+    :data:`CPU_ENV` (values already set in ``environ`` win)."""
+    environ = os.environ if environ is None else environ
+    out = {k: environ.get(k, v) for k, v in CPU_ENV.items()}
+    out[ENV_FLAG] = "1"
+    out["PYTHONPATH"] = SITE_DIR + os.pathsep + "${PYTHONPATH}"
+    return out
+
+
+def apply_here(environ=None) -> None:
+    """This process: :data:`CPU_ENV` defaults, the flag, ``cpu_site`` on ``PYTHONPATH`` (for the
+    processes it starts: a local Ray cluster's raylet and workers inherit them) and the hooks."""
+    environ = os.environ if environ is None else environ
+    for k, v in CPU_ENV.items():
+        environ.setdefault(k, v)
+    environ[ENV_FLAG] = "1"
+    parts = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if SITE_DIR not in parts:
+        environ["PYTHONPATH"] = os.pathsep.join([SITE_DIR] + parts)
+    install_import_hooks()
