@@ -58,7 +58,11 @@ def make_renderer(model: str, chat: bool):
     """``render(example) -> str``: the prompt as is, or through the model's chat template."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model, trust_remote_code=True) if chat else None
+    return renderer(AutoTokenizer.from_pretrained(model, trust_remote_code=True) if chat else None, chat)
+
+
+def renderer(tok, chat: bool):
+    """:func:`make_renderer` for a tokenizer at hand (``tok`` may be None when ``chat`` is off)."""
 
     def render(ex):
         p = ex["prompt"]

@@ -175,10 +175,10 @@ def evaluate_with_engines(trainer, step: int) -> Optional[Dict[str, Any]]:
     from openrlhf_div.eval.evaluate import evaluate
     from openrlhf_div.eval.results import EVAL_FILE, write_eval
     from openrlhf_div.tasks import get_task
-
     from openrlhf_div.tasks.datasets import load_examples
 
     from ..flags import div_namespace, method_from_args
+    from .evaluate import renderer
 
     args = trainer.args
     if not getattr(args.eval, "dataset", None) or not trainer.vllm_engines:
@@ -190,15 +190,7 @@ def evaluate_with_engines(trainer, step: int) -> Optional[Dict[str, Any]]:
     # `compare` puts a Ray run and a local run on the same problems side by side
     examples, _ = load_examples(args.eval.dataset, div.task, prompt_field=key_in, label_field=key_label)
     task = get_task(div.task, **task_env_options(div.task))  # graded as the rewards are (reward_funcs)
-    tok = trainer.tokenizer
-    chat = bool(getattr(args.data, "apply_chat_template", False))
-
-    def render(ex):
-        p = ex["prompt"]
-        if chat:
-            msgs = p if isinstance(p, list) else [{"role": "user", "content": p}]
-            return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        return p if isinstance(p, str) else "\n\n".join(m["content"] for m in p) + "\n"
+    render = renderer(trainer.tokenizer, bool(getattr(args.data, "apply_chat_template", False)))
 
     n = int(args.eval.n_samples_per_prompt)
     ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= n]
