@@ -87,3 +87,32 @@ def test_eval_data_errors_name_eval_options(tmp_path, capsys):
     rc = main(["eval", "--model", model, "--task", "math", "--data", files["malformed"], "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and "--on-error skip" in err, err
+
+
+def test_every_dotted_option_named_in_the_package_exists():
+    """Every ``section.key=value`` any message of the package names (the hints of errors and log lines
+    everywhere, not only data errors) is a key of the local engine's config schema (``method.*``:
+    the method's hyperparameters, checked by the registry). An ``--`` flag of OpenRLHF's (e.g.
+    ``--rollout.batch_size``) is not matched."""
+    import ast
+    import os
+
+    import openrlhf_div
+
+    pat = re.compile(r"(?<![\w.-])(model|rollout|optim|eval|data|checkpoint|presample|engine)\.([a-z_]+)=")
+    cfg = load_config(None, ["task=math", "output_dir=unused"])
+    root = os.path.dirname(openrlhf_div.__file__)
+    named, bad = 0, []
+    for folder, _, files in os.walk(root):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(folder, f)
+            for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    for m in pat.finditer(node.value):
+                        named += 1
+                        if not hasattr(getattr(cfg, m.group(1), None), m.group(2)):
+                            bad.append(f"{os.path.relpath(path, root)}:{node.lineno}: {m.group(0)}")
+    assert named > 20, named  # the scan sees the package's hints
+    assert not bad, "hints name options the config does not have:\n" + "\n".join(bad)
