@@ -59,8 +59,8 @@ import torch
 
 from ._utils import broadcast_seq, check_same_shape, fill_masked, masked_mean, unknown_name_error
 from .advantages import dynamic_sampling_mask, overlong_penalty
-from .authors import (ANCHOR_WEIGHTINGS, AUTHORS_RUN_SETTINGS, MICRO_BATCH_TOKEN_MEAN, STEP_LAYOUTS, anchor_weight,
-                      authors_modes, micro_batch_loss)
+from .authors import (ANCHOR_WEIGHTINGS, AUTHORS_RUN_SETTINGS, MICRO_BATCH_TOKEN_MEAN, MIXED_MICRO_BATCHES,
+                      STEP_LAYOUTS, anchor_weight, authors_modes, micro_batch_loss)
 from .losses import AGGREGATIONS, aggregate_loss
 
 
@@ -151,6 +151,8 @@ COMMON_HPARAMS: Dict[str, Any] = {
     # engines (OpenRLHF, Megatron) under "micro-batch-token-mean": the authors' micro-batch layout
     # (authors.plan_micro_batches, docs/ALGORITHMS.md section 9 rows 1, 1b, 2)
     "step_layout": "spread",    # "authors": anchors in trailing optimiser steps of their own
+    "authors_world_size": None,  # lay each rollout step out as the authors' code did at this many GPUs
+    "mixed_micro_batches": "separate",  # "first_row": the authors' mixed micro-batches (anchors -> PPO at adv +1)
     "micro_batch_tokens": None,  # token budget per micro-batch (the authors' use_dynamic_bsz); None: rows
 }
 ESTIMATORS: Dict[str, Component] = {}
@@ -352,6 +354,15 @@ class Method:
             raise ValueError(f"micro_batch_seqs must be >= 1, got {self.hparams['micro_batch_seqs']}")
         if self.hparams.get("step_layout", "spread") not in STEP_LAYOUTS:
             raise unknown_name_error("step_layout", self.hparams["step_layout"], STEP_LAYOUTS)
+        if self.hparams.get("mixed_micro_batches", "separate") not in MIXED_MICRO_BATCHES:
+            raise unknown_name_error("mixed_micro_batches", self.hparams["mixed_micro_batches"], MIXED_MICRO_BATCHES)
+        aws = self.hparams.get("authors_world_size")
+        if aws is not None and (int(aws) < 1 or self.hparams.get("step_layout", "spread") != "authors"):
+            raise ValueError(f"authors_world_size must be >= 1 with step_layout: authors (the authors' GPU count "
+                             f"lays out their steps), got {aws} with step_layout {self.hparams.get('step_layout')}")
+        if self.hparams.get("mixed_micro_batches", "separate") != "separate" and aws is None:
+            raise ValueError("mixed_micro_batches: first_row reproduces the authors' micro-batches at their GPU count; "
+                             "set authors_world_size too (or mixed_micro_batches: separate)")
         mbt = self.hparams.get("micro_batch_tokens")
         if mbt is not None and int(mbt) < 1:
             raise ValueError(f"micro_batch_tokens must be >= 1 or null (micro-batches of micro_batch_seqs rows), got {mbt}")

@@ -221,9 +221,11 @@ class TrainConfig:
         except ValueError as e:  # name the config section the bad key came from
             raise ConfigError(f"config section `method`: {e}") from e
         h = method.hparams
-        if h.get("step_layout", "spread") != "spread" or h.get("micro_batch_tokens") is not None:
+        if (h.get("step_layout", "spread") != "spread" or h.get("micro_batch_tokens") is not None
+                or h.get("authors_world_size") is not None):
             raise ConfigError(
-                "config section `method`: step_layout / micro_batch_tokens lay micro-batches out as the DPH-RL "
+                "config section `method`: step_layout / authors_world_size / micro_batch_tokens lay micro-batches out "
+                "as the DPH-RL "
                 "authors' update loop on the OpenRLHF and Megatron engines only; the local engine uses "
                 "optim.micro_batch_size and optim.mini_batches (drop them here)")
         return method

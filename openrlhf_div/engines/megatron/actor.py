@@ -36,12 +36,13 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from dataclasses import replace
 from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from openrlhf_div.algorithms.authors import MICRO_BATCH_TOKEN_MEAN, plan_micro_batches
+from openrlhf_div.algorithms.authors import MICRO_BATCH_TOKEN_MEAN, plan_micro_batches, share_micro_batches
 from openrlhf_div.algorithms.registry import Method, get_method
 from openrlhf_div.compat.flash_attn_standin import install as _install_flash_attn_standin
 
@@ -118,22 +119,34 @@ def uses_authors_layout(method: Method) -> bool:
 
 
 def authors_steps(rows: List[Dict[str, torch.Tensor]], method: Method, mini_batch_rows: int, pad_token_id: int = 0,
-                  sync=None) -> List[List[MicroBatch]]:
+                  sync=None, dp_size: int = 1, rank: int = 0) -> List[List[MicroBatch]]:
     """One replica's optimiser steps in the authors' layout
     (:func:`openrlhf_div.algorithms.authors.plan_micro_batches`; rows in replay order, rollouts
-    before anchors, no shuffle), each micro-batch carrying its ``authors_coef``."""
+    before anchors, no shuffle), each micro-batch carrying its ``authors_coef`` (and
+    ``authors_ppo_anchors``). With ``authors_world_size`` ``rows`` are the whole rollout step
+    (every replica's, gathered), ``mini_batch_rows`` the authors' rows per GPU and step, and
+    this replica (``rank`` of ``dp_size``) keeps its share of each step
+    (:func:`~openrlhf_div.algorithms.authors.share_micro_batches`; padding shares weigh 0)."""
     h = method.hparams
+    world = h.get("authors_world_size")
     plan = plan_micro_batches([bool(r.get("is_anchor", False)) for r in rows],
                               [int(r["attention_mask"].sum()) for r in rows],
                               mini_batch_rows=int(mini_batch_rows), micro_batch_seqs=int(h["micro_batch_seqs"]),
                               micro_batch_tokens=h.get("micro_batch_tokens"),
-                              step_layout=h.get("step_layout", "spread"), sync=sync)
+                              step_layout=h.get("step_layout", "spread"), sync=sync, authors_world_size=world,
+                              mixed_micro_batches=h.get("mixed_micro_batches", "separate"))
     steps = []
     for step in plan:
+        if world is not None:
+            share = share_micro_batches(step, dp_size, rank)
+            step = [p if p is not None else replace(step[0], coef=0.0, ppo_anchors=()) for p in share]
         batches = []
         for pmb in step:
             mb = collate_rows([rows[i] for i in pmb.rows], pad_token_id)
             mb.authors_coef = pmb.coef
+            if pmb.ppo_anchors:
+                routed = set(pmb.ppo_anchors)
+                mb.authors_ppo_anchors = torch.tensor([i in routed for i in pmb.rows], dtype=torch.bool)
             batches.append(mb)
         steps.append(batches)
     return steps
@@ -274,7 +287,16 @@ class MegatronPolicyActor(_DistributedActor):
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
                 return int(t)
 
-            return authors_steps(rows, self.method, int(self.args.train.batch_size) // dp, self.pad_token_id, sync)
+            world = self.method.hparams.get("authors_world_size")
+            rank = 0
+            if world is not None and group is not None:  # the authors' layout spans every replica's rows
+                rank = dist.get_rank(group=group)
+                gathered = [None] * dp
+                dist.all_gather_object(gathered, [{k: (v.cpu() if isinstance(v, torch.Tensor) else v)
+                                                   for k, v in r.items()} for r in rows], group=group)
+                rows = [r for part in gathered for r in part]
+            return authors_steps(rows, self.method, int(self.args.train.batch_size) // int(world or dp),
+                                 self.pad_token_id, sync, dp_size=dp, rank=rank)
         g = torch.Generator().manual_seed(int(getattr(self.args.train, "seed", 42)) + self._fits)
         order = torch.randperm(len(rows), generator=g).tolist()
         rows = [rows[i] for i in order]

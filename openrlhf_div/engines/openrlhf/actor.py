@@ -121,11 +121,19 @@ class DivActorPPOTrainer(ActorPPOTrainer):
 
         gas = int(self.actor.model.gradient_accumulation_steps()) if hasattr(
             self.actor.model, "gradient_accumulation_steps") else int(strategy.accumulated_gradient)
+        world = self.div_method.hparams.get("authors_world_size")
+        rank = 0
+        if world is not None and dp > 1:  # the authors' layout is over the whole rollout step: every rank's rows
+            rank = dist.get_rank(group=group)
+            gathered = [None] * dp
+            dist.all_gather_object(gathered, [it.to_device("cpu") if hasattr(it, "to_device") else it
+                                              for it in items], group=group)
+            items = [it for part in gathered for it in part]
         plan = list(authors_micro_batches(
-            items, self.div_method, mini_batch_rows=int(self.args.train.batch_size) // dp, gas=gas,
+            items, self.div_method, mini_batch_rows=int(self.args.train.batch_size) // int(world or dp), gas=gas,
             collate=self.replay_buffer.collate_fn,
             anchor_fn=lambda it: float(torch.as_tensor(it.info.get(ANCHOR_FLAG, 0.0)).reshape(-1)[0]) > 0.5,
-            tokens_fn=lambda it: int(it.attention_mask.sum()), sync=sync))
+            tokens_fn=lambda it: int(it.attention_mask.sum()), sync=sync, dp_size=dp, rank=rank))
         if dp > 1:
             shape = torch.tensor([len(plan), sum(1 for _, i in plan if i[AUTHORS_KEY]["boundary"])], dtype=torch.long)
             lo, hi = shape.clone(), shape.clone()
