@@ -415,6 +415,39 @@ def route_anchors_to_ppo(is_anchor: torch.Tensor, ppo_anchor: torch.Tensor, mask
     return is_anchor.bool().reshape(-1) & ~sel, old, adv
 
 
+def layout_report(method, n_rollouts: int, n_anchors: int, train_batch_size: int,
+                  row_tokens: Optional[int] = None) -> List[str]:
+    """Lines describing one rollout step in the authors' layout of ``method`` (engines under
+    ``micro-batch-token-mean``): the authors' GPU count and, per optimiser step, the share of a
+    full step of rollouts it trains and the anchor weight (``eta x`` the summed anchor
+    micro-batch factors) it implies, and how many anchors get the PPO loss
+    (``mixed_micro_batches: first_row``). Token budgets are laid out with every row at
+    ``row_tokens`` tokens (said in the first line)."""
+    h = method.hparams
+    world = h.get("authors_world_size")
+    budget = h.get("micro_batch_tokens")
+    per_gpu = int(train_batch_size) // int(world or 1)
+    flags = [False] * int(n_rollouts) + [True] * int(n_anchors)
+    tokens = [int(row_tokens or 1)] * len(flags)
+    steps = plan_micro_batches(flags, tokens, mini_batch_rows=per_gpu, micro_batch_seqs=int(h["micro_batch_seqs"]),
+                               micro_batch_tokens=budget, step_layout=h.get("step_layout", "spread"),
+                               authors_world_size=world, mixed_micro_batches=h.get("mixed_micro_batches", "separate"))
+    eta = float(h.get("anchor_eta", 0.0))
+    where = (f"micro-batches of {budget} tokens, every row taken as {row_tokens} tokens" if budget is not None
+             else f"micro-batches of {h['micro_batch_seqs']} rows")
+    gpus = (f"the authors' GPU count {world} (authors_world_size; {per_gpu} rows per GPU and step)" if world is not None
+            else "each engine rank's own rows (authors_world_size unset: the authors' one-GPU form)")
+    lines = [f"authors' layout: {gpus}; {n_rollouts} rollouts + {n_anchors} anchors per rollout step; {where}"]
+    for j, step in enumerate(steps, 1):
+        roll = sum(mb.coef for mb in step if not mb.anchor)
+        anc = sum(mb.coef for mb in step if mb.anchor)
+        routed = sum(len(mb.ppo_anchors) for mb in step)
+        lines.append(f"  step {j}: rollout (PPO) micro-batches {roll:.3f} of a step, anchor weight eta x {anc:.3f} "
+                     f"= {eta * anc:.5f}" + (f"; {routed} anchors in rollout micro-batches, trained with the PPO loss "
+                                             "at advantage +1 (mixed_micro_batches: first_row)" if routed else ""))
+    return lines
+
+
 def micro_batch_loss(loss: torch.Tensor, mask: torch.Tensor, coef: float) -> torch.Tensor:
     """``coef x`` the token-mean of one micro-batch (verl's ``agg_loss('token-mean')`` over the
     micro-batch's own tokens, then the accumulation factor). No clamp on the factor; a

@@ -64,7 +64,8 @@ TOKEN_LEVEL = {"token-mean": True, "seq-mean-token-mean": False,
                "micro-batch-token-mean": None}
 
 # Hyperparameters whose registry default is None need an explicit type.
-_NONE_DEFAULT_TYPES = {"overlong_max_len": int, "overlong_cache_len": int, "micro_batch_tokens": int}
+_NONE_DEFAULT_TYPES = {"overlong_max_len": int, "overlong_cache_len": int, "micro_batch_tokens": int,
+                       "authors_world_size": int}
 
 
 def hparam_table() -> Dict[str, Tuple[Any, str]]:
