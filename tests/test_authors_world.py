@@ -126,3 +126,40 @@ def test_final_evaluation_report_has_a_greedy_column():
     nog = build_metrics("sql", {k: v for k, v in base.items() if k != "greedy"},
                         {"m": {0: {k: v for k, v in base.items() if k != "greedy"}}})
     assert ("greedy", "greedy") not in _columns(nog, None)
+
+
+def _gather_worker(rank, world):
+    import torch
+
+    from openrlhf_div.algorithms.authors import share_micro_batches
+    from openrlhf_div.engines.contract import gather_step_rows
+
+    g = torch.Generator().manual_seed(rank)
+    mine = [{"id": torch.tensor(rank * 100 + i), "is_anchor": torch.tensor(i >= 12),
+             "tokens": torch.randint(4, 30, (1,), generator=g)} for i in range(16)]
+    rows, dp, me = gather_step_rows(mine)
+    flags = [bool(r["is_anchor"]) for r in rows]
+    tokens = [int(r["tokens"]) for r in rows]
+    steps = plan_micro_batches(flags, tokens, mini_batch_rows=4, micro_batch_tokens=40, authors_world_size=4,
+                               mixed_micro_batches="first_row")
+    share = [[None if mb is None else ([int(rows[i]["id"]) for i in mb.rows], mb.coef)
+              for mb in share_micro_batches(st, dp, me)] for st in steps]
+    whole = [[([int(rows[i]["id"]) for i in mb.rows], mb.coef) for mb in st] for st in steps]
+    return {"ids": [int(r["id"]) for r in rows], "dp": dp, "rank": me, "share": share, "whole": whole}
+
+
+@pytest.mark.slow  # two spawned gloo processes: ~35 s on the shared 2-core machine (their imports)
+def test_engine_ranks_gather_the_step_and_share_it():
+    """Two gloo ranks (our data parallelism) each hold their own rows; `authors_world_size` plans
+    the whole step on both (the same rows in rank order) and each runs its share of every step's
+    micro-batches at twice the coefficient (the engines average the two ranks' gradients)."""
+    from mcore_cpu import run_multiprocess
+
+    res = run_multiprocess(_gather_worker, world_size=2, timeout=120)
+    want = [r * 100 + i for r in range(2) for i in range(16)]
+    assert res[0]["ids"] == want and res[1]["ids"] == want and (res[0]["dp"], res[1]["rank"]) == (2, 1)
+    assert res[0]["whole"] == res[1]["whole"]
+    for s, step in enumerate(res[0]["whole"]):
+        shares = [mb for r in (0, 1) for mb in res[r]["share"][s] if mb is not None]
+        assert len(res[0]["share"][s]) == len(res[1]["share"][s])  # the same number of backward calls
+        assert sorted((rows, 2 * c) for rows, c in step) == sorted((rows, c) for rows, c in shares)

@@ -46,7 +46,7 @@ from openrlhf_div.algorithms.authors import MICRO_BATCH_TOKEN_MEAN, plan_micro_b
 from openrlhf_div.algorithms.registry import Method, get_method
 from openrlhf_div.compat.flash_attn_standin import install as _install_flash_attn_standin
 
-from ..contract import rows_from_experience
+from ..contract import gather_step_rows, rows_from_experience
 from .config import MegatronConfig, megatron_config_from_args
 from .loss import MicroBatch, step_counts
 
@@ -290,11 +290,7 @@ class MegatronPolicyActor(_DistributedActor):
             world = self.method.hparams.get("authors_world_size")
             rank = 0
             if world is not None and group is not None:  # the authors' layout spans every replica's rows
-                rank = dist.get_rank(group=group)
-                gathered = [None] * dp
-                dist.all_gather_object(gathered, [{k: (v.cpu() if isinstance(v, torch.Tensor) else v)
-                                                   for k, v in r.items()} for r in rows], group=group)
-                rows = [r for part in gathered for r in part]
+                rows, _, rank = gather_step_rows(rows, group)
             return authors_steps(rows, self.method, int(self.args.train.batch_size) // int(world or dp),
                                  self.pad_token_id, sync, dp_size=dp, rank=rank)
         g = torch.Generator().manual_seed(int(getattr(self.args.train, "seed", 42)) + self._fits)

@@ -36,7 +36,7 @@ from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer, PolicyModelActor  # 
 from openrlhf.utils.loss_utils import get_loss_batch_info  # noqa: E402
 from openrlhf.utils.vlm_utils import merge_mm_train_inputs  # noqa: E402
 
-from ..contract import anchor_rows, correct_rows, row_values  # noqa: E402
+from ..contract import anchor_rows, correct_rows, gather_step_rows, row_values  # noqa: E402
 from ..contract import ANCHOR_FLAG  # noqa: E402
 from ..flags import check_supported, method_from_args  # noqa: E402
 from .loss import (AUTHORS_KEY, authors_micro_batches, div_actor_loss, split_masks,  # noqa: E402
@@ -123,12 +123,8 @@ class DivActorPPOTrainer(ActorPPOTrainer):
             self.actor.model, "gradient_accumulation_steps") else int(strategy.accumulated_gradient)
         world = self.div_method.hparams.get("authors_world_size")
         rank = 0
-        if world is not None and dp > 1:  # the authors' layout is over the whole rollout step: every rank's rows
-            rank = dist.get_rank(group=group)
-            gathered = [None] * dp
-            dist.all_gather_object(gathered, [it.to_device("cpu") if hasattr(it, "to_device") else it
-                                              for it in items], group=group)
-            items = [it for part in gathered for it in part]
+        if world is not None:  # the authors' layout is over the whole rollout step: every rank's rows
+            items, _, rank = gather_step_rows(items, group)
         plan = list(authors_micro_batches(
             items, self.div_method, mini_batch_rows=int(self.args.train.batch_size) // int(world or dp), gas=gas,
             collate=self.replay_buffer.collate_fn,
