@@ -19,7 +19,7 @@ losses of one step add up to ``L_exp + eta * L_pef`` with each part a token mean
 Aggregation ``micro-batch-token-mean`` (the DPH-RL authors' update loop, docs/ALGORITHMS.md
 section 9 rows 1, 1b, 2): :func:`authors_micro_batches` replaces OpenRLHF's shuffled micro-batches
 and gas windows with the run's engine layout (:meth:`openrlhf_div.engines.layout.EngineLayout.plan`,
-``engine.step_layout`` / ``engine.micro_batch_tokens``) over the replica's rows (rollouts, then anchors; optimiser steps of ``train.batch_size / dp`` rows; anchors and
+``engine.step_layout`` / ``engine.micro_batch_tokens`` / ``engine.authors_world_size``) over the replica's rows (rollouts, then anchors; optimiser steps of ``train.batch_size / dp`` rows; anchors and
 rollouts in separate micro-batches of ``micro_batch_seqs`` rows or token budgets), and each
 micro-batch's ``loss_batch_info`` carries ``{"authors": {"coef", "gas", "boundary"}}``:
 :func:`div_actor_loss` returns ``gas x Method.loss(..., micro_batch_coef=coef)`` -- DeepSpeed's
@@ -34,7 +34,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 
 from openrlhf_div.algorithms.authors import route_anchors_to_ppo, share_micro_batches
-from openrlhf_div.algorithms.registry import LossInputs, Method
+from openrlhf_div.algorithms.registry import Method
 from openrlhf_div.compat.flash_attn_standin import install as _install_flash_attn_standin
 
 _install_flash_attn_standin()  # no-op when the real flash-attn is installed
