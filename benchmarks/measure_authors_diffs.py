@@ -286,11 +286,50 @@ def row9_small() -> None:
           f"verl (a group of one gets mean 0, std 1) {float((r[0] - 0.0) / (1.0 + 1e-6)):.3f}")
 
 
+def row10_authors_world_size() -> None:
+    print("## rows 10-10b: authors_world_size (authors.plan_micro_batches at the authors' GPU count; "
+          "tests/test_authors_replay.py checks it against a transcription at every world size)")
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(300, 3000, (2304,), generator=g)
+    resp = torch.randint(20, 800, (2304,), generator=g)
+    tokens = [int(prompt[i] + resp[i]) for i in range(2304)]
+    flags = [i >= 2048 for i in range(2304)]
+    ours_local = A.plan_micro_batches(flags, tokens, mini_batch_rows=1024, micro_batch_seqs=2, step_layout="authors")
+    step_of = {i: s for s, st in enumerate(ours_local) for mb in st for i in mb.rows}
+    for world in (1, 2, 4, 8, 16, 32):
+        row = []
+        for budget in (None, 32384):
+            steps = A.plan_micro_batches(flags, tokens, mini_batch_rows=1024 // world, micro_batch_seqs=2,
+                                         micro_batch_tokens=budget, step_layout="authors", authors_world_size=world,
+                                         mixed_micro_batches="first_row")
+            anc = ", ".join(f"{sum(m.coef for m in st if m.anchor):.3f}" for st in steps)
+            routed = "/".join(str(sum(len(m.ppo_anchors) for m in st)) for st in steps)
+            moved = sum(1 for s, st in enumerate(steps) for mb in st for i in mb.rows if step_of[i] != s)
+            row.append(f"{'tokens' if budget else 'micro 2'}: anchor mass per step eta x [{anc}], anchors at the "
+                       f"PPO loss per step {routed}, rows in another step than the one-GPU form {moved}/2304")
+        print(f"  world {world:2d}: " + "; ".join(row))
+
+
+def row11_adam() -> None:
+    print("## row 11: AdamW betas (0.9, 0.999) + weight decay 0.01 (the fork) vs (0.9, 0.95) + 0 (OpenRLHF)")
+    for decay in (1.0, 0.99):
+        moved = []
+        for betas, wd in (((0.9, 0.95), 0.0), ((0.9, 0.999), 0.01)):
+            w = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
+            opt = torch.optim.AdamW([w], lr=1e-6, betas=betas, weight_decay=wd)
+            for t in range(200):  # gradients of a fixed sign, shrinking by `decay` per step
+                w.grad = torch.full_like(w, -(decay ** t))
+                opt.step()
+            moved.append(float(w.detach()))
+        print(f"  200 steps, gradient x{decay}/step: (0.9, 0.999)+0.01 moves {moved[1] / moved[0]:.2f}x as far as "
+              "(0.9, 0.95)+0")
+
+
 def main(argv=None) -> int:
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     torch.set_num_threads(1)
     for f in (row1_anchor_weight, row1_engine_layout, row2_token_weights, row3_js_def, row4_presample, row5_clip_cov, row6_lad,
-              row7_flowrl, row8_ds, row9_small):
+              row7_flowrl, row8_ds, row9_small, row10_authors_world_size, row11_adam):
         f()
     return 0
 

@@ -1,52 +1,68 @@
 """Replay one rollout step through the OpenRLHF and Megatron engines' loss paths under the DPH-RL
 authors' aggregation (aggregation ``micro-batch-token-mean``, ``anchor_weighting:
-microbatch_share``, ``engine.step_layout: authors``) and compare every token's gradient weight, per
-optimiser step, with an independent transcription of the authors' update loop (issue 23, item 1;
-docs/ALGORITHMS.md section 9 rows 1, 1b, 2). Pure torch: no Ray, vLLM, DeepSpeed or Megatron start.
+microbatch_share``, ``engine.step_layout: authors``) and compare every token's gradient, per optimiser
+step, with an independent transcription of the authors' update loop at their GPU count
+(``engine.authors_world_size`` 1, 2, 4, 8, 16, 32; issues 23 and 35; docs/ALGORITHMS.md section 9
+rows 1, 1b, 2, 10). Pure torch: no Ray, vLLM, DeepSpeed or Megatron start.
 
-The transcription (written here from seamoke/DPH-RL, not from the library):
+The transcription (written here from seamoke/DPH-RL at 139a9b2, not from the library):
 
-* ``RayPPOTrainer.fit``: the anchor rows (type 2) are appended after the rollout rows (type 1);
-  world size 1, so the rank's chunk is the whole batch.
-* ``DataParallelPPOActor.update_policy``: ``batch.split(ppo_mini_batch_size)`` -- consecutive
-  mini-batches of ``M`` rows, one optimiser step each; micro-batches ``mini_batch.split(k)`` with
-  ``loss / gradient_accumulation`` where ``gradient_accumulation = M // k``; or, with
-  ``use_dynamic_bsz``, ``rearrange_micro_batches``: ``min(rows, ceil(sum(attention_mask) /
-  max_token_len))`` Karmarkar-Karp partitions (``get_seqlen_balanced_partitions``,
-  ``equal_size=False``: written again below, list-based) with ``loss * len(micro) / M``;
-  a micro-batch is an anchor one when its first row's type is 2, whose loss is ``sft_loss_coeff
-  x agg_loss(token-mean)``; a rollout one ``agg_loss(token-mean)`` of the policy loss.
+* ``RayPPOTrainer.fit``: ``_balance_batch`` (``trainer.balance_batch: True``) reorders the
+  rollouts into ``W`` equal-size Karmarkar-Karp groups by attention length
+  (``get_seqlen_balanced_partitions(..., equal_size=True)``), laid end to end; the anchor rows
+  (type 2) are appended after them; ``update_actor`` hands rank ``r`` the ``r``-th of ``W``
+  contiguous equal chunks (``DataProto.chunk``).
+* ``fsdp_workers``: ``ppo_mini_batch_size`` per GPU = ``64 x n / W`` (here the global ``MB``
+  rows / ``W``).
+* ``DataParallelPPOActor.update_policy`` on each rank: ``batch.split(ppo_mini_batch_size)``;
+  micro-batches ``mini_batch.split(k)`` with ``loss / gradient_accumulation`` (``M // k``), or
+  ``rearrange_micro_batches``: ``min(rows, ceil(tokens / max_token_len))`` partitions, the count
+  all-reduced (max) over the ranks, Karmarkar-Karp (``equal_size=False``), ``loss * len / M``.
+  A micro-batch whose first row has type 2 gets ``sft_loss_coeff x agg_loss(token-mean)`` of
+  ``kl_penalty(old_log_prob, log_prob, 'low_var_kl')`` (forward KL from the stored log-probs,
+  clamped to +-10); otherwise ``compute_policy_loss`` (dual-clip PPO, ``clip_ratio_c`` 3) over
+  **all** its rows: an anchor row there has its stored log-probs as ``old_log_prob`` and the
+  GRPO advantage of a group of one, ``1 / (1 + 1e-6)``.
+* FSDP averages the ranks' gradients: the optimiser step's gradient is the mean over ranks.
 
-A token's gradient weight is ``d(applied loss) / d(its per-token loss)``: the engines' gradient
-with respect to the log-probs divided by the per-token loss's own derivative. Both engines must
-give the transcription's weights to 1e-6 (relative) at micro-batch sizes 2 and 4 and with
-token-budget packing. Cost: < 2 s.
+The transcription's step loss is differentiated by autograd and compared with the engines'
+gradients **directly** (not divided by the library's own per-token derivative), so a wrong sign
+or scale of either loss, a row in the wrong step or micro-batch, or a wrong routing fails it
+(:func:`test_the_replay_catches_mutations`). Cost: about 25 s on one core (6 s of it importing OpenRLHF).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
-from openrlhf_div.algorithms import AnchorInputs, LossInputs, get_method
+from openrlhf_div.algorithms import AnchorInputs, get_method
 from openrlhf_div.engines.layout import EngineLayout
 
 torch.set_num_threads(1)
 
 P = 3          # prompt tokens per row
 T = 12         # response positions
-N_ON, N_AN = 16, 4
-M = 8          # ppo_mini_batch_size on the rank (rows per optimiser step)
 ETA = 0.3
+EPS_LOW, EPS_HIGH, CLIP_C = 0.2, 0.28, 3.0   # forward_kl.sh clip_ratio_high 0.28; ppo_trainer.yaml clip 0.2, c 3
+GROUP_OF_ONE_ADV = 1.0 / (1.0 + 1e-6)        # compute_grpo_outcome_advantage: (1 - 0) / (1 + epsilon)
+
+# the small case of the original test (issue 23): 16 rollouts, 4 anchors, 8 rows per step, world 1
+N_ON, N_AN, M = 16, 4, 8
+# the world-size cases: the authors' 2048 : 256 : 1024 (rollouts : anchors : rows per step) scaled by 1/8
+W_ON, W_AN, W_MB = 256, 32, 128
+WORLDS = (1, 2, 4, 8, 16, 32)
 
 
 # ------------------------------------------------------------------ the authors' loop, transcribed
-def _kk_partitions(lengths, k):
-    """verl's Karmarkar-Karp (equal_size=False), as a list of partial solutions re-sorted each
-    round: a solution is k groups [sum, items(list of (idx, len))], groups sorted largest first
-    (by sum, then size, then items); the two solutions with the largest spread (ties: larger top
-    group) are merged, group i of the first with group k-1-i of the second."""
+def _kk_partitions(lengths, k, equal_size=False):
+    """verl's Karmarkar-Karp, as a list of partial solutions re-sorted each round: a solution is
+    k groups [sum, items(list of (idx, len))], groups sorted largest first (by sum, then size,
+    then items); the two solutions with the largest spread (ties: larger top group) are merged,
+    group i of the first with group k-1-i of the second. ``equal_size``: the starting solutions
+    hold k consecutive items of the sorted order, one per group."""
     def gkey(g):
         return (g[0], len(g[1]), g[1])
 
@@ -56,9 +72,14 @@ def _kk_partitions(lengths, k):
     def skey(sol):
         return (sol[0][0] - sol[-1][0], gkey(sol[0]))
 
+    order = sorted((ln, i) for i, ln in enumerate(lengths))
     sols = []
-    for ln, i in sorted((ln, i) for i, ln in enumerate(lengths)):
-        sols.append(norm([[ln, [(i, ln)]]] + [[0, []] for _ in range(k - 1)]))
+    if equal_size:
+        for o in range(0, len(order), k):
+            sols.append(norm([[ln, [(i, ln)]] for ln, i in order[o:o + k]]))
+    else:
+        for ln, i in order:
+            sols.append(norm([[ln, [(i, ln)]]] + [[0, []] for _ in range(k - 1)]))
     while len(sols) > 1:
         sols.sort(key=skey, reverse=True)
         a, b = sols.pop(0), sols.pop(0)
@@ -66,80 +87,125 @@ def _kk_partitions(lengths, k):
     return [sorted(i for i, _ in g[1]) for g in sols[0]]
 
 
-def authors_weights(types, attn_len, resp_len, micro, max_token_len=None):
-    """Per optimiser step, each row's per-token gradient weight ``[S, N]``."""
+def _token_mean(x, mask):
+    return (x * mask).sum() / mask.sum()
+
+
+def _authors_ppo(lp, old, adv, mask):
+    ratio = torch.exp(torch.clamp(lp - old, -20.0, 20.0))
+    l1 = -adv * ratio
+    l2 = -adv * torch.clamp(ratio, 1 - EPS_LOW, 1 + EPS_HIGH)
+    c1 = torch.maximum(l1, l2)
+    c2 = torch.min(-adv * CLIP_C, c1)
+    return _token_mean(torch.where(adv < 0, c2, c1), mask)
+
+
+def _authors_forward_kl(stored, lp, mask):
+    kl = torch.clamp(lp - stored, -20.0, 20.0)  # kl_penalty(logprob=stored, ref_logprob=log_prob)
+    return _token_mean(torch.clamp(torch.exp(kl) - kl - 1, -10.0, 10.0), mask)
+
+
+def authors_plan(types, attn_len, world, mini, micro, max_token_len=None):
+    """Per optimiser step, ``[(rank, rows in order, factor)]`` of the authors' loop at ``world`` GPUs."""
     n = len(types)
+    roll = [i for i in range(n) if types[i] == 1]
+    sft = [i for i in range(n) if types[i] == 2]
+    groups = _kk_partitions([attn_len[i] for i in roll], world, equal_size=True)
+    order = [roll[j] for g in groups for j in g] + sft
+    chunk = n // world
+    ranks = [order[r * chunk:(r + 1) * chunk] for r in range(world)]
+    minis = [[c[s:s + mini] for s in range(0, len(c), mini)] for c in ranks]
     steps = []
-    for lo in range(0, n, M):  # batch.split(ppo_mini_batch_size)
-        mini = list(range(lo, min(lo + M, n)))
-        if max_token_len is None:
-            ga = M // micro
-            micro_batches = [(mini[j:j + micro], 1.0 / ga) for j in range(0, len(mini), micro)]
-        else:
-            total = sum(attn_len[i] for i in mini)
-            k = min(len(mini), -(-total // max_token_len))
-            parts = _kk_partitions([attn_len[i] for i in mini], k)
-            micro_batches = [([mini[j] for j in p], len(p) / M) for p in parts]
-        w = torch.zeros(n, dtype=torch.float64)
-        for rows, factor in micro_batches:
-            coeff = ETA if types[rows[0]] == 2 else 1.0
-            tokens = sum(resp_len[i] for i in rows)  # agg_loss token-mean over the micro-batch
-            for i in rows:
-                w[i] += factor * coeff / tokens
-        steps.append(w)
-    return torch.stack(steps)
+    for j in range(len(minis[0])):
+        step = []
+        if max_token_len is not None:
+            k = max(min(len(m[j]), -(-sum(attn_len[i] for i in m[j]) // max_token_len)) for m in minis)
+        for r in range(world):
+            mb = minis[r][j]
+            if max_token_len is None:
+                ga = mini // micro
+                step += [(r, mb[s:s + micro], 1.0 / ga) for s in range(0, len(mb), micro)]
+            else:
+                for p in _kk_partitions([attn_len[i] for i in mb], k):
+                    step.append((r, [mb[q] for q in p], len(p) / mini))
+        steps.append(step)
+    return steps
+
+
+def authors_step_grads(d, types, world, mini, micro, max_token_len=None):
+    """The gradient of each optimiser step's loss with respect to every row's log-probs."""
+    plan = authors_plan(types, _attn_len(d), world, mini, micro, max_token_len)
+    grads = []
+    for step in plan:
+        lp = d["lp"].clone().requires_grad_(True)
+        total = lp.sum() * 0.0
+        for _, rows, factor in step:
+            idx = torch.tensor(rows)
+            m = d["mask"][idx]
+            if types[rows[0]] == 2:
+                loss = ETA * _authors_forward_kl(d["ref"][idx], lp[idx], m)
+            else:
+                sft = torch.tensor([types[i] == 2 for i in rows]).unsqueeze(1)
+                old = torch.where(sft, d["ref"][idx], d["old"][idx])
+                adv = torch.where(sft, torch.full_like(m, GROUP_OF_ONE_ADV), d["adv"][idx])
+                loss = _authors_ppo(lp[idx], old, adv, m)
+            total = total + loss * factor / world  # FSDP: the mean of the ranks' gradients
+        (g,) = torch.autograd.grad(total, lp)
+        grads.append(g)
+    return grads
+
+
+def routed_anchor_count(d, types, world, mini, micro, max_token_len=None):
+    plan = authors_plan(types, _attn_len(d), world, mini, micro, max_token_len)
+    return sum(sum(types[i] == 2 for i in rows) for step in plan for _, rows, _ in step if types[rows[0]] == 1)
 
 
 # ------------------------------------------------------------------ one rollout step's data
-def _data(seed):
+def _data(seed, n_on=N_ON, n_an=N_AN):
     g = torch.Generator().manual_seed(seed)
-    n = N_ON + N_AN
+    n = n_on + n_an
     resp_len = torch.randint(2, T + 1, (n,), generator=g)
     mask = (torch.arange(T).unsqueeze(0) < resp_len.unsqueeze(1)).double()
     old = -torch.rand(n, T, generator=g, dtype=torch.float64) * 3
     lp = old + 0.05 * torch.randn(n, T, generator=g, dtype=torch.float64)
     adv = torch.randn(n, generator=g, dtype=torch.float64).unsqueeze(1).expand(n, T) * mask
     ref = old - 0.3 * torch.rand(n, T, generator=g, dtype=torch.float64)
-    is_anchor = torch.arange(n) >= N_ON
+    is_anchor = torch.arange(n) >= n_on
     f32 = lambda t: t.float().double()  # noqa: E731 (the Megatron rows hold float32 per-token fields)
     return dict(resp_len=resp_len, mask=mask, old=f32(old), lp=f32(lp), adv=f32(adv.contiguous()), ref=f32(ref),
                 is_anchor=is_anchor)
 
 
-def _method(micro, budget):
+def _types(d):
+    return [2 if a else 1 for a in d["is_anchor"].tolist()]
+
+
+def _method(micro, budget, world=None):
     """The method (dph_f as the authors run it) and the engine layout (``engine:``) of a case."""
-    return (get_method("dph_f", anchor_eta=ETA, anchor_weighting="microbatch_share",
-                       aggregation="micro-batch-token-mean", micro_batch_seqs=micro),
-            EngineLayout(step_layout="authors", micro_batch_tokens=budget))
+    method = get_method("dph_f", anchor_eta=ETA, anchor_weighting="microbatch_share",
+                        aggregation="micro-batch-token-mean", micro_batch_seqs=micro, eps_low=EPS_LOW,
+                        eps_high=EPS_HIGH, dual_clip=CLIP_C)
+    lay = dict(step_layout="authors", micro_batch_tokens=budget)
+    if world is not None:
+        lay.update(authors_world_size=world, mixed_micro_batches="first_row")
+    return method, EngineLayout(**lay)
 
 
-def _token_derivative(method, d):
-    """d(per-token loss)/d(log-prob), each row's own loss (elementwise in the log-probs)."""
-    lp = d["lp"].clone().requires_grad_(True)
-    on, an = ~d["is_anchor"], d["is_anchor"]
-    l_on, _ = method.online_loss(LossInputs(log_probs=lp[on], old_log_probs=d["old"][on], advantages=d["adv"][on],
-                                            mask=d["mask"][on]))
-    l_an = method.anchor_loss(AnchorInputs(log_probs=lp[an], ref_log_probs=d["ref"][an], mask=d["mask"][an]))
-    (l_on * d["mask"][on]).sum().backward(retain_graph=True)
-    (l_an * d["mask"][an]).sum().backward()
-    return lp.grad
+def _compare(engine_grads, expected):
+    """Every token's gradient in every optimiser step, directly."""
+    assert len(engine_grads) == len(expected), f"{len(engine_grads)} optimiser steps, the authors made {len(expected)}"
+    for s, (got, want) in enumerate(zip(engine_grads, expected)):
+        scale = float(want.abs().max())
+        assert scale > 0
+        err = float((got - want).abs().max())
+        assert err <= 1e-9 * scale, f"step {s}: max gradient difference {err:.3g} (largest gradient {scale:.3g})"
 
 
-def _compare(engine_grads, method, d, expected):
-    g_tok = _token_derivative(method, d)
-    sel = (d["mask"] > 0) & (g_tok.abs() > 1e-6)
-    assert len(engine_grads) == expected.shape[0]
-    for s, grad in enumerate(engine_grads):
-        w = grad[sel] / g_tok[sel]
-        want = expected[s].unsqueeze(1).expand_as(grad)[sel]
-        nz = want != 0
-        assert torch.equal(w.abs() > 1e-12, nz), f"step {s}: rows trained in the wrong step"
-        rel = ((w[nz] - want[nz]).abs() / want[nz].abs()).max()
-        assert float(rel) <= 1e-6, f"step {s}: max relative weight difference {float(rel):.3g}"
-
-
-CASES = [(2, None), (4, None), (2, 4 * (P + T))]
+BUDGET = 4 * (P + T)
+CASES = [(2, None), (4, None), (2, BUDGET)]
 IDS = ["micro2", "micro4", "token_budget"]
+WORLD_CASES = [(w, micro, budget) for w in WORLDS for micro, budget in ((2, None), (2, BUDGET))]
+WORLD_IDS = [f"w{w}-{'budget' if b else 'micro2'}" for w, _, b in WORLD_CASES]
 
 
 def _attn_len(d):
@@ -153,7 +219,7 @@ def _experience_rows(d):
     from openrlhf_div.engines.contract import ANCHOR_FLAG, CORRECT_FLAG
 
     items = []
-    for i in range(N_ON + N_AN):
+    for i in range(len(d["resp_len"])):
         L = P + int(d["resp_len"][i])
         seq = torch.zeros(P + T, dtype=torch.long)
         seq[:L] = torch.arange(1, L + 1)
@@ -162,62 +228,72 @@ def _experience_rows(d):
         anchor = bool(d["is_anchor"][i])
         items.append(Experience(
             sequences=seq, attention_mask=attn, action_mask=d["mask"][i].bool(),
-            action_log_probs=d["old"][i], base_action_log_probs=d["ref"][i] if anchor else torch.zeros(T, dtype=torch.float64),
-            advantages=d["adv"][i], returns=d["adv"][i], rewards=torch.tensor(0.0), scores=torch.tensor(0.0),
+            action_log_probs=torch.zeros(T, dtype=torch.float64) if anchor else d["old"][i],
+            base_action_log_probs=d["ref"][i] if anchor else torch.zeros(T, dtype=torch.float64),
+            advantages=torch.zeros(T, dtype=torch.float64) if anchor else d["adv"][i],
+            returns=d["adv"][i], rewards=torch.tensor(0.0), scores=torch.tensor(0.0),
             response_length=torch.tensor(float(d["resp_len"][i])), total_length=torch.tensor(float(L)),
             info={ANCHOR_FLAG: torch.tensor(float(anchor)), CORRECT_FLAG: torch.tensor(1.0),
                   "row_id": torch.tensor(float(i))}))
     return items
 
 
-def _openrlhf_step_grads(method, layout, d, gas):
+def _openrlhf_step_grads(method, layout, d, gas, mini=M, dp_size=1):
+    """Each optimiser step's gradient: every rank's micro-batches, DeepSpeed's 1/gas and its
+    mean over the ``dp_size`` data-parallel ranks."""
     from openrlhf.trainer.ppo_utils.experience import make_experience_batch
 
     from openrlhf_div.engines.contract import anchor_rows
     from openrlhf_div.engines.openrlhf.loss import AUTHORS_KEY, authors_micro_batches, div_actor_loss
 
     items = _experience_rows(d)
-    lp = d["lp"].clone().requires_grad_(True)
-    grads, acc = [], None
-    it = authors_micro_batches(items, method, layout, mini_batch_rows=M, gas=gas, collate=make_experience_batch,
-                               anchor_fn=lambda e: float(e.info["div_anchor"]) > 0.5,
-                               tokens_fn=lambda e: int(e.attention_mask.sum()))
-    for exp, info in it:
-        rows = torch.as_tensor([float(x) for x in exp.info["row_id"]]).long()
-        B = rows.numel()
-        loss, _ = div_actor_loss(method, log_probs=lp[rows], action_mask=exp.action_mask,
-                                 is_anchor=anchor_rows(exp.info, B), old_log_probs=exp.action_log_probs,
-                                 advantages=exp.advantages, ref_log_probs=exp.base_action_log_probs,
-                                 loss_batch_info=info)
-        (g,) = torch.autograd.grad(loss / gas, lp)  # DeepSpeed's backward scales by 1 / gas
-        acc = g if acc is None else acc + g
-        if info[AUTHORS_KEY]["boundary"]:  # DeepSpeed's optimizer step: the step's gradient
-            grads.append(acc)
-            acc = None
-    assert acc is None
-    return grads
+    per_rank = []
+    for rank in range(dp_size):
+        grads, acc = [], None
+        it = authors_micro_batches(items, method, layout, mini_batch_rows=mini, gas=gas, collate=make_experience_batch,
+                                   anchor_fn=lambda e: float(e.info["div_anchor"]) > 0.5,
+                                   tokens_fn=lambda e: int(e.attention_mask.sum()), dp_size=dp_size, rank=rank)
+        for exp, info in it:
+            lp = d["lp"].clone().requires_grad_(True)
+            rows = torch.as_tensor([float(x) for x in exp.info["row_id"]]).long()
+            B = rows.numel()
+            loss, _ = div_actor_loss(method, log_probs=lp[rows], action_mask=exp.action_mask,
+                                     is_anchor=anchor_rows(exp.info, B), old_log_probs=exp.action_log_probs,
+                                     advantages=exp.advantages, ref_log_probs=exp.base_action_log_probs,
+                                     loss_batch_info=info)
+            (g,) = torch.autograd.grad(loss / gas, lp)  # DeepSpeed's backward scales by 1 / gas
+            acc = g if acc is None else acc + g
+            if info[AUTHORS_KEY]["boundary"]:  # DeepSpeed's optimizer step: the step's gradient
+                grads.append(acc)
+                acc = None
+        assert acc is None
+        per_rank.append(grads)
+    assert len({len(g) for g in per_rank}) == 1, "ranks disagree on the number of optimiser steps"
+    return [sum(g[s] for g in per_rank) / dp_size for s in range(len(per_rank[0]))]
 
 
 @pytest.mark.parametrize("micro,budget", CASES, ids=IDS)
-def test_openrlhf_loss_path_gives_the_authors_token_weights(micro, budget):
+def test_openrlhf_loss_path_gives_the_authors_gradients(micro, budget):
     d = _data(seed=micro + (budget or 0))
-    method, layout = _method(micro, budget)
-    types = [2 if a else 1 for a in d["is_anchor"].tolist()]
-    expected = authors_weights(types, _attn_len(d), d["resp_len"].tolist(), micro, budget)
-    assert expected.shape[0] == 3  # 16 rollouts in 2 mini-batches of 8, the 4 anchors in a third
-    _compare(_openrlhf_step_grads(method, layout, d, gas=M // micro), method, d, expected)
+    expected = authors_step_grads(d, _types(d), 1, M, micro, budget)
+    assert len(expected) == 3  # 16 rollouts in 2 mini-batches of 8, the 4 anchors in a third
+    _compare(_openrlhf_step_grads(*_method(micro, budget), d, gas=M // micro), expected)
+
+
+@pytest.mark.parametrize("world,micro,budget", WORLD_CASES, ids=WORLD_IDS)
+def test_openrlhf_loss_path_at_the_authors_world_size(world, micro, budget):
+    d = _data(seed=world + (budget or 0), n_on=W_ON, n_an=W_AN)
+    expected = authors_step_grads(d, _types(d), world, W_MB // world, micro, budget)
+    _compare(_openrlhf_step_grads(*_method(micro, budget, world), d, gas=4, mini=W_MB // world), expected)
 
 
 # ------------------------------------------------------------------ Megatron loss path
-def _megatron_step_grads(method, layout, d):
-    from openrlhf_div.engines.megatron.actor import authors_steps
-    from openrlhf_div.engines.megatron.loss import loss_scale, registry_loss, step_counts
-
+def _megatron_rows(d):
     # rows as contract.rows_from_experience makes them: per-token fields over all L - 1 targets;
     # the first token id carries the row id (to map micro-batch rows back)
     L = P + T
     rows = []
-    for i in range(N_ON + N_AN):
+    for i in range(len(d["resp_len"])):
         Li = P + int(d["resp_len"][i])
         seq = torch.zeros(L, dtype=torch.long)
         seq[:Li] = torch.arange(1, Li + 1)
@@ -230,35 +306,119 @@ def _megatron_step_grads(method, layout, d):
             out[P - 1:] = t
             return out
         anchor = bool(d["is_anchor"][i])
-        r = dict(sequences=seq, attention_mask=attn, action_mask=full(d["mask"][i]), old_log_probs=full(d["old"][i]),
-                 advantages=full(d["adv"][i]), is_anchor=torch.tensor(anchor))
+        zero = torch.zeros(T, dtype=torch.float64)
+        r = dict(sequences=seq, attention_mask=attn, action_mask=full(d["mask"][i]),
+                 old_log_probs=full(zero if anchor else d["old"][i]), advantages=full(zero if anchor else d["adv"][i]),
+                 is_anchor=torch.tensor(anchor))
         r["anchor_ref_log_probs" if anchor else "ref_log_probs"] = full(d["ref"][i])
         rows.append(r)
-    lp = d["lp"].clone().requires_grad_(True)
-    grads = []
-    for batches in authors_steps(rows, method, M, layout=layout):
-        counts = step_counts(batches)
-        scale = loss_scale(batches, dp_size=1)
-        acc = None
-        for mb in batches:
-            ids = mb.sequences[:, 0] - 1000
-            lp_mb = torch.zeros(ids.numel(), L - 1, dtype=torch.float64)
-            lp_mb = lp_mb.index_put((torch.arange(ids.numel()).unsqueeze(1), torch.arange(P - 1, L - 1)),
-                                    lp[ids])
-            loss, _, _ = registry_loss(method, lp_mb, None, mb, counts)
-            (g,) = torch.autograd.grad(loss * scale / len(batches), lp)  # Megatron: 1 / num_microbatches
-            acc = g if acc is None else acc + g
-        grads.append(acc)
-    return grads
+    return rows
+
+
+def _megatron_step_grads(method, layout, d, mini=M, dp_size=1):
+    from openrlhf_div.engines.megatron.actor import authors_steps
+    from openrlhf_div.engines.megatron.loss import loss_scale, registry_loss, step_counts
+
+    L = P + T
+    rows = _megatron_rows(d)
+    per_rank = []
+    for rank in range(dp_size):
+        grads = []
+        for batches in authors_steps(rows, method, mini, layout=layout, dp_size=dp_size, rank=rank):
+            counts = step_counts(batches)
+            scale = loss_scale(batches, dp_size=dp_size)
+            acc = None
+            for mb in batches:
+                lp = d["lp"].clone().requires_grad_(True)
+                ids = mb.sequences[:, 0] - 1000
+                lp_mb = torch.zeros(ids.numel(), L - 1, dtype=torch.float64)
+                lp_mb = lp_mb.index_put((torch.arange(ids.numel()).unsqueeze(1), torch.arange(P - 1, L - 1)),
+                                        lp[ids])
+                loss, _, _ = registry_loss(method, lp_mb, None, mb, counts)
+                (g,) = torch.autograd.grad(loss * scale / len(batches), lp)  # Megatron: 1 / num_microbatches
+                acc = g if acc is None else acc + g
+            grads.append(acc)
+        per_rank.append(grads)
+    assert len({len(g) for g in per_rank}) == 1, "ranks disagree on the number of optimiser steps"
+    return [sum(g[s] for g in per_rank) / dp_size for s in range(len(per_rank[0]))]  # DDP's mean
 
 
 @pytest.mark.parametrize("micro,budget", CASES, ids=IDS)
-def test_megatron_loss_path_gives_the_authors_token_weights(micro, budget):
+def test_megatron_loss_path_gives_the_authors_gradients(micro, budget):
     d = _data(seed=100 + micro + (budget or 0))
-    method, layout = _method(micro, budget)
-    types = [2 if a else 1 for a in d["is_anchor"].tolist()]
-    expected = authors_weights(types, _attn_len(d), d["resp_len"].tolist(), micro, budget)
-    _compare(_megatron_step_grads(method, layout, d), method, d, expected)
+    expected = authors_step_grads(d, _types(d), 1, M, micro, budget)
+    _compare(_megatron_step_grads(*_method(micro, budget), d), expected)
+
+
+@pytest.mark.parametrize("world,micro,budget", WORLD_CASES, ids=WORLD_IDS)
+def test_megatron_loss_path_at_the_authors_world_size(world, micro, budget):
+    d = _data(seed=100 + world + (budget or 0), n_on=W_ON, n_an=W_AN)
+    expected = authors_step_grads(d, _types(d), world, W_MB // world, micro, budget)
+    _compare(_megatron_step_grads(*_method(micro, budget, world), d, mini=W_MB // world), expected)
+
+
+def test_the_world_cases_route_anchors_as_the_authors_did():
+    """The world-size cases exercise what differs from world 1: three optimiser steps whose
+    anchors spread over several of them, and (token budgets) anchors in rollout micro-batches,
+    where the counts follow the issue's measurement on the real shape (none at 1 and 32 GPUs)."""
+    d = _data(seed=8 + BUDGET, n_on=W_ON, n_an=W_AN)
+    routed = {w: routed_anchor_count(d, _types(d), w, W_MB // w, 2, BUDGET) for w in WORLDS}
+    assert routed[1] == 0 and routed[32] == 0 and routed[2] > 0 and routed[16] > 0, routed
+    plan = authors_plan(_types(d), _attn_len(d), 8, W_MB // 8, 2)
+    anchors_per_step = [sum(len([i for i in rows if i >= W_ON]) for _, rows, _ in step) for step in plan]
+    assert len(plan) == 3 and all(a > 0 for a in anchors_per_step), anchors_per_step
+
+
+@pytest.mark.parametrize("engine", ["openrlhf", "megatron"])
+@pytest.mark.parametrize("dp_size", [2, 3])
+def test_engine_ranks_share_the_authors_steps(engine, dp_size):
+    """Our data-parallel ranks (2 or 3, whatever the authors' 8) each run a share of every
+    optimiser step's micro-batches (padding shares weigh 0); their mean gradient is the authors'."""
+    world, budget = 8, BUDGET
+    d = _data(seed=55, n_on=W_ON, n_an=W_AN)
+    expected = authors_step_grads(d, _types(d), world, W_MB // world, 2, budget)
+    method, layout = _method(2, budget, world)
+    got = (_openrlhf_step_grads(method, layout, d, gas=4, mini=W_MB // world, dp_size=dp_size) if engine == "openrlhf"
+           else _megatron_step_grads(method, layout, d, mini=W_MB // world, dp_size=dp_size))
+    _compare(got, expected)
+
+
+# ------------------------------------------------------------------ the replay fails when it should
+def _mutate(monkeypatch, mutation):
+    from openrlhf_div.algorithms import registry
+    from openrlhf_div.engines import layout as engine_layout
+
+    if mutation in ("flip_anchor", "double_anchor"):
+        f = -1.0 if mutation == "flip_anchor" else 2.0
+        orig = registry.Method.anchor_loss
+        monkeypatch.setattr(registry.Method, "anchor_loss", lambda self, a: f * orig(self, a))
+        return
+    real = engine_layout.plan_micro_batches
+
+    def misrouted(*a, **k):  # the first row of the first step moved into the second step
+        steps = real(*a, **k)
+        mb0 = steps[0][0]
+        steps[0][0] = replace(mb0, rows=mb0.rows[1:])
+        mb1 = steps[1][0]
+        steps[1][0] = replace(mb1, rows=(mb0.rows[0],) + mb1.rows)
+        return steps
+
+    monkeypatch.setattr(engine_layout, "plan_micro_batches", misrouted)  # EngineLayout.plan: both engines' one call site
+
+
+@pytest.mark.parametrize("engine", ["openrlhf", "megatron"])
+@pytest.mark.parametrize("mutation", ["flip_anchor", "double_anchor", "misroute_row"])
+def test_the_replay_catches_mutations(monkeypatch, engine, mutation):
+    world, budget = 8, BUDGET
+    d = _data(seed=9, n_on=W_ON, n_an=W_AN)
+    expected = authors_step_grads(d, _types(d), world, W_MB // world, 2, budget)
+    method, layout = _method(2, budget, world)
+    run = (lambda: _openrlhf_step_grads(method, layout, d, gas=4, mini=W_MB // world)) if engine == "openrlhf" else (
+        lambda: _megatron_step_grads(method, layout, d, mini=W_MB // world))
+    _compare(run(), expected)  # unmutated: passes
+    _mutate(monkeypatch, mutation)
+    with pytest.raises(AssertionError, match="gradient difference"):
+        _compare(run(), expected)
 
 
 def test_spread_layout_has_the_authors_total_but_two_steps():
@@ -268,9 +428,8 @@ def test_spread_layout_has_the_authors_total_but_two_steps():
     method, _ = _method(2, None)
     grads = _openrlhf_step_grads(method, EngineLayout(step_layout="spread"), d, gas=M // 2)
     assert len(grads) == 2
-    types = [2 if a else 1 for a in d["is_anchor"].tolist()]
-    expected = authors_weights(types, _attn_len(d), d["resp_len"].tolist(), 2)
-    _compare([sum(grads)], method, d, expected.sum(0, keepdim=True))
+    expected = authors_step_grads(d, _types(d), 1, M, 2)
+    _compare([sum(grads)], [sum(expected)])
 
 
 def test_transcribed_partitioner_agrees_with_the_library_one():
@@ -282,6 +441,9 @@ def test_transcribed_partitioner_agrees_with_the_library_one():
         k = int(torch.randint(1, n + 1, (1,), generator=g))
         lens = torch.randint(1, 40, (n,), generator=g).tolist()
         assert balanced_partitions(lens, k) == _kk_partitions(lens, k)
+        k = int(torch.randint(1, 5, (1,), generator=g))
+        lens = lens * k  # a multiple of k rows (with ties)
+        assert balanced_partitions(lens, k, equal_size=True) == _kk_partitions(lens, k, equal_size=True)
 
 
 def test_layout_errors_name_the_fix():
@@ -365,3 +527,6 @@ def test_engines_refuse_what_the_layout_cannot_do():
         config_from_dict({"task": "demo", "method": {"name": "grpo", "step_layout": "authors"}}).build_method()
     with pytest.raises(ConfigError, match="engine.step_layout=authors: the local engine cannot honour"):
         config_from_dict({"task": "demo", "method": {"name": "grpo"}, "engine": {"step_layout": "authors"}})
+    for key, value in (("authors_world_size", 8), ("mixed_micro_batches", "first_row")):
+        with pytest.raises(ConfigError, match=f"{key} is engine layout.*engine.{key}"):
+            config_from_dict({"task": "demo", "method": {"name": "grpo", key: value}}).build_method()

@@ -44,6 +44,11 @@ JS_DEF_ONLINE_MODES = ("fixed", "stochastic")
 LOG_Z_HEADS = ("small_detached", "authors")
 MICRO_BATCH_TOKEN_MEAN = "micro-batch-token-mean"
 STEP_LAYOUTS = ("authors", "spread")
+MIXED_MICRO_BATCHES = ("separate", "first_row")
+# verl's GRPO advantage of a group of one (compute_grpo_outcome_advantage: mean 0, std 1, epsilon
+# 1e-6) for an anchor's reward 1: what an anchor gets when a micro-batch whose first row is a
+# rollout also holds it (mixed_micro_batches: first_row)
+ANCHOR_PPO_ADVANTAGE = 1.0 / (1.0 + 1e-6)
 
 
 def anchor_weight(eta: float, mode: str = "token_mean", *, num_online_seqs: Optional[float] = None,
@@ -115,15 +120,22 @@ class PlannedMicroBatch:
     rows: Tuple[int, ...]
     anchor: bool
     coef: float
+    # rows of ``rows`` that are anchors in a rollout micro-batch (``mixed_micro_batches:
+    # first_row``): trained with the PPO loss at advantage ANCHOR_PPO_ADVANTAGE against their
+    # stored log-probs, as the authors' code does (their micro-batch takes its first row's loss)
+    ppo_anchors: Tuple[int, ...] = ()
+    rank: int = 0  # the authors' data-parallel rank this micro-batch ran on (authors_world_size)
 
 
-def balanced_partitions(tokens: Sequence[int], k: int) -> List[List[int]]:
+def balanced_partitions(tokens: Sequence[int], k: int, equal_size: bool = False) -> List[List[int]]:
     """``k`` non-empty groups of indices with near-equal token sums by Karmarkar-Karp largest
-    differencing, with the tie-breaking of verl's ``get_seqlen_balanced_partitions``
-    (``equal_size=False``): groups ordered by token sum (largest first), indices sorted inside.
+    differencing, with the tie-breaking of verl's ``get_seqlen_balanced_partitions``: groups
+    ordered by token sum (largest first), indices sorted inside.
 
-    Start: one partial solution per item (sorted by (tokens, index)), the item in its first
-    group. Repeatedly take the two partial solutions with the largest spread (max - min group
+    Start (``equal_size=False``, the token-budget micro-batches): one partial solution per item
+    (sorted by (tokens, index)), the item in its first group; ``equal_size=True`` (verl's
+    ``_balance_batch`` over the data-parallel ranks, every group ``n / k`` items): one partial
+    solution per ``k`` consecutive items of that order, one item in each group. Repeatedly take the two partial solutions with the largest spread (max - min group
     sum; ties: the larger top group first), join the first's largest group with the second's
     smallest and so on, re-sort the groups, and put the result back."""
     k = int(k)
@@ -136,8 +148,15 @@ def balanced_partitions(tokens: Sequence[int], k: int) -> List[List[int]]:
         return _KKState(groups[0][0] - groups[-1][0], groups)
 
     heap = []
-    for t, i in sorted((int(t), i) for i, t in enumerate(tokens)):
-        heapq.heappush(heap, make([(t, [(i, t)])] + [(0, []) for _ in range(k - 1)]))
+    ordered = sorted((int(t), i) for i, t in enumerate(tokens))
+    if equal_size:
+        if n % k:
+            raise ValueError(f"cannot split {n} rows into {k} equal-size token-balanced groups ({n} % {k} != 0)")
+        for o in range(0, n, k):
+            heapq.heappush(heap, make([(t, [(i, t)]) for t, i in ordered[o:o + k]]))
+    else:
+        for t, i in ordered:
+            heapq.heappush(heap, make([(t, [(i, t)])] + [(0, []) for _ in range(k - 1)]))
     while len(heap) > 1:
         a, b = heapq.heappop(heap), heapq.heappop(heap)
         joined = [(ga[0] + gb[0], ga[1] + gb[1]) for ga, gb in zip(a.groups, reversed(b.groups))]
@@ -192,7 +211,8 @@ def _segment_micro_batches(rows: List[int], anchor: bool, tokens: Optional[Seque
 def plan_micro_batches(is_anchor: Sequence[bool], tokens: Optional[Sequence[int]] = None, *,
                        mini_batch_rows: int, micro_batch_seqs: int = 2,
                        micro_batch_tokens: Optional[int] = None, step_layout: str = "spread",
-                       sync: Optional[Callable[[int], int]] = None) -> List[List[PlannedMicroBatch]]:
+                       sync: Optional[Callable[[int], int]] = None, authors_world_size: Optional[int] = None,
+                       mixed_micro_batches: str = "separate") -> List[List[PlannedMicroBatch]]:
     """The optimiser steps of one rollout step on one data-parallel rank, as seamoke/DPH-RL's
     ``DataParallelPPOActor.update_policy`` lays them out (docs/ALGORITHMS.md section 9, rows 1, 1b, 2).
 
@@ -217,9 +237,28 @@ def plan_micro_batches(is_anchor: Sequence[bool], tokens: Optional[Sequence[int]
     Where the authors' code would put both kinds in one micro-batch (a mini-batch boundary
     inside it, or a token-budget partition across the rollout/anchor border) and give every row
     the first row's loss, this layout keeps them apart (docs/ALGORITHMS.md section 9, row 1b).
+
+    ``authors_world_size`` ``W`` (None: this rank's rows only, as above): the rows are the
+    **whole** rollout step (every data-parallel rank's), and the steps are the authors' at
+    ``W`` GPUs (:func:`_plan_authors_world`): ``mini_batch_rows`` is then the authors'
+    per-GPU ``ppo_mini_batch_size`` (``train.batch_size / W``), each optimiser step holds every
+    authors' rank's micro-batches, and ``coef`` includes their ``1 / W`` gradient average.
+    ``mixed_micro_batches``: ``separate`` keeps the kinds apart; ``first_row`` (only with
+    ``authors_world_size``) partitions each rank's mini-batch as a whole, as the authors do, and
+    a micro-batch takes its first row's loss (anchors after a rollout: ``ppo_anchors``).
     """
     if step_layout not in STEP_LAYOUTS:
         raise unknown_name_error("step_layout", step_layout, STEP_LAYOUTS)
+    if mixed_micro_batches not in MIXED_MICRO_BATCHES:
+        raise unknown_name_error("mixed_micro_batches", mixed_micro_batches, MIXED_MICRO_BATCHES)
+    if authors_world_size is not None:
+        return _plan_authors_world(is_anchor, tokens, mini_batch_rows=mini_batch_rows,
+                                   micro_batch_seqs=micro_batch_seqs, micro_batch_tokens=micro_batch_tokens,
+                                   step_layout=step_layout, world=int(authors_world_size),
+                                   mixed=mixed_micro_batches)
+    if mixed_micro_batches != "separate":
+        raise ValueError("mixed_micro_batches: first_row reproduces the authors' micro-batches at their GPU count; "
+                         "it needs authors_world_size (set it, or mixed_micro_batches: separate)")
     M, k = int(mini_batch_rows), int(micro_batch_seqs)
     if micro_batch_tokens is None and not 1 <= k <= M:
         raise ValueError(f"the authors' layout needs 1 <= micro_batch_seqs ({k}) <= mini-batch rows ({M}); "
@@ -245,6 +284,171 @@ def plan_micro_batches(is_anchor: Sequence[bool], tokens: Optional[Sequence[int]
         if step:
             steps.append(step)
     return steps
+
+
+def _plan_authors_world(is_anchor: Sequence[bool], tokens: Optional[Sequence[int]], *, mini_batch_rows: int,
+                        micro_batch_seqs: int, micro_batch_tokens: Optional[int], step_layout: str, world: int,
+                        mixed: str) -> List[List[PlannedMicroBatch]]:
+    """The optimiser steps of one rollout step as seamoke/DPH-RL ran it on ``world`` GPUs.
+
+    * ``RayPPOTrainer.fit``: ``_balance_batch`` (``trainer.balance_batch: True``, the fork's
+      default, no script changes it) reorders the rollouts into ``world`` equal-size
+      token-balanced groups (:func:`balanced_partitions` with ``equal_size``) laid end to end;
+      the anchors are appended after them (``DataProto.concat([batch, sft_batch])``).
+    * ``update_actor`` dispatches contiguous equal chunks, one per rank (``DataProto.chunk``).
+    * Each rank's ``update_policy``: mini-batches of ``mini_batch_rows`` consecutive rows of its
+      chunk; micro-batches ``split(micro_batch_seqs)`` (``coef = 1 / (M // k)``) or, with
+      ``micro_batch_tokens``, ``rearrange_micro_batches``: ``ceil(tokens / budget)`` partitions,
+      the count all-reduced (max) over the ranks for the same mini-batch, ``coef = rows / M``.
+      ``mixed == "first_row"``: over the whole mini-batch, each micro-batch taking its first
+      row's loss (``data['type'][0] == 2``); ``"separate"``: rollouts and anchors partitioned
+      apart.
+    * FSDP averages the gradients of the ``world`` ranks: every ``coef`` is divided by ``world``;
+      optimiser step ``j`` holds every rank's ``j``-th mini-batch.
+    """
+    W, M, k = world, int(mini_batch_rows), int(micro_batch_seqs)
+    if W < 1:
+        raise ValueError(f"authors_world_size must be >= 1, got {world}")
+    if step_layout != "authors":
+        raise ValueError("authors_world_size lays each step out as the authors did (their rank slicing puts the "
+                         f"anchors where their order puts them); it needs step_layout: authors, got {step_layout!r}")
+    if micro_batch_tokens is None and not 1 <= k <= M:
+        raise ValueError(f"the authors' layout needs 1 <= micro_batch_seqs ({k}) <= mini-batch rows per GPU ({M}); "
+                         "raise train.batch_size or lower micro_batch_seqs / authors_world_size")
+    flags = [bool(a) for a in is_anchor]
+    if (micro_batch_tokens is not None or W > 1) and tokens is None:
+        raise ValueError("the authors' layout at authors_world_size > 1 or with micro_batch_tokens needs the rows' "
+                         "token counts")
+    online = [i for i, a in enumerate(flags) if not a]
+    anchors = [i for i, a in enumerate(flags) if a]
+    N = len(flags)
+    if N % W:
+        raise ValueError(f"the authors' dispatch splits the {N} rows of a rollout step into {W} equal chunks "
+                         f"(DataProto.chunk); {N} % {W} != 0: make rollouts + anchors a multiple of "
+                         "authors_world_size")
+    if online:
+        if len(online) % W:
+            raise ValueError(f"the authors' _balance_batch splits the {len(online)} rollouts into {W} equal groups; "
+                             f"make the rollout count a multiple of authors_world_size ({W})")
+        groups = balanced_partitions([int(tokens[i]) for i in online], W, equal_size=True) if W > 1 else [
+            list(range(len(online)))]
+        online = [online[j] for g in groups for j in g]
+    order = online + anchors
+    C = N // W
+    chunks = [order[r * C:(r + 1) * C] for r in range(W)]
+    minis = [[c[s:s + M] for s in range(0, len(c), M)] for c in chunks]  # the same count on every rank
+    steps: List[List[PlannedMicroBatch]] = []
+    for j in range(len(minis[0])):
+        per_rank = [minis[r][j] for r in range(W)]
+        step: List[PlannedMicroBatch] = []
+        if mixed == "separate":
+            for r, mb in enumerate(per_rank):
+                for kind in (False, True):
+                    seg = [i for i in mb if flags[i] == kind]
+                    for p in _segment_micro_batches(seg, kind, tokens, M, k, micro_batch_tokens, None):
+                        step.append(PlannedMicroBatch(p.rows, p.anchor, p.coef / W, (), r))
+            steps.append(step)
+            continue
+        if micro_batch_tokens is None:
+            parts_of = [[list(range(s, min(s + k, len(mb)))) for s in range(0, len(mb), k)] for mb in per_rank]
+            coefs = [[1.0 / (M // k)] * len(p) for p in parts_of]
+        else:
+            budget = int(micro_batch_tokens)
+            counts = []
+            for mb in per_rank:
+                lens = [int(tokens[i]) for i in mb]
+                if max(lens) > budget:
+                    raise ValueError(f"a row of {max(lens)} tokens exceeds micro_batch_tokens={budget} (the authors' "
+                                     "ppo_max_token_len_per_gpu must hold the longest sequence); raise "
+                                     "micro_batch_tokens")
+                counts.append(min(len(mb), -(-sum(lens) // budget)))
+            n = max(counts)  # rearrange_micro_batches all-reduces the count (max) over the ranks
+            if n > min(len(mb) for mb in per_rank):
+                raise ValueError(f"the authors' synchronised micro-batch count {n} exceeds a rank's {min(len(mb) for mb in per_rank)} "
+                                 "rows (their rearrange_micro_batches asserts); raise micro_batch_tokens")
+            parts_of = [balanced_partitions([int(tokens[i]) for i in mb], n) for mb in per_rank]
+            coefs = [[len(p) / M for p in parts] for parts in parts_of]
+        for r, (mb, parts) in enumerate(zip(per_rank, parts_of)):
+            for p, c in zip(parts, coefs[r]):
+                rows = tuple(mb[q] for q in sorted(p))  # the micro-batch in mini-batch order
+                kind = flags[rows[0]]
+                if kind and not all(flags[i] for i in rows):
+                    raise AssertionError("an anchor-first micro-batch holding rollouts (the authors' order puts "
+                                         "rollouts first)")
+                ppo = () if kind else tuple(i for i in rows if flags[i])
+                step.append(PlannedMicroBatch(rows, kind, c / W, ppo, r))
+        steps.append(step)
+    return steps
+
+
+def share_micro_batches(step: Sequence[PlannedMicroBatch], dp_size: int, rank: int
+                        ) -> List[Optional[PlannedMicroBatch]]:
+    """This engine rank's share of one optimiser step planned for the whole rollout step
+    (``authors_world_size``): micro-batch ``i`` goes to rank ``i % dp_size``; every rank gets
+    the same count (``ceil(len / dp_size)``), ``None`` standing for a micro-batch of weight 0
+    (the engine repeats one with ``coef`` 0 so its collectives match). Each share's ``coef``
+    is multiplied by ``dp_size``: the engine averages gradients over its ranks."""
+    D = int(dp_size)
+    per = -(-len(step) // D)
+    mine = [step[i] for i in range(int(rank), len(step), D)]
+    out: List[Optional[PlannedMicroBatch]] = [
+        PlannedMicroBatch(mb.rows, mb.anchor, mb.coef * D, mb.ppo_anchors, mb.rank) for mb in mine]
+    return out + [None] * (per - len(out))
+
+
+def route_anchors_to_ppo(is_anchor: torch.Tensor, ppo_anchor: torch.Tensor, mask: torch.Tensor,
+                         old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                         anchor_log_probs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(is_anchor, old_log_probs, advantages)`` for a micro-batch with anchors routed to the PPO
+    loss (:class:`PlannedMicroBatch` ``ppo_anchors``): those rows become online rows whose old
+    log-probs are their stored ones (the authors' type-2 ``old_log_probs``) and whose advantage is
+    :data:`ANCHOR_PPO_ADVANTAGE` on every response token."""
+    sel = ppo_anchor.to(is_anchor.device).bool().reshape(-1)
+    if bool((sel & ~is_anchor.bool().reshape(-1)).any()):
+        raise ValueError("ppo_anchors names a rollout row")
+    rows = sel.view(-1, *([1] * (old_log_probs.dim() - 1)))
+    old = torch.where(rows, anchor_log_probs.to(old_log_probs.dtype), old_log_probs)
+    adv_full = advantages if advantages.shape == mask.shape else advantages.reshape(-1, 1).expand_as(mask)
+    # float64 where the fields are float32 (Megatron's rows): loss_inputs casts to the log-probs' dtype
+    adv_dt = torch.promote_types(adv_full.dtype, torch.float64) if adv_full.is_floating_point() else torch.float64
+    adv = torch.where(rows, mask.to(adv_dt) * ANCHOR_PPO_ADVANTAGE, adv_full.to(adv_dt))
+    return is_anchor.bool().reshape(-1) & ~sel, old, adv
+
+
+def layout_report(method, n_rollouts: int, n_anchors: int, train_batch_size: int,
+                  row_tokens: Optional[int] = None, layout: Optional[dict] = None) -> List[str]:
+    """Lines describing one rollout step in the authors' layout of ``method`` (engines under
+    ``micro-batch-token-mean``): the authors' GPU count and, per optimiser step, the share of a
+    full step of rollouts it trains and the anchor weight (``eta x`` the summed anchor
+    micro-batch factors) it implies, and how many anchors get the PPO loss
+    (``mixed_micro_batches: first_row``). Token budgets are laid out with every row at
+    ``row_tokens`` tokens (said in the first line). ``layout``: the run's engine layout
+    (``EngineLayout.to_dict()``: step_layout, micro_batch_tokens, authors_world_size,
+    mixed_micro_batches; the ``engine:`` section)."""
+    h = dict(method.hparams)
+    h.update(layout or {})
+    world = h.get("authors_world_size")
+    budget = h.get("micro_batch_tokens")
+    per_gpu = int(train_batch_size) // int(world or 1)
+    flags = [False] * int(n_rollouts) + [True] * int(n_anchors)
+    tokens = [int(row_tokens or 1)] * len(flags)
+    steps = plan_micro_batches(flags, tokens, mini_batch_rows=per_gpu, micro_batch_seqs=int(h["micro_batch_seqs"]),
+                               micro_batch_tokens=budget, step_layout=h.get("step_layout", "spread"),
+                               authors_world_size=world, mixed_micro_batches=h.get("mixed_micro_batches", "separate"))
+    eta = float(h.get("anchor_eta", 0.0))
+    where = (f"micro-batches of {budget} tokens, every row taken as {row_tokens} tokens" if budget is not None
+             else f"micro-batches of {h['micro_batch_seqs']} rows")
+    gpus = (f"the authors' GPU count {world} (authors_world_size; {per_gpu} rows per GPU and step)" if world is not None
+            else "each engine rank's own rows (authors_world_size unset: the authors' one-GPU form)")
+    lines = [f"authors' layout: {gpus}; {n_rollouts} rollouts + {n_anchors} anchors per rollout step; {where}"]
+    for j, step in enumerate(steps, 1):
+        roll = sum(mb.coef for mb in step if not mb.anchor)
+        anc = sum(mb.coef for mb in step if mb.anchor)
+        routed = sum(len(mb.ppo_anchors) for mb in step)
+        lines.append(f"  step {j}: rollout (PPO) micro-batches {roll:.3f} of a step, anchor weight eta x {anc:.3f} "
+                     f"= {eta * anc:.5f}" + (f"; {routed} anchors in rollout micro-batches, trained with the PPO loss "
+                                             "at advantage +1 (mixed_micro_batches: first_row)" if routed else ""))
+    return lines
 
 
 def micro_batch_loss(loss: torch.Tensor, mask: torch.Tensor, coef: float) -> torch.Tensor:

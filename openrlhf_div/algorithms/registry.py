@@ -169,7 +169,7 @@ COMMON_HPARAMS: Dict[str, Any] = {
 }
 # engine layout, not method hyperparameters: an experiment's `engine:` section
 # (openrlhf_div.engines.layout; docs/ALGORITHMS.md section 9 rows 1, 1b)
-ENGINE_LAYOUT_KEYS = ("step_layout", "micro_batch_tokens")
+ENGINE_LAYOUT_KEYS = ("step_layout", "micro_batch_tokens", "authors_world_size", "mixed_micro_batches")
 ESTIMATORS: Dict[str, Component] = {}
 REWARD_SHAPING: Dict[str, Component] = {}
 ADV_RESHAPING: Dict[str, Component] = {}

@@ -11,6 +11,10 @@ def add_parser(sub):
     p.add_argument("--hparams", action="store_true",
                    help="print every hyperparameter with its help and source as a Markdown table "
                         "(docs/hyperparameters.md is this output)")
+    p.add_argument("--config", metavar="PATH",
+                   help="with NAME: an OpenRLHF / Megatron experiment config (configs/openrlhf/*.yaml, "
+                        "configs/megatron/*.yaml) whose method is NAME: also print the authors' layout of one rollout "
+                        "step it implies (authors_world_size, per-step anchor weights)")
     p.set_defaults(func=run)
     return p
 
@@ -22,6 +26,8 @@ def run(args) -> int:
         print(hparam_markdown(builtin_only=False), end="")
         return 0
     if args.name:
+        if getattr(args, "config", None):
+            return _with_config(args.name, args.config)
         d = get_method(args.name).describe()
         print(json.dumps(d, indent=2, default=str))
         return 0
@@ -66,3 +72,20 @@ def hparam_markdown(builtin_only: bool = True) -> str:
     for name, (default, text, source) in LAYOUT_KEYS.items():
         lines.append(f"| `{name}` | `{'null' if default is None else default}` | {cell(text)} | {cell(source)} |")
     return "\n".join(lines) + "\n"
+def _with_config(name: str, path: str) -> int:
+    """The method as the config builds it, and the authors' layout of one rollout step."""
+    from openrlhf_div.engines.openrlhf import launch
+
+    p = launch.plan(["--config", path, "--dry-run"])
+    if p.method.name != name:
+        raise SystemExit(f"{path} trains method {p.method.name!r}, not {name!r}: "
+                         f"run `openrlhf-div methods {p.method.name} --config {path}`")
+    h = p.method.hparams
+    print(f"{name} as {path} runs it: " + ", ".join(f"{k}={h[k]}" for k in sorted(h)))
+    from openrlhf_div.engines.layout import EngineLayout
+
+    print("engine layout (engine:): " + ", ".join(f"{k}={v}" for k, v in EngineLayout.from_args(p.args).to_dict().items()))
+    lines = launch.authors_layout_lines(p.method, p.args)
+    print("\n".join(lines) if lines else "no authors' layout (aggregation is not micro-batch-token-mean or the "
+                                         "method has no anchors)")
+    return 0

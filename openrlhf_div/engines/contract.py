@@ -156,3 +156,26 @@ def rows_from_experience(exp, method: Method) -> List[Dict[str, torch.Tensor]]:
             r["is_anchor"] = torch.tensor(anchor_row)
         out.append(r)
     return out
+
+
+def gather_step_rows(rows: List, group=None) -> Tuple[List, int, int]:
+    """``(rows, dp_size, rank)``: every data-parallel rank's rows of this rollout step, in rank
+    order, on every rank (``authors_world_size`` plans the whole step: docs/ALGORITHMS.md
+    section 9 row 10). Rows are OpenRLHF ``Experience`` items or dicts of tensors, moved to the
+    host first. Without a process group (or with one rank) the rows come back as they are."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return list(rows), 1, 0
+    dp = dist.get_world_size(group=group)
+    if dp <= 1:
+        return list(rows), 1, 0
+
+    def host(r):
+        if isinstance(r, dict):
+            return {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in r.items()}
+        return r.to_device("cpu") if hasattr(r, "to_device") else r
+
+    gathered: List = [None] * dp
+    dist.all_gather_object(gathered, [host(r) for r in rows], group=group)
+    return [r for part in gathered for r in part], dp, dist.get_rank(group=group)

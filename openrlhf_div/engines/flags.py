@@ -149,6 +149,12 @@ def add_div_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     g.add_argument("--div.eval_top_p", type=float, default=None, metavar="P",
                    help="top-p of `python -m openrlhf_div.engines.openrlhf.evaluate --config` (default: "
                         "--rollout.top_p); the DPH-RL authors train at 0.9 and evaluate at 0.95")
+    g.add_argument("--div.truncate_prompts", type=_bool, default=False, metavar="BOOL",
+                   help="let OpenRLHF cut prompts longer than data.max_len - rollout.max_new_tokens from the left "
+                        "(default: stop before the run with their count)")
+    g.add_argument("--div.eval_greedy", type=_bool, default=None, metavar="BOOL",
+                   help="`python -m openrlhf_div.engines.openrlhf.evaluate --config` also scores one greedy "
+                        "response per problem (the report's greedy column); the DPH-RL authors validate greedily")
     g.add_argument("--div.aggregation", default=None, choices=sorted(TOKEN_LEVEL),
                    help="override the method's loss aggregation")
     g.add_argument("--div.dynamic_sampling", type=_bool, default=None, metavar="BOOL",

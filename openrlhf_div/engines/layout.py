@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from openrlhf_div.algorithms._utils import unknown_name_error
-from openrlhf_div.algorithms.authors import MICRO_BATCH_TOKEN_MEAN, STEP_LAYOUTS, plan_micro_batches
+from openrlhf_div.algorithms.authors import (MICRO_BATCH_TOKEN_MEAN, MIXED_MICRO_BATCHES, STEP_LAYOUTS,
+                                             plan_micro_batches)
 
 #: key -> (default, one line of help, source). The defaults are the library's (the spec's clean
 #: form); the authors' values are what configs/openrlhf/_llama8b_bird.yaml sets.
@@ -41,6 +42,20 @@ LAYOUT_KEYS: Dict[str, tuple] = {
         "micro-batches of the method's micro_batch_seqs rows",
         "docs/ALGORITHMS.md section 9 row 1b; seamoke/DPH-RL verl/trainer/config/ppo_trainer.yaml "
         "use_dynamic_bsz, ppo_max_token_len_per_gpu: 32384"),
+    "authors_world_size": (
+        None,
+        "with step_layout authors: lay each rollout step out as the authors' code did at this many GPUs "
+        "(balance_batch reorder, contiguous rank chunks, per-rank mini-batches, 1/W gradient mean), whatever "
+        "world size the engine runs on; null: each engine rank's own rows (the authors' one-GPU form)",
+        "docs/ALGORITHMS.md section 9 row 10; DPH-RL paper section 5 (32 A800 GPUs); seamoke/DPH-RL "
+        "ray_trainer.py _balance_batch + dp_actor.py update_policy (data split per rank)"),
+    "mixed_micro_batches": (
+        "separate",
+        "separate: anchors and rollouts never share a micro-batch; first_row: the authors' mixed micro-batches "
+        "(anchors after a rollout in one micro-batch get the PPO loss at the group-of-one advantage +1 against "
+        "their stored log-probs); needs authors_world_size",
+        "docs/ALGORITHMS.md section 9 row 10b; seamoke/DPH-RL dp_actor.py update_policy (the micro-batch's first "
+        "row decides the loss) + ray_trainer.py compute_advantage (GRPO group of one)"),
 }
 #: old spellings (a method hyperparameter under ``div:`` / ``method:`` / ``--div.*``), read for one
 #: release with a one-line deprecation naming the new key
@@ -58,10 +73,27 @@ class EngineLayout:
 
     step_layout: str = LAYOUT_KEYS["step_layout"][0]
     micro_batch_tokens: Optional[int] = LAYOUT_KEYS["micro_batch_tokens"][0]
+    authors_world_size: Optional[int] = LAYOUT_KEYS["authors_world_size"][0]
+    mixed_micro_batches: str = LAYOUT_KEYS["mixed_micro_batches"][0]
 
     def __post_init__(self):
         if self.step_layout not in STEP_LAYOUTS:
             raise unknown_name_error("engine.step_layout", self.step_layout, STEP_LAYOUTS)
+        if self.mixed_micro_batches not in MIXED_MICRO_BATCHES:
+            raise unknown_name_error("engine.mixed_micro_batches", self.mixed_micro_batches, MIXED_MICRO_BATCHES)
+        aws = self.authors_world_size
+        if isinstance(aws, str) and aws.strip().lower() in ("none", "null"):
+            aws = None
+            object.__setattr__(self, "authors_world_size", None)
+        if aws is not None:
+            if int(aws) < 1 or self.step_layout != "authors":
+                raise ValueError(f"engine.authors_world_size must be >= 1 with engine.step_layout: authors (the "
+                                 f"authors' GPU count lays out their steps), got {aws} with step_layout "
+                                 f"{self.step_layout}")
+            object.__setattr__(self, "authors_world_size", int(aws))
+        if self.mixed_micro_batches != "separate" and aws is None:
+            raise ValueError("engine.mixed_micro_batches: first_row reproduces the authors' micro-batches at their GPU "
+                             "count; set engine.authors_world_size too (or engine.mixed_micro_batches: separate)")
         mbt = self.micro_batch_tokens
         if isinstance(mbt, str) and mbt.strip().lower() in ("none", "null"):
             object.__setattr__(self, "micro_batch_tokens", None)
@@ -104,7 +136,8 @@ class EngineLayout:
         return plan_micro_batches(is_anchor, tokens, mini_batch_rows=int(mini_batch_rows),
                                   micro_batch_seqs=int(method.hparams["micro_batch_seqs"]),
                                   micro_batch_tokens=self.micro_batch_tokens, step_layout=self.step_layout,
-                                  sync=sync)
+                                  sync=sync, authors_world_size=self.authors_world_size,
+                                  mixed_micro_batches=self.mixed_micro_batches)
 
 
 def uses_authors_layout(method) -> bool:
@@ -149,6 +182,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentG
                                       f"source: {source})"}
         if key == "step_layout":
             kw.update(choices=list(STEP_LAYOUTS), metavar=None)
+        elif key == "mixed_micro_batches":
+            kw.update(choices=list(MIXED_MICRO_BATCHES), metavar=None)
         else:
             kw.update(type=_int_or_none)
         g.add_argument(f"--engine.{key}", **kw)

@@ -121,6 +121,9 @@ def _split_key(M: Mapping[str, Any], want: Optional[str], prefer: str) -> Option
 def _columns(metrics: Mapping[str, Any], style_split: Optional[str]) -> List[Tuple[str, str]]:
     base = metrics["base"]
     cols = [("pass@1", "pass@1"), ("pass@8", "pass@8"), ("pass@16", "pass@16")]
+    if any(_get(M, "greedy") is not None for M in [base, *(metrics.get("methods") or {}).values()]
+           if isinstance(M, Mapping)):
+        cols.append(("greedy", "greedy"))  # one temperature-0 response per problem (eval --greedy)
     for s in (base.get("splits") or {}):
         cols.append((f"pass@1 {s.split('/')[-1]}", f"splits::{s}::pass@1"))
         cols.append((f"pass@16 {s.split('/')[-1]}", f"splits::{s}::pass@16"))

@@ -207,10 +207,16 @@ class EngineConfig:
                           + " (source: " + LAYOUT_KEYS["step_layout"][2] + ")")
     micro_batch_tokens: Optional[int] = _f(LAYOUT_KEYS["micro_batch_tokens"][0], LAYOUT_KEYS["micro_batch_tokens"][1]
                                            + " (source: " + LAYOUT_KEYS["micro_batch_tokens"][2] + ")")
+    authors_world_size: Optional[int] = _f(LAYOUT_KEYS["authors_world_size"][0], LAYOUT_KEYS["authors_world_size"][1]
+                                           + " (source: " + LAYOUT_KEYS["authors_world_size"][2] + ")")
+    mixed_micro_batches: str = _f(LAYOUT_KEYS["mixed_micro_batches"][0], LAYOUT_KEYS["mixed_micro_batches"][1]
+                                  + " (source: " + LAYOUT_KEYS["mixed_micro_batches"][2] + ")")
 
     def layout(self) -> EngineLayout:
         try:
-            return EngineLayout(step_layout=self.step_layout, micro_batch_tokens=self.micro_batch_tokens)
+            return EngineLayout(step_layout=self.step_layout, micro_batch_tokens=self.micro_batch_tokens,
+                                authors_world_size=self.authors_world_size,
+                                mixed_micro_batches=self.mixed_micro_batches)
         except ValueError as e:
             raise ConfigError(f"config section `engine`: {e}") from e
 

@@ -37,15 +37,17 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from dataclasses import replace
 from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
+from openrlhf_div.algorithms.authors import share_micro_batches
 from openrlhf_div.algorithms.registry import Method, get_method
 from openrlhf_div.compat.flash_attn_standin import install as _install_flash_attn_standin
 
-from ..contract import rows_from_experience
+from ..contract import gather_step_rows, rows_from_experience
 from ..layout import EngineLayout, uses_authors_layout
 from .config import MegatronConfig, megatron_config_from_args
 from .loss import MicroBatch, step_counts
@@ -114,19 +116,32 @@ def collate_rows(rows: List[Dict[str, torch.Tensor]], pad_token_id: int = 0) -> 
 
 
 def authors_steps(rows: List[Dict[str, torch.Tensor]], method: Method, mini_batch_rows: int, pad_token_id: int = 0,
-                  sync=None, layout: Optional[EngineLayout] = None) -> List[List[MicroBatch]]:
+                  sync=None, layout: Optional[EngineLayout] = None, dp_size: int = 1,
+                  rank: int = 0) -> List[List[MicroBatch]]:
     """One replica's optimiser steps in the authors' layout (:meth:`EngineLayout.plan`, the run's
     ``engine:`` settings; rows in replay order, rollouts before anchors, no shuffle), each
-    micro-batch carrying its ``authors_coef``."""
-    plan = (layout or EngineLayout()).plan(method, [bool(r.get("is_anchor", False)) for r in rows],
-                                           [int(r["attention_mask"].sum()) for r in rows],
-                                           mini_batch_rows=int(mini_batch_rows), sync=sync)
+    micro-batch carrying its ``authors_coef`` (and ``authors_ppo_anchors``). With
+    ``engine.authors_world_size`` ``rows`` are the whole rollout step (every replica's, gathered),
+    ``mini_batch_rows`` the authors' rows per GPU and step, and this replica (``rank`` of
+    ``dp_size``) keeps its share of each step
+    (:func:`~openrlhf_div.algorithms.authors.share_micro_batches`; padding shares weigh 0)."""
+    layout = layout or EngineLayout()
+    world = layout.authors_world_size
+    plan = layout.plan(method, [bool(r.get("is_anchor", False)) for r in rows],
+                       [int(r["attention_mask"].sum()) for r in rows],
+                       mini_batch_rows=int(mini_batch_rows), sync=sync)
     steps = []
     for step in plan:
+        if world is not None:
+            share = share_micro_batches(step, dp_size, rank)
+            step = [p if p is not None else replace(step[0], coef=0.0, ppo_anchors=()) for p in share]
         batches = []
         for pmb in step:
             mb = collate_rows([rows[i] for i in pmb.rows], pad_token_id)
             mb.authors_coef = pmb.coef
+            if pmb.ppo_anchors:
+                routed = set(pmb.ppo_anchors)
+                mb.authors_ppo_anchors = torch.tensor([i in routed for i in pmb.rows], dtype=torch.bool)
             batches.append(mb)
         steps.append(batches)
     return steps
@@ -268,8 +283,12 @@ class MegatronPolicyActor(_DistributedActor):
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
                 return int(t)
 
-            return authors_steps(rows, self.method, int(self.args.train.batch_size) // dp, self.pad_token_id, sync,
-                                 self.layout)
+            world = self.layout.authors_world_size
+            rank = 0
+            if world is not None and group is not None:  # the authors' layout spans every replica's rows
+                rows, _, rank = gather_step_rows(rows, group)
+            return authors_steps(rows, self.method, int(self.args.train.batch_size) // int(world or dp),
+                                 self.pad_token_id, sync, self.layout, dp_size=dp, rank=rank)
         g = torch.Generator().manual_seed(int(getattr(self.args.train, "seed", 42)) + self._fits)
         order = torch.randperm(len(rows), generator=g).tolist()
         rows = [rows[i] for i in order]

@@ -38,6 +38,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from openrlhf_div.algorithms.authors import route_anchors_to_ppo
 from openrlhf_div.algorithms.registry import Method
 
 from ..contract import loss_inputs
@@ -62,6 +63,7 @@ class MicroBatch:
     is_anchor: Optional[torch.Tensor] = None     # [B] bool: D_pef anchor row
     anchor_ref_log_probs: Optional[torch.Tensor] = None  # [B, A] stored base log-probs (anchor rows)
     authors_coef: Optional[float] = None         # the authors' accumulation factor (micro-batch-token-mean)
+    authors_ppo_anchors: Optional[torch.Tensor] = None  # [B] bool: anchors trained with the PPO loss (first_row)
     extra: Dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -152,11 +154,18 @@ def registry_loss(method: Method, log_probs: torch.Tensor, entropy: Optional[tor
     ``num_microbatches * dp_size`` (see the module docstring).
     """
     anchor = mb.anchor_rows()
-    online = ~anchor
     mask = mb.action_mask
+    old, adv, ref = mb.old_log_probs, mb.advantages, mb.ref_log_probs
+    routed = mb.authors_ppo_anchors
+    if routed is not None and bool(routed.any()):  # anchors in a rollout micro-batch: PPO at advantage +1
+        anchor, old, adv = route_anchors_to_ppo(anchor, routed.to(anchor.device), mask, old, adv,
+                                                mb.anchor_ref_log_probs)
+        sel = routed.to(anchor.device).view(-1, 1)
+        ref = None if ref is None else torch.where(sel, mb.anchor_ref_log_probs.to(ref.dtype), ref)
+    online = ~anchor
     on_inputs, an_inputs = loss_inputs(
-        method, log_probs=log_probs, mask=mask, is_anchor=anchor, old_log_probs=mb.old_log_probs,
-        advantages=mb.advantages, ref_log_probs=mb.ref_log_probs, anchor_ref_log_probs=mb.anchor_ref_log_probs,
+        method, log_probs=log_probs, mask=mask, is_anchor=anchor, old_log_probs=old,
+        advantages=adv, ref_log_probs=ref, anchor_ref_log_probs=mb.anchor_ref_log_probs,
         correct=mb.correct, entropy=entropy, generator=generator)
     if mb.authors_coef is not None:
         loss, metrics = method.loss(online=on_inputs, anchor=an_inputs, micro_batch_coef=float(mb.authors_coef))

@@ -37,7 +37,7 @@ from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer, PolicyModelActor  # 
 from openrlhf.utils.loss_utils import get_loss_batch_info  # noqa: E402
 from openrlhf.utils.vlm_utils import merge_mm_train_inputs  # noqa: E402
 
-from ..contract import anchor_rows, correct_rows, row_values  # noqa: E402
+from ..contract import anchor_rows, correct_rows, gather_step_rows, row_values  # noqa: E402
 from ..contract import ANCHOR_FLAG  # noqa: E402
 from ..flags import check_supported, method_from_args  # noqa: E402
 from ..layout import EngineLayout, uses_authors_layout  # noqa: E402
@@ -128,11 +128,16 @@ class DivActorPPOTrainer(ActorPPOTrainer):
 
         gas = int(self.actor.model.gradient_accumulation_steps()) if hasattr(
             self.actor.model, "gradient_accumulation_steps") else int(strategy.accumulated_gradient)
+        world = self.div_layout.authors_world_size
+        rank = 0
+        if world is not None:  # the authors' layout is over the whole rollout step: every rank's rows
+            items, _, rank = gather_step_rows(items, group)
         plan = list(authors_micro_batches(
-            items, self.div_method, self.div_layout, mini_batch_rows=int(self.args.train.batch_size) // dp, gas=gas,
+            items, self.div_method, self.div_layout, mini_batch_rows=int(self.args.train.batch_size) // int(world or dp),
+            gas=gas,
             collate=self.replay_buffer.collate_fn,
             anchor_fn=lambda it: float(torch.as_tensor(it.info.get(ANCHOR_FLAG, 0.0)).reshape(-1)[0]) > 0.5,
-            tokens_fn=lambda it: int(it.attention_mask.sum()), sync=sync))
+            tokens_fn=lambda it: int(it.attention_mask.sum()), sync=sync, dp_size=dp, rank=rank))
         if dp > 1:
             shape = torch.tensor([len(plan), sum(1 for _, i in plan if i[AUTHORS_KEY]["boundary"])], dtype=torch.long)
             lo, hi = shape.clone(), shape.clone()

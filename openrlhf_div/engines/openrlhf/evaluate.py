@@ -77,14 +77,15 @@ def renderer(tok, chat: bool):
 def run_evaluation(task, examples: Sequence[Dict[str, Any]], generate_fn, render, *, out: str, name: str,
                    role: str = "method", seed: int = 0, n: int = 16, temperature: float = 1.0, top_p: float = 1.0,
                    max_new_tokens: int = 2048, base_eval: Optional[str] = None, allow_mismatch: bool = False,
-                   model: Optional[str] = None, data: Optional[str] = None) -> Dict[str, str]:
+                   model: Optional[str] = None, data: Optional[str] = None, greedy: bool = False) -> Dict[str, str]:
     """Evaluate and write ``out/eval.json`` (+ samples, table); ``base_eval``: the base's
     eval.json for keep / explore (its settings must match unless ``allow_mismatch``)."""
     from openrlhf_div.eval.evaluate import evaluate
     from openrlhf_div.eval.results import check_settings, read_eval_json, write_eval
 
     base = read_eval_json(base_eval) if base_eval else None
-    res = evaluate(task, examples, generate_fn, n=n, ks=[k for k in (1, 8, 16) if k <= n], temperature=temperature,
+    res = evaluate(task, examples, generate_fn, n=n, ks=[k for k in (1, 8, 16) if k <= n], greedy=greedy,
+                   temperature=temperature,
                    top_p=top_p, max_new_tokens=max_new_tokens, keep_k=min(8, n), base_results=base,
                    is_base=role == "base", render=render, batch_size=max(1, len(examples)))
     mismatch = check_settings([("base", base["settings"]), (name, res["settings"])], allow_mismatch,
@@ -105,7 +106,8 @@ def defaults_from_config(path: str) -> Dict[str, Any]:
            "top_p": float(d["eval_top_p"] if d.get("eval_top_p") is not None else val("rollout.top_p", 1.0)), "max_new_tokens": int(val("rollout.max_new_tokens", 2048)),
            "tp": int(val("vllm.tensor_parallel_size", 1)), "input_key": val("data.input_key", "prompt"),
            "label_key": val("data.label_key", "label"),
-           "no_chat_template": not bool(o.get("data.apply_chat_template", False))}
+           "no_chat_template": not bool(o.get("data.apply_chat_template", False)),
+           "greedy": None if d.get("eval_greedy") is None else bool(d["eval_greedy"])}
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -128,6 +130,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--input-key", default="prompt")
     ap.add_argument("--label-key", default="label")
     ap.add_argument("--no-chat-template", action="store_true")
+    ap.add_argument("--greedy", action=argparse.BooleanOptionalAction, default=False,
+                    help="also score one greedy (temperature 0) response per problem: the report's greedy column "
+                         "(default: the config's div.eval_greedy)")
     ap.add_argument("--base-eval", default=None, help="the base model's eval.json (keep/explore rates)")
     ap.add_argument("--allow-mismatch", action="store_true",
                     help="use --base-eval even when its evaluation settings differ (recorded in eval.json)")
@@ -150,7 +155,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            make_renderer(a.model, not a.no_chat_template), out=a.out, name=a.name, role=a.role,
                            seed=a.seed, n=a.n, temperature=a.temperature, top_p=a.top_p,
                            max_new_tokens=a.max_new_tokens, base_eval=a.base_eval, allow_mismatch=a.allow_mismatch,
-                           model=a.model, data=a.data)
+                           model=a.model, data=a.data, greedy=a.greedy)
     print(f"wrote {paths['json']}")
     return 0
 

@@ -50,7 +50,7 @@ from ..flags import (
     method_from_args,
 )
 from ..anchor_data import anchor_count
-from ..layout import LAYOUT_KEYS, deprecation, layout_argv
+from ..layout import LAYOUT_KEYS, EngineLayout, deprecation, layout_argv
 
 PROG = "python -m openrlhf_div.cli.train_ppo_ray"
 _OUR_OPTIONS = ("config", "dry_run")
@@ -286,6 +286,7 @@ class Plan:
             lines.append(f"vLLM        : {a.vllm.num_engines} engine(s) x TP {a.vllm.tensor_parallel_size}"
                          + (" (colocated)" if a.train.colocate_all else ""))
         lines.append(f"reward      : {a.reward.remote_url}")
+        lines += authors_layout_lines(self.method, a)
         lines.append(f"GPUs needed : {self.gpus.get('total', 0)} = " + " + ".join(
             f"{k} {v}" for k, v in self.gpus.items() if k != "total")
             + (f" (the config's cluster: block declares {self.cluster_gpus}; the live cluster is checked "
@@ -342,6 +343,24 @@ def plan(argv: Sequence[str], parser: Optional[argparse.ArgumentParser] = None) 
     return Plan(final_argv, args, method, derived, gpus, cluster_gpus, cfg_path, dry_run, env)
 
 
+def authors_layout_lines(method, args) -> List[str]:
+    """The authors' layout of one rollout step (``authors.layout_report``) for an anchor method
+    under aggregation ``micro-batch-token-mean``; token budgets laid out at rows of
+    ``data.max_len`` tokens."""
+    if method.aggregation != MICRO_BATCH_TOKEN_MEAN or not method.needs.anchor_batch:
+        return []
+    from openrlhf_div.algorithms.authors import layout_report
+
+    online = args.rollout.batch_size * args.rollout.n_samples_per_prompt
+    div = div_namespace(args)
+    n_anchor = anchor_count(online, div.anchor_batch_size, div.anchor_ratio)
+    rows = int(args.data.max_len)
+    layout = EngineLayout.from_args(args)
+    budget = layout.micro_batch_tokens
+    return layout_report(method, online, n_anchor, args.train.batch_size,
+                         row_tokens=rows if budget is None else min(rows, int(budget)), layout=layout.to_dict())
+
+
 def _check_batches(method, args) -> None:
     """With anchors, online + anchor rows per rollout step must fill whole optimizer steps
     (DeepSpeed only steps at gradient-accumulation boundaries)."""
@@ -349,7 +368,10 @@ def _check_batches(method, args) -> None:
         return
     if method.aggregation == MICRO_BATCH_TOKEN_MEAN:
         # the authors' layout cuts its own steps (a short trailing anchor step is the point) and
-        # sets DeepSpeed's accumulation boundary itself (loss.authors_micro_batches)
+        # sets DeepSpeed's accumulation boundary itself (loss.authors_micro_batches); at the
+        # authors' GPU count their rows must split as their dispatch split them
+        if EngineLayout.from_args(args).authors_world_size is not None:
+            authors_layout_lines(method, args)  # raises what the authors' layout cannot do, before any GPU starts
         return
     online = args.rollout.batch_size * args.rollout.n_samples_per_prompt
     div = div_namespace(args)

@@ -19,7 +19,7 @@ losses of one step add up to ``L_exp + eta * L_pef`` with each part a token mean
 Aggregation ``micro-batch-token-mean`` (the DPH-RL authors' update loop, docs/ALGORITHMS.md
 section 9 rows 1, 1b, 2): :func:`authors_micro_batches` replaces OpenRLHF's shuffled micro-batches
 and gas windows with the run's engine layout (:meth:`openrlhf_div.engines.layout.EngineLayout.plan`,
-``engine.step_layout`` / ``engine.micro_batch_tokens``) over the replica's rows (rollouts, then anchors; optimiser steps of ``train.batch_size / dp`` rows; anchors and
+``engine.step_layout`` / ``engine.micro_batch_tokens`` / ``engine.authors_world_size``) over the replica's rows (rollouts, then anchors; optimiser steps of ``train.batch_size / dp`` rows; anchors and
 rollouts in separate micro-batches of ``micro_batch_seqs`` rows or token budgets), and each
 micro-batch's ``loss_batch_info`` carries ``{"authors": {"coef", "gas", "boundary"}}``:
 :func:`div_actor_loss` returns ``gas x Method.loss(..., micro_batch_coef=coef)`` -- DeepSpeed's
@@ -28,10 +28,12 @@ and the policy actor sets DeepSpeed's accumulation boundary at the last micro-ba
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
+from openrlhf_div.algorithms.authors import route_anchors_to_ppo, share_micro_batches
 from openrlhf_div.algorithms.registry import Method
 from openrlhf_div.compat.flash_attn_standin import install as _install_flash_attn_standin
 
@@ -92,18 +94,32 @@ _UPSTREAM_ITER = _loss_utils.iter_grad_accum_global_norm
 
 def authors_micro_batches(items: List, method: Method, layout: EngineLayout, *, mini_batch_rows: int, gas: int,
                           collate: Callable, anchor_fn: Callable, tokens_fn: Callable,
-                          sync: Optional[Callable[[int], int]] = None) -> Iterator[Tuple[object, Dict]]:
+                          sync: Optional[Callable[[int], int]] = None, dp_size: int = 1,
+                          rank: int = 0) -> Iterator[Tuple[object, Dict]]:
     """``(micro-batch, loss_batch_info)`` for one epoch over this replica's single-row ``items``
-    in the authors' layout (module docstring; ``layout``: the run's ``engine:`` settings).
-    ``anchor_fn(item)`` / ``tokens_fn(item)``: whether the row is a ``D_pef`` anchor, and its
-    prompt + response tokens (token budgets); ``collate(list of items)`` makes a micro-batch
-    (OpenRLHF's ``make_experience_batch``)."""
+    in the authors' layout (module docstring; ``layout``: the run's ``engine:`` settings,
+    planned through :meth:`EngineLayout.plan`). ``anchor_fn(item)`` / ``tokens_fn(item)``: whether
+    the row is a ``D_pef`` anchor, and its prompt + response tokens (token budgets);
+    ``collate(list of items)`` makes a micro-batch (OpenRLHF's ``make_experience_batch``).
+
+    With ``engine.authors_world_size`` ``items`` are the whole rollout step (every rank's rows,
+    gathered), ``mini_batch_rows`` the authors' rows per GPU and step
+    (``train.batch_size / authors_world_size``), and this rank (``rank`` of ``dp_size``) takes its
+    share of each step's micro-batches (:func:`~openrlhf_div.algorithms.authors.share_micro_batches`;
+    a padding share has ``coef`` 0). ``info["authors"]["ppo_anchors"]``: the ``[B]`` flags of
+    anchors trained with the PPO loss (``engine.mixed_micro_batches: first_row``)."""
+    world = layout.authors_world_size
     steps = layout.plan(method, [bool(anchor_fn(it)) for it in items], [int(tokens_fn(it)) for it in items],
                         mini_batch_rows=int(mini_batch_rows), sync=sync)
     for step in steps:
+        if world is not None:
+            share = share_micro_batches(step, dp_size, rank)
+            step = [mb if mb is not None else replace(step[0], coef=0.0, ppo_anchors=()) for mb in share]
         for j, mb in enumerate(step):
+            routed = set(mb.ppo_anchors)
             info = {AUTHORS_KEY: {"coef": mb.coef, "gas": float(gas), "boundary": j == len(step) - 1,
-                                  "anchor": mb.anchor}}
+                                  "anchor": mb.anchor,
+                                  "ppo_anchors": torch.tensor([i in routed for i in mb.rows], dtype=torch.bool)}}
             yield collate([items[i] for i in mb.rows]), info
 
 
@@ -158,6 +174,10 @@ def div_actor_loss(
             "anchor rows need the anchor-token normaliser (loss_batch_info['anchor']); "
             "DivActorPPOTrainer.ppo_train provides it (dynamic batching does not)"
         )
+    routed = None if authors is None else authors.get("ppo_anchors")
+    if routed is not None and bool(routed.any()):  # anchors in a rollout micro-batch: PPO at advantage +1
+        is_anchor, old_log_probs, advantages = route_anchors_to_ppo(
+            is_anchor, routed.to(is_anchor.device), action_mask, old_log_probs, advantages, ref_log_probs)
     online, anchor = loss_inputs(
         method, log_probs=log_probs, mask=action_mask.float(), is_anchor=is_anchor, old_log_probs=old_log_probs,
         advantages=advantages, ref_log_probs=ref_log_probs, anchor_ref_log_probs=ref_log_probs, correct=correct,

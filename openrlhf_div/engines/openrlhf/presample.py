@@ -232,6 +232,11 @@ def run(args) -> Dict[str, Any]:
     tokenizer = get_tokenizer(model, None, "left", strategy, use_fast=not args.data.disable_fast_tokenizer)
     rows, data = _raw_rows(args, strategy)
     dataset = PromptDataset(data, tokenizer, strategy, input_template=args.data.input_template)
+    from ..prompt_budget import check_prompt_budget, tokenizer_counter
+
+    check_prompt_budget(dataset.prompts, tokenizer_counter(tokenizer), max_len=args.data.max_len,
+                        max_new_tokens=args.rollout.max_new_tokens,
+                        truncate=bool(getattr(getattr(args, "div", None), "truncate_prompts", False)))
     settings = settings_from_args(args)
     store = ShardStore(args.presample.out, settings, len(rows), overwrite=args.presample.overwrite,
                        engine="openrlhf", hint="use another --presample.out or --presample.overwrite")

@@ -39,6 +39,19 @@ def online_view(experiences: List) -> List[SimpleNamespace]:
     return out
 
 
+def _check_prompts(trainer, args) -> None:
+    """No silent truncation: count the training and evaluation prompts over the prompt budget
+    (:mod:`openrlhf_div.engines.prompt_budget`)."""
+    from ..prompt_budget import check_prompt_budget, tokenizer_counter
+
+    count = tokenizer_counter(trainer.tokenizer)
+    truncate = bool(getattr(getattr(args, "div", None), "truncate_prompts", False))
+    for what, loader in (("data.prompt_dataset", trainer.prompts_dataloader), ("eval.dataset", trainer.eval_dataloader)):
+        if loader is not None and hasattr(loader.dataset, "prompts"):
+            check_prompt_budget(loader.dataset.prompts, count, max_len=args.data.max_len,
+                                max_new_tokens=args.rollout.max_new_tokens, truncate=truncate, what=what)
+
+
 class _DivPPOTrainer(PPOTrainer.__ray_actor_class__):
     def __init__(self, pretrain, strategy, actor_model_group, critic_model_group, reward_model_group,
                  reference_model_group, vllm_engines, **generate_kwargs):
@@ -56,6 +69,7 @@ class _DivPPOTrainer(PPOTrainer.__ray_actor_class__):
                          reference_model_group, vllm_engines, **generate_kwargs)
         method = method_from_args(strategy.args)
         check_supported(method, strategy.args)
+        _check_prompts(self, strategy.args)
         upstream = self.experience_maker
         self.experience_maker = DivExperienceMaker(
             upstream.actor_model_group, upstream.critic_model_group, upstream.reward_model_group,
