@@ -503,6 +503,7 @@ def _openrlhf_actor(method, model):
     tr.args = NS(train=NS(dynamic_batch_enable=False), actor=NS(aux_loss_coef=0.0))
     tr.aux_loss, tr.ema_model, tr.replay_buffer, tr.log_z_head = False, None, None, None
     tr.actor_optim, tr.actor_scheduler = None, NS(get_last_lr=lambda: [0.0])
+    tr.last_loss, tr.div_step, tr.div_last_good = None, 1, None  # the step guards' state (checkpoints.py)
     return tr
 
 
