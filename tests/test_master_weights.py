@@ -144,4 +144,4 @@ def test_master_weights_round_trip_through_a_checkpoint_and_save_in_bfloat16(tra
 
 def test_master_weights_need_bfloat16(train_file, tmp_path):
     with pytest.raises(ConfigError, match="model.master_weights needs model.dtype=bfloat16"):
-        _cfg(train_file, tmp_path / "x", ["model.master_weights=true"])
+        _cfg(train_file, tmp_path / "x", ["model.master_weights=true", "model.dtype=float32"])

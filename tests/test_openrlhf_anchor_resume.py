@@ -25,6 +25,8 @@ def test_resumed_trainer_draws_the_next_anchors(monkeypatch):
     monkeypatch.setattr(base, "save_logs_and_checkpoints",
                         lambda self, step, logs=None, client_states=None: saved.update(client_states))
     monkeypatch.setattr(base, "init_checkpoint_states", lambda self: dict(saved))
+    # the run folder's metrics (runfolder.py) need the real args; this test is about the anchors
+    monkeypatch.setattr(tr._DivPPOTrainer, "_div_folder", lambda self: SimpleNamespace(log_step=lambda *a: None))
 
     first = object.__new__(tr._DivPPOTrainer)
     first.experience_maker = SimpleNamespace(anchor_pool=AnchorSampler(_records(), seed=3))

@@ -9,6 +9,7 @@ import json
 import types
 
 import pytest
+from types import SimpleNamespace
 import torch
 
 from openrlhf_div.algorithms import get_method
@@ -284,7 +285,9 @@ def test_policy_actor_builds_our_trainer(monkeypatch):
     monkeypatch.setattr(PolicyModelActor.__ray_actor_class__, "init_model_from_pretrained",
                         lambda self, *a, **k: seen.append(ppo_actor.ActorPPOTrainer))
     actor = object.__new__(_DivPolicyModelActor)
-    actor.init_model_from_pretrained("strategy", "pretrain")
+    actor.checkpoint_states = None  # upstream's init sets it (stubbed out here); the step counter reads it
+    strategy = SimpleNamespace(load_ckpt=lambda *a, **k: None, is_rank_0=lambda: True, print=print)
+    actor.init_model_from_pretrained(strategy, "pretrain")
     assert seen == [DivActorPPOTrainer] and ppo_actor.ActorPPOTrainer is not DivActorPPOTrainer
 
 
