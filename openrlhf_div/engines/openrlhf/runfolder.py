@@ -197,7 +197,7 @@ def evaluate_with_engines(trainer, step: int) -> Optional[Dict[str, Any]]:
     if n not in ks:
         ks.append(n)
     top_p = div.eval_top_p if getattr(div, "eval_top_p", None) is not None else args.rollout.top_p
-    gen = vllm_generate_fn(trainer.vllm_engines, tok, int(args.train.seed) + EVAL_SEED_OFFSET)
+    gen = vllm_generate_fn(trainer.vllm_engines, trainer.tokenizer, int(args.train.seed) + EVAL_SEED_OFFSET)
     sleep = bool(getattr(args.vllm, "enable_sleep", False))  # engines asleep between rollouts: wake them
     if sleep:
         from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
