@@ -159,7 +159,9 @@ def test_a_config_path_only_one_node_sees_stops_the_job_before_it_starts(cluster
         return sum(len(v) for k, v in cluster.actor_nodes().items() if k != "JobSupervisor")
 
     before = engines()
-    r = _job(cluster, shared_experiment, "rkl", "/tmp/rkl_private", ok=False)
+    # colocated reference (as the node-loss test): the job fits the two logical GPUs, so the launcher's
+    # placement check passes and the shared-path check is what stops it
+    r = _job(cluster, shared_experiment, "rkl", "/tmp/rkl_private", "--train.colocate_actor_ref", ok=False)
     line = next((ln for ln in r.output.splitlines() if "is not shared" in ln), "")
     assert "ckpt.path /tmp/rkl_private/ckpt is not shared: node nodeB (10.200.0.2)" in line, r.output[-4000:]
     assert "succeeded" not in r.output
