@@ -216,7 +216,7 @@ def test_presample_sections_parse(capsys, monkeypatch):
             # offline_sampling.sh val_kwargs.top_p 0.95; generate_sft's anchor draw at the rollout's 0.9
             assert '"top_p": 0.95' in out and '"anchor_top_p": 0.9' in out
         elif name.startswith("tiny_cpu_"):  # the CPU e2e test's experiment (tests/e2e)
-            assert '"n_pre": 4' in out and '"tau": 2' in out
+            assert '"n_pre": 8' in out and '"tau": 2' in out
         else:
             assert '"n_pre": 8' in out and '"tau": 8' in out and "resample_anchor_responses" not in out
 
