@@ -257,7 +257,7 @@ def budget_line(cfg: dict) -> str:
         fit = "holds" if max_len <= int(tokens) else "does NOT hold"
         mb_text = f"micro-batches of {int(tokens)} tokens ({fit} the longest row)"
     else:
-        mb_text = f"micro-batches of {mb:g} rows (at most {mb * max_len:.0f} tokens)"
+        mb_text = f"micro-batches of {mb:g} row{'' if mb == 1 else 's'} (at most {mb * max_len:.0f} tokens)"
     return f"prompt {prompt} + response {new} = rows of at most {max_len} tokens; {mb_text}"
 
 
