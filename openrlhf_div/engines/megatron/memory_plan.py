@@ -203,11 +203,19 @@ def config_micro_batch(cfg: dict) -> float:
     or under the authors' layout (``div.aggregation: micro-batch-token-mean``) its token budget
     ``engine.micro_batch_tokens / data.max_len`` (a micro-batch of that many tokens in all) or
     ``micro_batch_seqs`` rows."""
-    div, flags = cfg.get("div") or {}, cfg["openrlhf"]
-    if div.get("aggregation") == "micro-batch-token-mean":
+    flags = cfg["openrlhf"]
+    if method_key(cfg, "aggregation") == "micro-batch-token-mean":
         tokens = (cfg.get("engine") or {}).get("micro_batch_tokens")
-        return float(tokens) / float(flags["data.max_len"]) if tokens else float(div.get("micro_batch_seqs", 2))
+        return float(tokens) / float(flags["data.max_len"]) if tokens else float(method_key(cfg, "micro_batch_seqs", 2))
     return float(flags.get("train.micro_batch_size", 1))
+
+
+def method_key(cfg: dict, key: str, default=None):
+    """A method hyperparameter of a parsed config: its ``div:`` section or the new spelling's ``method:``."""
+    for section in (cfg.get("method"), cfg.get("div")):
+        if isinstance(section, dict) and section.get(key) is not None:
+            return section[key]
+    return default
 
 
 def config_plan(cfg: dict, world_size: Optional[int] = None) -> Dict[str, float]:
@@ -251,9 +259,7 @@ def budget_line(cfg: dict) -> str:
     prompt = max_len - int(new) if new is not None else None
     mb = config_micro_batch(cfg)
     tokens = (cfg.get("engine") or {}).get("micro_batch_tokens")
-    sections = [cfg.get("div"), cfg.get("method")]   # the method's keys: `div:` or its new spelling `method:`
-    aggregation = next((d.get("aggregation") for d in sections if isinstance(d, dict) and d.get("aggregation")), None)
-    if aggregation == "micro-batch-token-mean" and tokens:
+    if method_key(cfg, "aggregation") == "micro-batch-token-mean" and tokens:
         fit = "holds" if max_len <= int(tokens) else "does NOT hold"
         mb_text = f"micro-batches of {int(tokens)} tokens ({fit} the longest row)"
     else:
