@@ -203,22 +203,68 @@ def config_micro_batch(cfg: dict) -> float:
     or under the authors' layout (``div.aggregation: micro-batch-token-mean``) its token budget
     ``engine.micro_batch_tokens / data.max_len`` (a micro-batch of that many tokens in all) or
     ``micro_batch_seqs`` rows."""
-    div, flags = cfg.get("div") or {}, cfg["openrlhf"]
-    if div.get("aggregation") == "micro-batch-token-mean":
+    flags = cfg["openrlhf"]
+    if method_key(cfg, "aggregation") == "micro-batch-token-mean":
         tokens = (cfg.get("engine") or {}).get("micro_batch_tokens")
-        return float(tokens) / float(flags["data.max_len"]) if tokens else float(div.get("micro_batch_seqs", 2))
+        return float(tokens) / float(flags["data.max_len"]) if tokens else float(method_key(cfg, "micro_batch_seqs", 2))
     return float(flags.get("train.micro_batch_size", 1))
 
 
-def config_plan(cfg: dict) -> Dict[str, float]:
-    """:func:`node_plan` of a parsed ``configs/megatron/*.yaml``."""
+def method_key(cfg: dict, key: str, default=None):
+    """A method hyperparameter of a parsed config: its ``div:`` section or the new spelling's ``method:``."""
+    for section in (cfg.get("method"), cfg.get("div")):
+        if isinstance(section, dict) and section.get(key) is not None:
+            return section[key]
+    return default
+
+
+def config_plan(cfg: dict, world_size: Optional[int] = None) -> Dict[str, float]:
+    """:func:`node_plan` of a parsed ``configs/megatron/*.yaml``; ``world_size``: plan the actor
+    on that many GPUs (e.g. the authors' count, ``engine.authors_world_size``: data parallel
+    ``world_size / (tp x pp)``, the same per-GPU micro-batch) instead of the config's own."""
     flags, cluster = cfg["openrlhf"], cfg["cluster"]
     mcfg = MegatronConfig(**{k.split(".", 1)[1]: v for k, v in flags.items() if k.startswith("megatron.")})
     gpus = int(flags["actor.num_nodes"]) * int(flags["actor.num_gpus_per_node"])
+    if world_size is not None:
+        if int(world_size) < mcfg.model_parallel_size or int(world_size) % mcfg.model_parallel_size:
+            raise ValueError(f"--world_size {world_size}: not a multiple of the config's model-parallel size "
+                             f"{mcfg.model_parallel_size} (megatron.tp x megatron.pp)")
+        gpus = int(world_size)
     return node_plan(QWEN25_32B, mcfg, dp=gpus // mcfg.model_parallel_size, seq_len=int(flags["data.max_len"]),
                      gpus_per_node=int(flags["actor.num_gpus_per_node"]), gpu_gib=float(cluster["gpu_mem_gb"]) * 1e9 / GiB,
                      vllm_tp=int(flags["vllm.tensor_parallel_size"]),
                      vllm_util=float(flags["vllm.gpu_memory_utilization"]), micro_batch=config_micro_batch(cfg))
+
+
+def world_size_of(cfg: dict, value) -> int:
+    """``--world_size``: an integer, or ``authors`` (the config's ``engine.authors_world_size``)."""
+    if str(value).strip().lower() == "authors":
+        aws = (cfg.get("engine") or {}).get("authors_world_size")
+        if aws is None:
+            raise ValueError("--world_size authors: this config sets no engine.authors_world_size; "
+                             "give a GPU count (--world_size 32)")
+        return int(aws)
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"--world_size {value!r}: an integer GPU count or 'authors'") from None
+
+
+def budget_line(cfg: dict) -> str:
+    """One line on the config's token budgets: the longest row (``data.max_len`` = prompt budget +
+    ``rollout.max_new_tokens``) against the micro-batch's (``engine.micro_batch_tokens``, or
+    ``micro_batch_seqs`` / ``train.micro_batch_size`` rows of at most ``data.max_len``)."""
+    flags = cfg["openrlhf"]
+    max_len, new = int(flags["data.max_len"]), flags.get("rollout.max_new_tokens")
+    prompt = max_len - int(new) if new is not None else None
+    mb = config_micro_batch(cfg)
+    tokens = (cfg.get("engine") or {}).get("micro_batch_tokens")
+    if method_key(cfg, "aggregation") == "micro-batch-token-mean" and tokens:
+        fit = "holds" if max_len <= int(tokens) else "does NOT hold"
+        mb_text = f"micro-batches of {int(tokens)} tokens ({fit} the longest row)"
+    else:
+        mb_text = f"micro-batches of {mb:g} row{'' if mb == 1 else 's'} (at most {mb * max_len:.0f} tokens)"
+    return f"prompt {prompt} + response {new} = rows of at most {max_len} tokens; {mb_text}"
 
 
 def config_figures(cfg: dict) -> Dict[str, float]:
@@ -297,6 +343,9 @@ def config_markdown(paths) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="a configs/megatron/*.yaml (else the flags below)")
+    p.add_argument("--world_size", default=None,
+                   help="with --config: plan the actor on this many GPUs instead of the config's "
+                        "(an integer, or 'authors' for the config's engine.authors_world_size)")
     p.add_argument("--markdown", action="store_true", help="print the tables of docs/scaling_megatron.md")
     p.add_argument("--tp", type=int, default=8)
     p.add_argument("--pp", type=int, default=1)
@@ -323,6 +372,13 @@ def run(a) -> int:
         return 0
     if a.config:
         cfg = load_config(a.config)
+        world = getattr(a, "world_size", None)
+        if world is not None:
+            world = world_size_of(cfg, world)
+            print(f"  plan at {world} GPUs (--world_size), token budgets: {budget_line(cfg)}")
+            for k, v in config_plan(cfg, world).items():
+                print(f"  {k:<28} {v:8.1f}")
+            return 0
         for k, v in config_plan(cfg).items():
             print(f"  {k:<28} {v:8.1f}")
         print("  cluster section:          " + ", ".join(f"{k}: {v}" for k, v in config_figures(cfg).items()))

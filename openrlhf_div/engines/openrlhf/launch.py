@@ -361,9 +361,25 @@ def authors_layout_lines(method, args) -> List[str]:
                          row_tokens=rows if budget is None else min(rows, int(budget)), layout=layout.to_dict())
 
 
+def _check_token_budget(method, args) -> None:
+    """Under ``micro-batch-token-mean`` with ``engine.micro_batch_tokens``, a micro-batch must hold
+    the longest row a run can produce (``data.max_len`` = prompt budget + ``rollout.max_new_tokens``),
+    as verl's ``rearrange_micro_batches`` asserts (``max_token_len >= max_seq_len``)."""
+    if method.aggregation != MICRO_BATCH_TOKEN_MEAN:
+        return
+    budget = EngineLayout.from_args(args).micro_batch_tokens
+    if budget is not None and int(args.data.max_len) > int(budget):
+        raise ValueError(
+            f"engine.micro_batch_tokens {budget} is smaller than data.max_len {args.data.max_len} (the longest row: "
+            "prompt budget + rollout.max_new_tokens): a micro-batch must hold one whole row (the authors' "
+            "ppo_max_token_len_per_gpu >= max_prompt_length + max_response_length); raise engine.micro_batch_tokens "
+            "or lower data.max_len")
+
+
 def _check_batches(method, args) -> None:
     """With anchors, online + anchor rows per rollout step must fill whole optimizer steps
     (DeepSpeed only steps at gradient-accumulation boundaries)."""
+    _check_token_budget(method, args)
     if not method.needs.anchor_batch:
         return
     if method.aggregation == MICRO_BATCH_TOKEN_MEAN:
