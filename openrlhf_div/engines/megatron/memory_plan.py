@@ -200,13 +200,15 @@ CONFIG_KEYS = {"plan_gpu_fit_gib": ("gpu_fit_gib", 1), "plan_gpu_peak_gib": ("gp
 
 def config_micro_batch(cfg: dict) -> float:
     """Sequences of ``data.max_len`` tokens per training micro-batch: ``train.micro_batch_size``,
-    or under the authors' layout (``div.aggregation: micro-batch-token-mean``) its token budget
+    or under the authors' layout (``method.aggregation: micro-batch-token-mean``) its token budget
     ``engine.micro_batch_tokens / data.max_len`` (a micro-batch of that many tokens in all) or
-    ``micro_batch_seqs`` rows."""
-    div, flags = cfg.get("div") or {}, cfg["openrlhf"]
-    if div.get("aggregation") == "micro-batch-token-mean":
+    ``method.micro_batch_seqs`` rows."""
+    from openrlhf_div.engines.experiment import method_section
+
+    method, flags = method_section(cfg), cfg["openrlhf"]
+    if method.get("aggregation") == "micro-batch-token-mean":
         tokens = (cfg.get("engine") or {}).get("micro_batch_tokens")
-        return float(tokens) / float(flags["data.max_len"]) if tokens else float(div.get("micro_batch_seqs", 2))
+        return float(tokens) / float(flags["data.max_len"]) if tokens else float(method.get("micro_batch_seqs", 2))
     return float(flags.get("train.micro_batch_size", 1))
 
 
