@@ -56,7 +56,8 @@ def hparam_markdown(builtin_only: bool = True) -> str:
              "where its component is registered (`openrlhf_div/algorithms/components.py`, `registry.py`);",
              "`tests/test_hparam_help.py` keeps this file equal to that output. Set one in an experiment's `method:`",
              "section or with `method.<name>=V` on any engine (`openrlhf-div run EXPERIMENT method.<name>=V`; the",
-             "OpenRLHF / Megatron driver's own flag is `--div.<name> V`);",
+             "OpenRLHF / Megatron driver's own flag is `--div.<name> V`); every engine converts a value once, to the",
+             "type of its default (`coerce_hparam` in `registry.py`: `1e-3` is a float, `none` / `null` is None);",
              "a preset may override the default shown here (`openrlhf-div methods NAME`).", "",
              "| hyperparameter | default | what it is | source | used by |", "|---|---|---|---|---|"]
     for name, h in sorted(hparam_help(builtin_only).items()):
