@@ -104,6 +104,8 @@ def test_overrides_mean_the_same_on_the_ray_engines(monkeypatch):
     # a --div.<key> flag on the command line wins over the file and its overrides
     p = L.plan(["--config", path, "method.anchor_eta=0.3", "--div.anchor_eta", "0.5", "--dry-run"])
     assert p.method.hparams["anchor_eta"] == 0.5
+    with pytest.raises(SystemExit):  # a typo is refused (argparse: unrecognized --div.anchr), not dropped
+        L.plan(["--config", path, "method.anchr=0.3", "--dry-run"])
 
 
 def test_a_hyperparameter_is_converted_once_and_the_same_on_every_engine(tmp_path, monkeypatch):

@@ -192,8 +192,8 @@ def config_argv(cfg: Dict[str, Any], method_values: bool = True) -> List[str]:
     if cfg.get("task"):
         method_argv += ["--div.task", str(cfg["task"])]
     for k, v in method.items():  # the method section: its hyperparameters, as --div.<key>
-        if not method_values:
-            continue
+        if not method_values and k in METHOD_KEYS_IN_DIV():
+            continue  # any other key is rendered: argparse refuses a typo, a layout key is read with its deprecation
         if v is None and k in hparams:
             method_argv += [f"--div.{k}", EXPLICIT_NONE]
         else:
