@@ -101,6 +101,7 @@ def test_overrides_mean_the_same_on_the_ray_engines(monkeypatch):
     assert p.method.hparams["anchor_eta"] == 0.3 and p.args.train.seed == 7
     # the printed command shows the experiment rendered, the override included
     assert "--div.anchor_eta 0.3" in p.command and "--train.seed 7" in p.command
+    assert "hyperparameters set: anchor_eta=0.3" in p.summary()  # the preset's summary says eta 0.2
     # a --div.<key> flag on the command line wins over the file and its overrides
     p = L.plan(["--config", path, "method.anchor_eta=0.3", "--div.anchor_eta", "0.5", "--dry-run"])
     assert p.method.hparams["anchor_eta"] == 0.5

@@ -313,6 +313,12 @@ class Plan:
     def summary(self) -> str:
         a = self.args
         lines = [f"method      : {self.method.name} ({self.method.summary})"]
+        from openrlhf_div.algorithms import get_method
+
+        preset = get_method(self.method.name).hparams  # the summary is the preset's: say what this run sets
+        changed = [f"{k}={v}" for k, v in sorted(self.method.hparams.items()) if preset.get(k) != v]
+        if changed:
+            lines.append("  hyperparameters set: " + ", ".join(changed))
         lines += [f"  {n}" for n in self.derived.notes]
         if getattr(a.div, "actor_backend", "deepspeed") == "megatron":
             m = a.megatron
