@@ -103,8 +103,8 @@ def test_megatron_configs_agree_with_the_deepspeed_ones():
                  "configs/megatron/omnisql32b_bird_dph_f_megatron_2node_authors.yaml",
                  "configs/openrlhf/llama8b_bird_dph_f.yaml"):
         exp = load_experiment(path)
-        assert exp["engine"]["micro_batch_tokens"] is None and exp["div"]["micro_batch_seqs"] == 2, path
-    weighting = {load_experiment(p)["div"].get("anchor_weighting") for p in (
+        assert exp["engine"]["micro_batch_tokens"] is None and exp["method"]["micro_batch_seqs"] == 2, path
+    weighting = {load_experiment(p)["method"].get("anchor_weighting") for p in (
         "configs/openrlhf/omnisql32b_bird_dph_f.yaml", "configs/megatron/omnisql32b_bird_dph_f_megatron_tp8.yaml",
         "configs/megatron/omnisql32b_bird_dph_f_megatron_2node.yaml",
         "configs/megatron/omnisql32b_bird_dph_f_megatron_tp8_authors.yaml")}

@@ -1,7 +1,9 @@
 """Every experiment under configs/: the schema its files use, and what a reviewer must see change.
 
 * **Schema.** Every config file (family bases included) uses only sections and keys the engines
-  read: ``div:`` keys are ``--div.*`` flags, ``engine:`` keys the engine layout's, ``openrlhf:``
+  read, in the current spelling (the method and its hyperparameters under ``method:``, the task
+  under ``task:``, the layout under ``engine:``; the deprecated ``div.<method key>`` is refused
+  here): ``div:`` keys are the driver's other ``--div.*`` flags, ``engine:`` keys the engine layout's, ``openrlhf:``
   keys OpenRLHF's own flags (or ``--megatron.*``); the local example is a valid TrainConfig.
 * **Resolved experiments** (tests/fixtures/experiments.yaml): per experiment its method, estimator,
   the hyperparameters it sets that differ from the method preset's, and its non-default engine
@@ -144,8 +146,18 @@ def schema_errors(cfg: Dict[str, Any], where: str, div_keys, upstream_keys) -> l
     from openrlhf_div.config import EXPERIMENT_SECTIONS
     from openrlhf_div.engines.layout import LAYOUT_KEYS
 
+    from openrlhf_div.engines.flags import METHOD_KEYS_IN_DIV
+
     errors = [f"{where}: unknown section {s!r}" for s in cfg if s not in EXPERIMENT_SECTIONS + ("extends",)]
     errors += [f"{where}: div.{k} is no --div.* flag" for k in (cfg.get("div") or {}) if k not in div_keys]
+    method_keys = METHOD_KEYS_IN_DIV()
+    for k in cfg.get("div") or {}:  # the deprecated spelling: no shipped config uses it
+        new = ("method.name" if k == "method" else "task" if k == "task" else f"method.{k}" if k in method_keys
+               else f"engine.{k}" if k in LAYOUT_KEYS else None)
+        if new:
+            errors.append(f"{where}: div.{k} is the deprecated spelling; write {new}")
+    errors += [f"{where}: method.{k} is no method key (name, a hyperparameter, aggregation, dynamic_sampling)"
+               for k in (cfg.get("method") or {}) if k != "name" and k not in method_keys]
     errors += [f"{where}: engine.{k} is no engine layout key" for k in (cfg.get("engine") or {})
                if k not in LAYOUT_KEYS]
     errors += [f"{where}: openrlhf.{k} is no OpenRLHF flag" for k in (cfg.get("openrlhf") or {})
@@ -161,11 +173,21 @@ def test_every_config_file_uses_the_schema():
     errors = []
     for p in ray_configs(include_bases=True):
         errors += schema_errors(read_yaml(p), _rel(p), div_keys, upstream)
+    for p in sorted(glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"), recursive=True)):
+        if p not in ray_configs(include_bases=True):  # demo, local example, toy overlays: no old spelling either
+            errors += [e for e in schema_errors(read_yaml(p), _rel(p), div_keys, upstream) if "deprecated" in e]
     assert not errors, "\n".join(errors)
     # the check sees a bad key in each section
     bad = {"div": {"anchor_etaa": 1}, "engine": {"step_layouts": "x"}, "openrlhf": {"train.batchsize": 1},
-           "runtime": {}}
-    assert len(schema_errors(bad, "x", div_keys, upstream)) == 4
+           "runtime": {}, "method": {"anchor_etaa": 1}}
+    assert len(schema_errors(bad, "x", div_keys, upstream)) == 5
+    # the old spelling of the method, its hyperparameters, the task and the layout is refused in a shipped file
+    old = {"div": {"method": "dph_js", "anchor_eta": 0.1, "task": "math", "step_layout": "authors", "anchor_data": "d"}}
+    assert [e.split(": ", 1)[1] for e in schema_errors(old, "x", div_keys, upstream) if "deprecated" in e] == [
+        "div.method is the deprecated spelling; write method.name",
+        "div.anchor_eta is the deprecated spelling; write method.anchor_eta",
+        "div.task is the deprecated spelling; write task",
+        "div.step_layout is the deprecated spelling; write engine.step_layout"]
     from openrlhf_div.engines.local.config import load_config
 
     assert load_config(os.path.join(ROOT, "configs", "local_example.yaml")).engine.layout().is_default()

@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN25_32B, estimate_memory, expected_mfu = MM.QWEN25_32B, MM.estimate_memory, MM.expected_mfu
 flops_per_token, total_params, with_tp = MM.flops_per_token, MM.total_params, MM.with_tp
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "megatron", "[!_]*.yaml")))  # _*.yaml: family bases
-SECTIONS = {"experiment", "description", "paper", "div", "engine", "openrlhf", "cluster", "presample", "toy", "notes"}
+SECTIONS = {"experiment", "description", "paper", "task", "method", "div", "engine", "openrlhf", "cluster", "presample", "toy", "notes"}
 GPU_GIB = 79.0   # usable memory of an 80 GB H100 / A100
 
 
@@ -51,9 +51,9 @@ def test_there_are_eight_configs():
 def test_config_layout(path):
     cfg = load_config(path)   # extends resolved: the family base + layout + method lines
     assert set(cfg) <= SECTIONS
-    div, flags, cluster = cfg["div"], cfg["openrlhf"], cfg["cluster"]
+    div, method, flags, cluster = cfg["div"], cfg["method"], cfg["openrlhf"], cfg["cluster"]
     assert div["actor_backend"] == "megatron"
-    assert div["method"] in os.path.basename(path)
+    assert method["name"] in os.path.basename(path)
     mcfg = _parse(flags)
     assert mcfg.tp == 8 and mcfg.sp and mcfg.recompute == "full"
     gpus = flags["actor.num_nodes"] * flags["actor.num_gpus_per_node"]
@@ -64,12 +64,12 @@ def test_config_layout(path):
     assert cluster["nodes"] * cluster["gpus_per_node"] >= gpus
     online = flags["rollout.batch_size"] * flags["rollout.n_samples_per_prompt"]
     rows = online + int(div.get("anchor_batch_size", 0) or 0)
-    if div.get("aggregation") == "micro-batch-token-mean":  # the authors' layout: anchors in a trailing step
+    if method.get("aggregation") == "micro-batch-token-mean":  # the authors' layout: anchors in a trailing step
         assert online % flags["train.batch_size"] == 0
     else:
         assert rows % flags["train.batch_size"] == 0
     assert flags["train.batch_size"] % (flags["train.micro_batch_size"] * dp) == 0
-    assert ("anchor_data" in div) == div["method"].startswith("dph")
+    assert ("anchor_data" in div) == method["name"].startswith("dph")
     if "presample" in cfg:      # the Megatron reference scores D_pef: its GPUs hold whole TP x PP replicas
         pre = {**flags, **{k: v for k, v in cfg["presample"].items() if "." in k}}
         ref = _parse(pre)

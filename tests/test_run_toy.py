@@ -76,33 +76,79 @@ def test_what_an_engine_cannot_honour_is_refused_by_name(tmp_path, capsys):
     assert SQL_ANCHOR in capsys.readouterr().err
     assert _run("tiny_cpu_grpo", tmp_path / "c", "--", "--ckpt.load_enable") == 2
     assert "--ckpt.load_enable: an OpenRLHF flag" in capsys.readouterr().err
+    # --toy on the Ray engines: refused in one line that says why and what to run instead
     assert main(["run", "tiny_cpu_grpo", "--engine", "openrlhf", "--toy"]) == 2
-    assert "--toy on a Ray engine" in capsys.readouterr().err
+    assert "tiny_cpu_grpo already is the Ray engines' toy" in capsys.readouterr().err
+    assert main(["run", "llama8b_bird_rkl", "--engine", "megatron", "--toy"]) == 2
+    err = capsys.readouterr().err
+    assert "the toy overlay is the local engine's" in err and "openrlhf-div run llama8b_bird_rkl --engine local --toy" in err
+    assert "openrlhf-div run tiny_cpu_rkl --engine megatron" in err
     assert main(["run", "tiny_cpu_grpp", "--engine", "local"]) == 2
     assert "did you mean tiny_cpu_grpo" in capsys.readouterr().err
     assert not any((tmp_path / d).exists() for d in "abc")
 
 
-def test_overrides_mean_the_same_on_the_ray_engines():
-    """`method.anchor_eta=0.3` renders to the Ray driver's flags through the function that renders
-    an experiment file; the driver's method then has it."""
-    import argparse
+def test_overrides_mean_the_same_on_the_ray_engines(monkeypatch):
+    """`section.key=value` overrides on the Ray driver's command line are merged into the experiment
+    by the one loader, as on the local engine (OpenRLHF's dotted flags included)."""
+    from openrlhf_div.engines import experiment as E
+    from openrlhf_div.engines.openrlhf import launch as L
 
-    from openrlhf_div.cli.run import override_argv
-    from openrlhf_div.engines.flags import add_div_arguments, method_from_args
+    for var in ("DATA_DIR", "RUN_DIR", "PRESAMPLE_DIR", "SEED", "TINY_MODEL"):
+        monkeypatch.delenv(var, raising=False)
+    path = E.find_experiment("tiny_cpu_dph_js")
+    p = L.plan(["--config", path, "method.anchor_eta=0.3", "openrlhf.train.seed=7", "--dry-run"])
+    assert p.method.hparams["anchor_eta"] == 0.3 and p.args.train.seed == 7
+    # the printed command shows the experiment rendered, the override included
+    assert "--div.anchor_eta 0.3" in p.command and "--train.seed 7" in p.command
+    assert "hyperparameters set: anchor_eta=0.3" in p.summary()  # the preset's summary says eta 0.2
+    # a --div.<key> flag on the command line wins over the file and its overrides
+    p = L.plan(["--config", path, "method.anchor_eta=0.3", "--div.anchor_eta", "0.5", "--dry-run"])
+    assert p.method.hparams["anchor_eta"] == 0.5
+    with pytest.raises(SystemExit):  # a typo is refused (argparse: unrecognized --div.anchr), not dropped
+        L.plan(["--config", path, "method.anchr=0.3", "--dry-run"])
 
-    argv = override_argv(["method.name=dph_js", "method.anchor_eta=0.3", "engine.step_layout=authors"])
-    assert argv == ["--div.method", "dph_js", "--div.anchor_eta", "0.3", "--engine.step_layout", "authors"]
-    p = argparse.ArgumentParser()
-    add_div_arguments(p)
-    assert method_from_args(p.parse_args(argv)).hparams["anchor_eta"] == 0.3
+
+def test_a_hyperparameter_is_converted_once_and_the_same_on_every_engine(tmp_path, monkeypatch):
+    """`method.anchor_eta=V` from the command line: the local engine's method and what the Ray
+    trainer builds (method_from_args on the driver's namespace, as the policy actor and the
+    Megatron actor do) hold the same Python value; the driver's namespace holds the value the
+    one loader read (not a text rendering parsed again by argparse), converted once by the
+    registry's coerce_hparam. `1e-3` is the case where two loaders disagree (YAML reads a string)."""
+    from openrlhf_div.algorithms.registry import coerce_hparam
+    from openrlhf_div.engines import experiment as E
+    from openrlhf_div.engines.flags import method_from_args
+    from openrlhf_div.engines.local.config import config_from_dict
+    from openrlhf_div.engines.megatron.actor import resolve_method
+    from openrlhf_div.engines.openrlhf import launch as L
+
+    for var in ("DATA_DIR", "RUN_DIR", "PRESAMPLE_DIR", "SEED", "TINY_MODEL"):
+        monkeypatch.delenv(var, raising=False)
+    path = E.find_experiment("tiny_cpu_dph_js")
+    for text, want in (("0.3", 0.3), ("1e-3", 0.001), ("1", 1.0)):
+        over = [f"method.anchor_eta={text}"]
+        local_cfg, _ = E.to_local(E.load(path, over, toy=True), run_dir=str(tmp_path), toy=True)
+        local = config_from_dict(local_cfg).build_method().hparams["anchor_eta"]
+        p = L.plan(["--config", path, *over, "--dry-run"])
+        ray = method_from_args(p.args).hparams["anchor_eta"]
+        mg = resolve_method(L.plan(["--config", path, *over, "--div.actor_backend", "megatron", "--dry-run"]).args)
+        for v in (local, ray, p.method.hparams["anchor_eta"], mg.hparams["anchor_eta"]):
+            assert type(v) is float and v == want, (text, v)
+        # the namespace holds what the loader read; the method converted it
+        assert p.args.div.anchor_eta == E.load(path, over)["method"]["anchor_eta"]
+    # the one coercion, also the --div.* flags' argparse type
+    assert coerce_hparam("anchor_eta", "1e-3") == 0.001 and coerce_hparam("dual_clip", "none") is None
+    assert coerce_hparam("micro_batch_seqs", 2.0) == 2 and coerce_hparam("lad_clip", [0.2, "0.28"]) == (0.2, 0.28)
+    with pytest.raises(ValueError, match="anchor_eta: expected a number"):
+        coerce_hparam("anchor_eta", "abc")
+    p = L.plan(["--config", path, "--div.anchor_eta", "1e-3", "--dry-run"])
+    assert p.method.hparams["anchor_eta"] == 0.001
 
 
 def test_one_experiment_resolves_to_one_method_on_every_engine(tmp_path, monkeypatch):
     """tiny_cpu_dph_js with `method.anchor_eta=0.3`: the local engine's TrainConfig, the OpenRLHF
     driver's plan (what its policy actor builds from the flags) and the Megatron actor's
     resolve_method give the same method, aggregation and hyperparameters, and the same layout."""
-    from openrlhf_div.cli.run import override_argv
     from openrlhf_div.engines import experiment as E
     from openrlhf_div.engines.layout import EngineLayout
     from openrlhf_div.engines.local.config import config_from_dict
@@ -115,8 +161,8 @@ def test_one_experiment_resolves_to_one_method_on_every_engine(tmp_path, monkeyp
     over = ["method.anchor_eta=0.3"]
     local_cfg, _ = E.to_local(E.load(path, over, toy=True), run_dir=str(tmp_path), toy=True)
     local = config_from_dict(local_cfg).build_method()
-    ray = L.plan(["--config", path, *override_argv(over), "--dry-run"])
-    mg = L.plan(["--config", path, *override_argv(over), "--div.actor_backend", "megatron", "--dry-run"])
+    ray = L.plan(["--config", path, *over, "--dry-run"])
+    mg = L.plan(["--config", path, *over, "--div.actor_backend", "megatron", "--dry-run"])
     megatron = resolve_method(mg.args)
     for m in (ray.method, megatron):
         assert (m.name, m.aggregation, m.dynamic_sampling, m.hparams) == \
@@ -127,10 +173,13 @@ def test_one_experiment_resolves_to_one_method_on_every_engine(tmp_path, monkeyp
 
 def test_ray_engines_get_the_overrides_as_driver_flags(capfd, monkeypatch):
     """`run EXPERIMENT --engine megatron method.anchor_eta=0.3 -- FLAGS` goes through the one Ray
-    launcher (examples/scripts/run.sh; DRY_RUN=1 prints its commands instead of running them)."""
+    launcher, the override as written (the driver merges it with the one loader) (examples/scripts/run.sh; DRY_RUN=1 prints its commands instead of running them)."""
     monkeypatch.setenv("DRY_RUN", "1")
     assert main(["run", "tiny_cpu_dph_js", "--engine", "megatron", "method.anchor_eta=0.3", "--",
                  "--train.num_episodes", "2"]) == 0
     out = capfd.readouterr()
     train = [line for line in (out.out + out.err).splitlines() if "openrlhf_div.cli.train_ppo_ray" in line][-1]
-    assert train.rstrip().endswith("tiny_cpu_dph_js.yaml --div.anchor_eta 0.3 --train.num_episodes 2 --div.actor_backend megatron")
+    assert train.rstrip().endswith("tiny_cpu_dph_js.yaml method.anchor_eta=0.3 --train.num_episodes 2 --div.actor_backend megatron")
+    # the pre-sampling stage merges the same overrides into the experiment
+    pre = [line for line in (out.out + out.err).splitlines() if "openrlhf_div.cli.presample_ray" in line][-1]
+    assert "method.anchor_eta=0.3" in pre

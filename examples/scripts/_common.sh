@@ -108,6 +108,17 @@ plugin_args() {
   if [[ ${#out[@]} -gt 0 ]]; then printf '%s\n' "${out[@]}"; fi
 }
 
+# The section.key=value overrides among the driver flags (method.anchor_eta=0.3, presample.n_pre=4):
+# both stages merge them into the experiment with the one loader (openrlhf_div.engines.experiment.load).
+override_args() {
+  local a
+  for a in "$@"; do
+    if [[ "$a" =~ ^(experiment|description|paper|plugins|task|method|div|engine|openrlhf|cluster|presample|env|tiny|toy|notes)(\.[^=]*)?= ]]; then
+      printf '%s\n' "$a"
+    fi
+  done
+}
+
 # For --submit: a Ray dashboard answering at RAY_ADDRESS; with RAY_ADDRESS unset and nothing at
 # the default address, start a head on this machine (logical GPUs where there is no GPU: the
 # job's driver applies the CPU layer, openrlhf_div.compat.cpu_seams). Stop it with `ray stop`.
@@ -173,9 +184,10 @@ run_local() {
   fi
   if has_presample "$cfg"; then
     say "pre-sampling D_pef / D_exp (resumable; instant when already done)"
-    local plugins=()
+    local plugins=() overs=()
     mapfile -t plugins < <(plugin_args "$@")
-    run "$PYTHON" -m openrlhf_div.cli.presample_ray --config "$cfg" "${plugins[@]}" "${pre[@]}"
+    mapfile -t overs < <(override_args "$@")
+    run "$PYTHON" -m openrlhf_div.cli.presample_ray --config "$cfg" "${plugins[@]}" "${overs[@]}" "${pre[@]}"
   fi
   run "$PYTHON" -m openrlhf_div.cli.train_ppo_ray --config "$cfg" "$@"
   say_run_dir "$@"
@@ -212,6 +224,7 @@ submit_job() {
   if [[ "$stages" != "train" ]] && has_presample "$cfg"; then
     local plugins=() pl=""
     mapfile -t plugins < <(plugin_args "$@")
+    mapfile -t -O "${#plugins[@]}" plugins < <(override_args "$@")
     if [[ ${#plugins[@]} -gt 0 ]]; then pl="$(printf ' %q' "${plugins[@]}")"; fi
     steps="python -m openrlhf_div.cli.presample_ray --config ${rel}${pl}${dry}"
   fi

@@ -15,11 +15,14 @@
 # --plugin MODULE (a module registering your own method) goes to the pre-sampling stage too.
 # Environment (see _common.sh): DATA_DIR, RUN_DIR, PRESAMPLE_DIR, TINY_MODEL, SEED, PYTHON,
 # NUM_GPUS, RAY_ADDRESS, DRY_RUN=1. Every experiment's command: docs/configs.md.
+# `openrlhf-div run EXPERIMENT --engine openrlhf|megatron` calls this script (the one Ray launcher;
+# docs/configs.md "Launchers" says why not the reverse); section.key=value overrides
+# (method.anchor_eta=0.3) among the driver flags reach both stages, merged by the one loader.
 set -euo pipefail
 # shellcheck source=examples/scripts/_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 
-usage() { sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
 EXPERIMENT="${1:-}"
 if [[ -z "$EXPERIMENT" || "$EXPERIMENT" == -* ]]; then

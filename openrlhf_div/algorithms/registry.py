@@ -273,6 +273,70 @@ def hparam_help(builtin_only: bool = False) -> Dict[str, Dict[str, Any]]:
     return out
 
 
+#: the value type of hyperparameters whose registered default is None ("pair": two floats)
+NONE_DEFAULT_TYPES: Dict[str, Any] = {"overlong_max_len": int, "overlong_cache_len": int, "js_def_clamp": float,
+                                      "lad_clip": "pair"}
+NONE_WORDS = ("none", "null", "off")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def hparam_type(name: str) -> Any:
+    """The type of a hyperparameter's values: its first registered default's (bool, int, float,
+    str), :data:`NONE_DEFAULT_TYPES` where that default is None; None for a name no component
+    registers (a plug-in's None-default key: its value is kept as given)."""
+    if name in COMMON_HPARAMS:
+        default = COMMON_HPARAMS[name]
+    else:
+        default = next((c.defaults[name] for _, table in _KINDS for c in table.values() if name in c.defaults),
+                       None)
+    if default is None:
+        return NONE_DEFAULT_TYPES.get(name)
+    return "pair" if isinstance(default, (tuple, list)) else type(default)
+
+
+def coerce_hparam(name: str, value: Any) -> Any:
+    """The one coercion of a method hyperparameter's value to its type (:func:`hparam_type`),
+    whatever read it: a YAML file or ``key=value`` override (``1e-3`` arrives as a string there),
+    a ``--div.<name>`` flag's text (the OpenRLHF / Megatron drivers' argparse type calls this) or a
+    Python caller. ``none`` / ``null`` (or YAML null) is None for every non-string type. Every engine
+    gets the same value from the same spelling (:meth:`Method.with_overrides` applies it)."""
+    kind = hparam_type(name)
+    if value is None or kind is None:
+        return value
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).strip().lower() in _TRUE:
+            return True
+        if str(value).strip().lower() in _FALSE:
+            return False
+        raise ValueError(f"method hyperparameter {name}: expected true or false, got {value!r}")
+    if kind is str:
+        return str(value)
+    if isinstance(value, str) and value.strip().lower() in NONE_WORDS:
+        return None
+    if kind == "pair":
+        if isinstance(value, (list, tuple)) and len(value) == 1 and str(value[0]).strip().lower() in NONE_WORDS:
+            return None
+        if isinstance(value, (list, tuple)) and len(value) == 2 and not any(isinstance(v, bool) for v in value):
+            try:
+                return (float(value[0]), float(value[1]))
+            except (TypeError, ValueError):
+                pass
+        raise ValueError(f"method hyperparameter {name}: expected two numbers [LOW, HIGH] or none, got {value!r}")
+    if not isinstance(value, bool):
+        try:
+            f = float(value)
+            if kind is float:
+                return f
+            if f == int(f):
+                return int(f)
+        except (TypeError, ValueError, OverflowError):
+            pass
+    raise ValueError(f"method hyperparameter {name}: expected {'an integer' if kind is int else 'a number'} "
+                     f"(or none), got {value!r}")
+
+
 def _check_anchor_eta(h: Dict[str, Any]) -> None:
     if float(h["anchor_eta"]) < 0:
         raise ValueError(f"anchor_eta must be >= 0, got {h['anchor_eta']}")
@@ -416,9 +480,9 @@ class Method:
                     f"method {m.name!r} has no hyperparameter {k!r}.{hint} "
                     f"Valid: {', '.join(sorted(valid))}, aggregation, dynamic_sampling"
                 )
-            if isinstance(v, str) and v.strip().lower() in ("none", "null") and not isinstance(valid[k], str):
-                v = None  # an explicit none from a flag or a key=value override (YAML null arrives as None)
-            m.hparams[k] = v
+            # the one coercion (an explicit none from a flag or a key=value override is None; YAML's
+            # "1e-3" string a float), whichever engine or loader the value came through
+            m.hparams[k] = coerce_hparam(k, v)
         m.validate()
         return m
 

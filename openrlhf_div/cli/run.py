@@ -6,8 +6,9 @@
     openrlhf-div run llama8b_bird_dph_js --submit -- --ckpt.load_enable   # ray job submit
 
 ``section.key=value`` overrides mean the same on every engine (``method.anchor_eta=0.1``,
-``engine.step_layout=spread``, ``openrlhf.train.batch_size=64``); OpenRLHF's own flags pass
-through after ``--`` to the Ray engines. What an engine cannot honour is refused by name before
+``engine.step_layout=spread``, ``openrlhf.train.batch_size=64``): the Ray drivers get them as
+written and merge them with the one loader, and a method value is converted once
+(``coerce_hparam``); OpenRLHF's own flags pass through after ``--`` to the Ray engines. What an engine cannot honour is refused by name before
 anything starts (:mod:`openrlhf_div.engines.experiment`).
 """
 from __future__ import annotations
@@ -26,7 +27,8 @@ def _options():
                         "actor); default: the file's (div.actor_backend megatron: megatron, else openrlhf)")
     p.add_argument("--submit", action="store_true", help="Ray engines: one `ray job submit` job to RAY_ADDRESS")
     p.add_argument("--toy", action="store_true",
-                   help="the file's toy: overlay (tiny model, a handful of prompts, a few steps)")
+                   help="the file's toy: overlay (tiny model, a handful of prompts, a few steps) on the local engine; "
+                        "the Ray engines' toys are the tiny_cpu_* experiments (--toy there is refused, naming them)")
     p.add_argument("--run-dir", default=None, help="the run folder (default runs/<experiment>[_toy])")
     p.add_argument("--dry-run", action="store_true", help="print what would run and exit")
     return p
@@ -43,15 +45,6 @@ def add_parser(sub):
     p.add_argument("rest", nargs=argparse.REMAINDER, metavar="[options] [key=value ...] [-- flags]")
     p.set_defaults(func=run)
     return p
-
-
-def override_argv(overrides):
-    """``section.key=value`` overrides as the Ray driver's flags, rendered by the function that
-    renders an experiment file (``method.anchor_eta=0.1`` -> ``--div.anchor_eta 0.1``)."""
-    from openrlhf_div.config import parse_overrides
-    from openrlhf_div.engines.openrlhf.launch import config_argv
-
-    return config_argv(parse_overrides(overrides, example="method.anchor_eta=0.1")) if overrides else []
 
 
 def _split(items):
@@ -134,14 +127,38 @@ def _run_local(cfg, name, run_dir, args, passthrough) -> int:
     return 0
 
 
+def toy_on_ray_refusal(name: str, cfg, engine: str) -> str:
+    """Why ``--toy`` is refused on the Ray engines, and what to run instead (one line).
+
+    A toy overlay (``configs/toy/*.yaml``) is the local engine's: a model built in the process,
+    the local sampler, and scale keys sized for the local engine's step structure (on Ray the math
+    toy's ``train.batch_size: 16`` with its 2 anchors would not even fill whole optimiser steps).
+    A toy on Ray needs a tiny model served by vLLM and a DeepSpeed / Megatron actor on the CPU
+    layer: that is what the ``tiny_cpu_*`` experiments are (a ``tiny:`` model built on first use,
+    8 prompts, 2 steps), one per method the end-to-end tests run."""
+    if cfg.get("tiny"):
+        return (f"--toy on the {engine} engine: {name} already is the Ray engines' toy (a tiny model served by vLLM, "
+                f"a handful of prompts, 2 steps); drop --toy (or use --engine local --toy for the in-process toy)")
+    import glob
+
+    from openrlhf_div.engines import experiment as E
+
+    method = (E.method_section(cfg).get("name") or "METHOD")
+    toys = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(E.ROOT, "configs", "openrlhf", "tiny_cpu_*.yaml")))
+    alt = f"tiny_cpu_{method}" if f"tiny_cpu_{method}" in toys else "tiny_cpu_<method> (" + ", ".join(toys) + ")"
+    return (f"--toy on the {engine} engine: the toy overlay is the local engine's (an in-process tiny model and sampler); "
+            f"run `openrlhf-div run {name} --engine local --toy` for {name}'s toy, or the Ray engines' toy "
+            f"`openrlhf-div run {alt} --engine {engine}`")
+
+
 def _run_ray(path, cfg, engine, backend, run_dir, args, overrides, passthrough) -> int:
     from openrlhf_div.engines import experiment as E
 
     if args.toy:
-        raise ValueError("--toy on a Ray engine: not yet (the laptop Ray path of the first-hour issue brings the "
-                         "package's tiny model and data); run `--engine local --toy`, or tiny_cpu_* experiments "
-                         "on a local Ray head")
-    flags = override_argv(overrides) + list(passthrough)
+        raise ValueError(toy_on_ray_refusal(os.path.splitext(os.path.basename(path))[0], cfg, engine))
+    # the overrides travel as they were written: the driver merges them into the experiment with
+    # the one loader (launch.plan), and the method converts each value once (coerce_hparam)
+    flags = list(overrides) + list(passthrough)
     if engine == "megatron" and backend != "megatron":
         flags += ["--div.actor_backend", "megatron"]
     if engine == "openrlhf" and backend == "megatron":

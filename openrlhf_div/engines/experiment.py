@@ -93,8 +93,26 @@ def load(path: str, overrides: Sequence[str] = (), toy: bool = False) -> Dict[st
                               "--toy needs it")
         cfg = deep_merge(cfg, overlay)
     if overrides:
-        cfg = deep_merge(cfg, parse_overrides(overrides, example="method.anchor_eta=0.1"))
+        over = parse_overrides(overrides, example="method.anchor_eta=0.1")
+        for section in FLAT_SECTIONS:  # OpenRLHF's flags are dotted keys there: openrlhf.train.batch_size=64
+            if isinstance(over.get(section), dict):
+                over[section] = _flatten(over[section])
+        cfg = deep_merge(cfg, over)
     return cfg
+
+
+#: sections whose keys are OpenRLHF's dotted flag names (``train.batch_size``), not nested mappings
+FLAT_SECTIONS = ("openrlhf", "presample")
+
+
+def _flatten(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 # ------------------------------------------------------------------ the local engine

@@ -43,8 +43,10 @@ from openrlhf_div.algorithms.registry import (
     REGULARIZERS,
     REWARD_SHAPING,
     Method,
+    coerce_hparam,
     get_method,
     hparam_help,
+    hparam_type,
     list_methods,
 )
 
@@ -65,8 +67,6 @@ TOKEN_LEVEL = {"token-mean": True, "seq-mean-token-mean": False,
                # policy actor aggregates it itself (loss.div_actor_loss), not aggregate_loss
                "micro-batch-token-mean": None}
 
-# Hyperparameters whose registry default is None need an explicit type.
-_NONE_DEFAULT_TYPES = {"overlong_max_len": int, "overlong_cache_len": int}
 
 
 def hparam_table() -> Dict[str, Tuple[Any, str]]:
@@ -105,6 +105,17 @@ def _none_or(conv):
             return EXPLICIT_NONE
         return conv(s)
     parse.__name__ = getattr(conv, "__name__", "value")
+    return parse
+
+
+def _flag_type(name: str):
+    """argparse's type of ``--div.<name>``: the registry's one coercion (``coerce_hparam``); an
+    explicit none stays :data:`EXPLICIT_NONE` (argparse's None means "not given")."""
+    def parse(s: str):
+        v = coerce_hparam(name, s)
+        return EXPLICIT_NONE if v is None else v
+    kind = hparam_type(name)
+    parse.__name__ = getattr(kind, "__name__", str(kind or "value"))
     return parse
 
 
@@ -168,18 +179,10 @@ def add_div_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
                               + f"({owner}; unset: the method's default, e.g. {shown})"}
         if not isinstance(default, (bool, str)):
             kw["help"] += "; none or null: no value (None)"
-        if name == "lad_clip":
+        if hparam_type(name) == "pair":
             kw.update(type=_none_or(float), nargs="+", metavar="LOW HIGH|none")
-        elif default is None:
-            kw.update(type=_none_or(_NONE_DEFAULT_TYPES.get(name, float)))
-        elif isinstance(default, bool):
-            kw.update(type=_bool)
-        elif isinstance(default, int):
-            kw.update(type=_none_or(int))
-        elif isinstance(default, float):
-            kw.update(type=_none_or(float))
         else:
-            kw.update(type=str)
+            kw.update(type=_flag_type(name))
         g.add_argument(f"--div.{name}", **kw)
     add_engine_arguments(parser)  # --engine.* (the layout), next to the method's flags
     return g

@@ -200,7 +200,7 @@ CONFIG_KEYS = {"plan_gpu_fit_gib": ("gpu_fit_gib", 1), "plan_gpu_peak_gib": ("gp
 
 def config_micro_batch(cfg: dict) -> float:
     """Sequences of ``data.max_len`` tokens per training micro-batch: ``train.micro_batch_size``,
-    or under the authors' layout (``div.aggregation: micro-batch-token-mean``) its token budget
+    or under the authors' layout (``method.aggregation: micro-batch-token-mean``) its token budget
     ``engine.micro_batch_tokens / data.max_len`` (a micro-batch of that many tokens in all) or
     ``micro_batch_seqs`` rows."""
     flags = cfg["openrlhf"]

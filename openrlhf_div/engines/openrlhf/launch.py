@@ -171,12 +171,18 @@ def _flag_values(prefix: str, key: str, value, bool_values: bool = False) -> Lis
 load_config = load_experiment
 
 
-def config_argv(cfg: Dict[str, Any]) -> List[str]:
+def config_argv(cfg: Dict[str, Any], method_values: bool = True) -> List[str]:
     """The flags a config stands for: ``method:`` (name + hyperparameters) and ``task:`` ->
     ``--div.method`` / ``--div.<key>`` / ``--div.task``, ``div:`` -> ``--div.*`` (its method keys and
     task: the old spelling, read with a one-line deprecation), ``engine:`` -> ``--engine.*``
     (the layout, :mod:`openrlhf_div.engines.layout`), ``openrlhf:`` -> ``--<key>``. A layout key
-    still under ``div:`` is read as ``engine.<key>`` with a one-line deprecation."""
+    still under ``div:`` is read as ``engine.<key>`` with a one-line deprecation.
+
+    ``method_values=False``: the method's hyperparameters (and aggregation, dynamic_sampling) are
+    left out; :func:`plan` puts them into the parsed namespace as the values the file holds
+    (:func:`config_values`), so that a value is converted once, by the registry's
+    ``coerce_hparam``, not rendered to text and parsed again. The rendered form stays the
+    printed command's."""
     argv: List[str] = []
     hparams = hparam_table()
     method = dict(cfg.get("method") or {})
@@ -186,6 +192,8 @@ def config_argv(cfg: Dict[str, Any]) -> List[str]:
     if cfg.get("task"):
         method_argv += ["--div.task", str(cfg["task"])]
     for k, v in method.items():  # the method section: its hyperparameters, as --div.<key>
+        if not method_values and k in METHOD_KEYS_IN_DIV():
+            continue  # any other key is rendered: argparse refuses a typo, a layout key is read with its deprecation
         if v is None and k in hparams:
             method_argv += [f"--div.{k}", EXPLICIT_NONE]
         else:
@@ -213,6 +221,8 @@ def config_argv(cfg: Dict[str, Any]) -> List[str]:
             print(deprecation(f"div.{k}", f"engine.{k}"), file=sys.stderr)
             engine.setdefault(k, v)
             continue
+        if not method_values and k in METHOD_KEYS_IN_DIV():
+            continue
         if v is None and k in hparams:  # `dual_clip: null`: the method gets None, not its default
             argv += [f"--div.{k}", EXPLICIT_NONE]
             continue
@@ -221,6 +231,41 @@ def config_argv(cfg: Dict[str, Any]) -> List[str]:
     for k, v in (cfg.get("openrlhf") or {}).items():
         argv += _flag_values("", k, v)
     return argv
+
+
+def config_values(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """``{namespace dest: value}`` of an experiment's method hyperparameters (and aggregation,
+    dynamic_sampling) as its file (and ``section.key=value`` overrides, through the one loader)
+    hold them: put into the driver's namespace as they are, converted once by the method
+    (``Method.with_overrides`` -> ``coerce_hparam``). An explicit null is :data:`EXPLICIT_NONE`."""
+    from openrlhf_div.engines.experiment import method_section
+
+    out: Dict[str, Any] = {}
+    for k, v in method_section(cfg).items():
+        if k == "name" or k not in METHOD_KEYS_IN_DIV():
+            continue
+        out[f"div.{k}"] = EXPLICIT_NONE if v is None else (list(v) if isinstance(v, tuple) else v)
+    return out
+
+
+def _given(argv: Sequence[str], dest: str) -> bool:
+    flag = "--" + dest
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def split_overrides(argv: Sequence[str]):
+    """``(overrides, rest)``: the ``section.key=value`` items of a driver's command line (a section
+    of an experiment file: ``method.anchor_eta=0.3``, ``openrlhf.train.batch_size=64``), merged
+    into the experiment by the one loader, and everything else."""
+    import re
+
+    from openrlhf_div.config import EXPERIMENT_SECTIONS
+
+    over, rest = [], []
+    for a in argv:
+        m = re.match(r"^([A-Za-z_]+)(\.[^=\s]+)?=", a)
+        (over if m and m.group(1) in EXPERIMENT_SECTIONS else rest).append(a)
+    return over, rest
 
 
 def _split_config(argv: Sequence[str]):
@@ -253,6 +298,7 @@ class Plan:
     config: Optional[str] = None
     dry_run: bool = False
     env: Dict[str, str] = field(default_factory=dict)   # the config's env: section
+    experiment: Dict[str, Any] = field(default_factory=dict)  # the experiment as read (overrides merged)
 
     def needs(self) -> Dict[str, Any]:
         """What the live cluster must hold (:func:`~.jobs.check_resources`): one GPU and one CPU
@@ -267,6 +313,12 @@ class Plan:
     def summary(self) -> str:
         a = self.args
         lines = [f"method      : {self.method.name} ({self.method.summary})"]
+        from openrlhf_div.algorithms import get_method
+
+        preset = get_method(self.method.name).hparams  # the summary is the preset's: say what this run sets
+        changed = [f"{k}={v}" for k, v in sorted(self.method.hparams.items()) if preset.get(k) != v]
+        if changed:
+            lines.append("  hyperparameters set: " + ", ".join(changed))
         lines += [f"  {n}" for n in self.derived.notes]
         if getattr(a.div, "actor_backend", "deepspeed") == "megatron":
             m = a.megatron
@@ -308,20 +360,42 @@ def count_gpus(args, reference: bool) -> Dict[str, int]:
 def plan(argv: Sequence[str], parser: Optional[argparse.ArgumentParser] = None) -> Plan:
     """Merge config + command line + method-implied flags; validate; count GPUs."""
     cfg_path, rest = _split_config(list(argv))
-    cfg = load_config(cfg_path) if cfg_path else {}
+    overrides, rest = split_overrides(rest)
+    if overrides and not cfg_path:
+        raise ValueError(f"{overrides[0]}: a section.key=value override needs --config EXPERIMENT.yaml "
+                         "(without one, give the --div.* / OpenRLHF flags)")
+    if cfg_path:
+        from openrlhf_div.engines.experiment import load as load_with_overrides
+
+        cfg = load_with_overrides(cfg_path, overrides)  # the one loader: YAML, extends, overrides
+    else:
+        cfg = {}
     if cfg.get("plugins"):  # before the parser: their methods and tasks are choices
         from openrlhf_div.plugins import config_plugins, load_plugins
 
         load_plugins(config_plugins(cfg["plugins"], cfg_path))
     parser = parser or build_parser()
-    user_argv = config_argv(cfg) + rest
-    first = parser.parse_args(user_argv)
+    # the method's hyperparameters go into the namespace as the file holds them (one conversion,
+    # by the method); the printed command shows them rendered (config_argv)
+    values = config_values(cfg)
+    shown_argv = config_argv(cfg) + rest
+    user_argv = config_argv(cfg, method_values=False) + rest
+
+    def parse(argv_):
+        ns = parser.parse_args(argv_)
+        for dest, v in values.items():
+            if not _given(rest, dest):  # a --div.<key> flag on the command line wins
+                setattr(ns, dest, v)
+        return ns
+
+    first = parse(user_argv)
     dry_run = bool(first.dry_run)
     user_argv = [a for a in user_argv if a != "--dry-run"]
+    shown_argv = [a for a in shown_argv if a != "--dry-run"]
     method = method_from_args(first)
     derived = derive_upstream_flags(method, user_argv, div_namespace(first))
-    final_argv = user_argv + derived.argv
-    parsed = parser.parse_args(final_argv)
+    final_argv = shown_argv + derived.argv
+    parsed = parse(user_argv + derived.argv)
     if getattr(parsed, "actor.model_name_or_path", None) is None:
         raise ValueError("--actor.model_name_or_path is required (the policy to train)")
     if not getattr(parsed, "reward.remote_url", None):
@@ -340,7 +414,7 @@ def plan(argv: Sequence[str], parser: Optional[argparse.ArgumentParser] = None) 
     if cluster:
         cluster_gpus = int(cluster.get("nodes", 1)) * int(cluster.get("gpus_per_node", 8))
     env = {str(k): str(v) for k, v in (cfg.get("env") or {}).items()}
-    return Plan(final_argv, args, method, derived, gpus, cluster_gpus, cfg_path, dry_run, env)
+    return Plan(final_argv, args, method, derived, gpus, cluster_gpus, cfg_path, dry_run, env, cfg)
 
 
 def authors_layout_lines(method, args) -> List[str]:
@@ -451,7 +525,7 @@ def run(p: Plan) -> None:
     watch = watch_nodes()  # a node lost mid-run ends the run in one line (nodes.py)
     from .runfolder import write_driver_files
 
-    write_driver_files(p, load_config(p.config) if p.config else {})  # config.yaml, run_info.json
+    write_driver_files(p, p.experiment)  # config.yaml, run_info.json (the experiment with its overrides)
     with div_classes(p.args) as upstream_cli:
         try:
             upstream_cli.train(p.args)

@@ -296,7 +296,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m openrlhf_div.cli.presample_ray``: OpenRLHF flags + ``--presample.*``."""
     import sys
 
-    from .launch import _split_config, build_parser, config_argv, finalize, load_argv_plugins, load_config
+    from openrlhf_div.engines.experiment import load as load_experiment_with
+
+    from .launch import _split_config, build_parser, config_argv, finalize, load_argv_plugins, split_overrides
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -315,7 +317,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     try:
         cfg_path, rest = _split_config(argv)
-        cfg = load_config(cfg_path) if cfg_path else {}
+        overrides, rest = split_overrides(rest)  # section.key=value (presample.n_pre=4): the one loader's
+        if overrides and not cfg_path:
+            raise ValueError(f"{overrides[0]}: a section.key=value override needs --config EXPERIMENT.yaml")
+        cfg = load_experiment_with(cfg_path, overrides) if cfg_path else {}
         user = config_argv(cfg) + presample_argv(cfg) + rest
         parsed = parser.parse_args(user)
         task = getattr(parsed, "div.task", None)
