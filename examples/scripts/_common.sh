@@ -133,7 +133,7 @@ ensure_ray_head() {
     say "error: no Ray dashboard answers at RAY_ADDRESS=${RAY_ADDRESS}: start the cluster there, or unset RAY_ADDRESS to start one on this machine"
     exit 2
   fi
-  local gpus="${NUM_GPUS:-}" cpus=() out
+  local gpus="${NUM_GPUS:-}" cpus=()
   if [[ -z "$gpus" ]]; then
     gpus="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() or 4)')"
   fi
@@ -142,8 +142,8 @@ ensure_ray_head() {
   trap 'stop_job_head' EXIT
   trap 'say "interrupted: stopping the job and its Ray head"; stop_job_head; exit 130' INT
   trap 'say "terminated: stopping the job and its Ray head"; stop_job_head; exit 143' TERM
-  out="$("$PYTHON" -m openrlhf_div.engines.openrlhf.head start --num-gpus "$gpus" "${cpus[@]}")" || exit 2
-  eval "$out"
+  JOB_HEAD_OUT="$("$PYTHON" -m openrlhf_div.engines.openrlhf.head start --num-gpus "$gpus" "${cpus[@]}")" || exit 2
+  eval "$JOB_HEAD_OUT"
   JOB_ADDRESS="$JOB_HEAD_ADDRESS"
   say "Ray head for this job: dashboard ${JOB_HEAD_ADDRESS}, GCS 127.0.0.1:${JOB_HEAD_GCS}, temp dir ${JOB_HEAD_DIR} (free ports; it stops when the job ends; a head of your own: ray start --head, then RAY_ADDRESS=http://127.0.0.1:8265)"
 }
@@ -151,7 +151,11 @@ ensure_ray_head() {
 # Stop the head ensure_ray_head started (and the submitting client), once. Its temp dir is removed,
 # unless the job failed or OPENRLHF_DIV_KEEP_RAY_TMP=1: then the last line says where its logs are.
 JOB_FAILED=0
+JOB_HEAD_OUT=""
 stop_job_head() {
+  # a signal right after the head started, before its variables were set: they are in JOB_HEAD_OUT
+  if [[ -z "$JOB_HEAD_DIR" && -n "$JOB_HEAD_OUT" ]]; then eval "$JOB_HEAD_OUT"; fi
+  JOB_HEAD_OUT=""
   [[ -n "$JOB_HEAD_DIR" ]] || return 0
   local dir="$JOB_HEAD_DIR" keep=()
   JOB_HEAD_DIR=""

@@ -102,14 +102,18 @@ def start(num_gpus: int, num_cpus: Optional[int] = None, *, attempts: int = 3,
         with open(os.path.join(temp_dir, _STATE), "w") as fh:
             json.dump(state, fh)
         try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-        deadline = time.time() + 60
-        while rc == 0 and time.time() < deadline:
-            if _answers(state["address"]):
-                return state
-            time.sleep(1.0)
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                rc = None
+            deadline = time.time() + 60
+            while rc == 0 and time.time() < deadline:
+                if _answers(state["address"]):
+                    return state
+                time.sleep(1.0)
+        except BaseException:  # Ctrl-C / SIGTERM while starting: no half-started head is left behind
+            stop(temp_dir, keep=False)
+            raise
         with open(log_path) as fh:
             last = fh.read()[-2000:]
         stop(temp_dir, keep=False)
@@ -117,10 +121,12 @@ def start(num_gpus: int, num_cpus: Optional[int] = None, *, attempts: int = 3,
 
 
 def own_pids(temp_dir: str, gcs_port: int) -> List[int]:
-    """Processes of the cluster: its temp dir or its GCS address in their command line."""
+    """Processes of the cluster: its temp dir or its GCS address in their command line, or its GCS
+    address as their ``RAY_ADDRESS`` (a job's driver: Ray starts it in a session of its own)."""
     import re
 
     gcs = re.compile(rf"127\.0\.0\.1:{int(gcs_port)}(?!\d)")
+    env = re.compile(rf"(^|\x00)RAY_ADDRESS=(http://)?127\.0\.0\.1:{int(gcs_port)}(?!\d)")
     out = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit() or int(pid) == os.getpid():
@@ -132,6 +138,13 @@ def own_pids(temp_dir: str, gcs_port: int) -> List[int]:
             continue
         if temp_dir in cmd or gcs.search(cmd):
             out.append(int(pid))
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                if env.search(fh.read().decode(errors="replace")):
+                    out.append(int(pid))
+        except OSError:
+            pass
     return out
 
 
