@@ -19,9 +19,10 @@ import os
 import sys
 import time
 from contextlib import contextmanager
-from typing import Any, Optional, TextIO
+from typing import Any, Dict, Optional, TextIO
 
-__all__ = ["progress_bar", "LineProgress", "is_terminal", "quiet_library_bars"]
+__all__ = ["progress_bar", "LineProgress", "is_terminal", "quiet_library_bars", "step_figures", "ray_step_figures",
+           "passk_line"]
 
 
 def is_terminal(stream: Optional[TextIO] = None) -> bool:
@@ -144,6 +145,49 @@ def progress_bar(total: Optional[int] = None, desc: str = "", unit: str = "it", 
         return tqdm(total=total, desc=desc, unit=unit, initial=initial, file=stream, **tqdm_kwargs)
     return LineProgress(total, desc=desc, unit=unit, initial=initial, stream=stream, every_percent=every_percent,
                         every_seconds=every_seconds)
+
+
+def step_figures(m: Dict[str, Any], step: int) -> Dict[str, str]:
+    """The training progress line's figures of a step's metrics (every engine: the local
+    trainer's metric names; :func:`ray_step_figures` maps the Ray path's onto them): reward, loss,
+    the policy's entropy, the anchor term for methods that have one (DPH: ``loss_pef``),
+    degenerate steps, seconds per step (the line itself adds the ETA). A figure the metrics lack
+    is left out."""
+    out = {"reward": f"{m['reward_mean']:.3f}", "loss": f"{m.get('loss', float('nan')):.4f}"}
+    if "entropy" in m:
+        out["entropy"] = f"{m['entropy']:.3f}"
+    if "loss_pef" in m:
+        out["anchor"] = f"{m['loss_pef']:.4f}"
+    if "degenerate_steps_total" in m:
+        out["degenerate"] = f"{int(m['degenerate_steps_total'])}/{step}"
+    if "time_step" in m:
+        out["s_per_step"] = f"{m['time_step']:.2f}"
+    return out
+
+
+#: the Ray path's metric names (OpenRLHF's logs + the div actor's ``div/*``) of :func:`step_figures`'
+RAY_METRIC_NAMES = {"reward_mean": "rollout/reward_mean", "loss": "div/loss", "entropy": "div/entropy",
+                    "loss_pef": "div/loss_pef", "time_step": "timing/step_total"}
+
+
+def ray_step_figures(logs: Dict[str, Any], step: int, anchor: bool) -> Dict[str, str]:
+    """:func:`step_figures` of a Ray step's logs (``metrics.jsonl``'s row); ``anchor``: the method
+    has a D_pef anchor term (every method logs ``div/loss_pef``, 0 without anchors)."""
+    m: Dict[str, Any] = {}
+    for ours, theirs in RAY_METRIC_NAMES.items():
+        v = logs.get(theirs)
+        if v is None and ours == "loss":
+            v = logs.get("policy_loss")
+        if v is not None and (anchor or ours != "loss_pef"):
+            m[ours] = float(v)
+    m.setdefault("reward_mean", float("nan"))
+    return step_figures(m, step)
+
+
+def passk_line(row: Dict[str, Any]) -> str:
+    """``[eval] step 20: pass@1 0.281, pass@4 0.500 (8 prompts x 4 samples)`` from an ``eval.jsonl`` row."""
+    ks = ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k.startswith("pass@"))
+    return f"[eval] step {row['step']}: {ks} ({row['n_prompts']} prompts x {row['n_samples']} samples)"
 
 
 @contextmanager

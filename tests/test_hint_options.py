@@ -116,3 +116,172 @@ def test_every_dotted_option_named_in_the_package_exists():
                             bad.append(f"{os.path.relpath(path, root)}:{node.lineno}: {m.group(0)}")
     assert named > 20, named  # the scan sees the package's hints
     assert not bad, "hints name options the config does not have:\n" + "\n".join(bad)
+
+
+# ------------------------------------------------------------------ --flags named anywhere
+#: ``--flag`` in a message, ``--section.key`` included; ``\x00`` stands for an f-string's
+#: replacement field, a trailing ``.*`` / ``*`` / ``.<key>`` names a family (``--div.<hparam>``)
+FLAG_ANY = re.compile(r"(?<![\w-])(--[a-zA-Z][\w.\x00-]*[\w\x00])(\.?\*|\.<)?")
+#: words that look like a flag in the package's prose and are no option of any command (each with
+#: where and why)
+NOT_OPTIONS = {
+    "--flag": "engines/flags.py: the placeholder of a message template ('--flag is not supported')",
+    "--make-vocab-size-divisible-by": "engines/megatron/weights.py: Megatron-LM's own argument, named to "
+                                      "explain the padded vocabulary (megatron-core has no CLI of ours)",
+}
+
+
+def _argparse_options_in_package(root):
+    """Every option string the package's module CLIs define: ``add_argument("--x", ...)`` (memory_plan,
+    prepare, head, config, ...) and the few parsed by hand (``"--warn-only" in argv``)."""
+    import ast
+    import os
+
+    out = set()
+    for folder, _, files in os.walk(root):
+        for f in files:
+            if f.endswith(".py"):
+                tree = ast.parse(open(os.path.join(folder, f), encoding="utf-8").read())
+                for node in ast.walk(tree):
+                    if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
+                        out |= {a.value for a in node.args if isinstance(a, ast.Constant)
+                                and isinstance(a.value, str) and a.value.startswith("--")}
+                    elif isinstance(node, ast.Compare):
+                        out |= {c.value for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)
+                                and isinstance(c.value, str) and re.fullmatch(r"--[a-z][a-z-]*", c.value)}
+    return out
+
+
+def _launcher_options():
+    """Options of the Ray launchers: ``python -m openrlhf_div.cli.train_ppo_ray`` (OpenRLHF 0.11.2's
+    flags via engines/flags.py, ``--div.*``, ``--megatron.*``, ``--config``, ``--dry-run``, ...) and
+    ``python -m openrlhf_div.cli.presample_ray`` (those + ``--presample.*``)."""
+    from openrlhf_div.engines.openrlhf.launch import build_parser as ray_parser
+    from openrlhf_div.engines.openrlhf.presample import add_presample_arguments
+
+    p = ray_parser()
+    add_presample_arguments(p)
+    return _flags(p)
+
+
+def _cli_options():
+    """``openrlhf-div`` and every subcommand (train, eval, compare, run, presample, ...)."""
+    parser = build_parser()
+    out = _flags(parser)
+    for a in parser._actions:
+        if a.__class__.__name__ == "_SubParsersAction":
+            for sub in a.choices.values():
+                out |= _flags(sub)
+    return out
+
+
+def _ray_cli_options():
+    """``ray start`` and ``ray job submit`` (Ray's click commands), named in the cluster hints."""
+    import ray.scripts.scripts as ray_cli
+    from ray.dashboard.modules.job.cli import job_cli_group
+
+    cmds = [ray_cli.start, job_cli_group.commands["submit"]]
+    return {o for c in cmds for prm in c.params for o in prm.opts if o.startswith("--")}
+
+
+def _run_sh_options():
+    """``examples/scripts/run.sh``'s own (the rest goes to the driver)."""
+    import os
+
+    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "scripts",
+                             "run.sh"), encoding="utf-8").read()
+    return set(re.findall(r'"(--[a-z-]+)"', text))
+
+
+def _strings(tree):
+    """``(lineno, text)`` of every string of a module; an f-string with ``\x00`` for each field."""
+    import ast
+
+    inside = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            parts = []
+            for v in node.values:
+                inside.add(id(v))
+                parts.append(v.value if isinstance(v, ast.Constant) else "\x00")
+            yield node.lineno, "".join(parts)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in inside:
+            yield node.lineno, node.value
+
+
+def scan_flags(root, *, cli, launcher, ray_cli, run_sh, own):
+    """``(bad, named)``: ``bad`` lists ``(where, flag, why)`` for every ``--flag`` in a string of the
+    package that no command has; ``named`` counts the flags checked.
+
+    A dotted ``--section.key`` is an option of the Ray launchers (the only commands with dotted
+    flags: OpenRLHF's via engines/flags.py, ``--div.*``, ``--megatron.*``, ``--presample.*``) or a
+    family of them (``--div.<hparam>``, ``--actor.adam.*``); a plain ``--flag`` is an option of
+    ``openrlhf-div`` (any subcommand), of a module CLI of the package, of ``run.sh``, of the Ray
+    launchers or of the Ray commands the package runs and names (``ray start``, ``ray job submit``).
+    An f-string's field matches any word (``--num-{res}s``: ``--num-gpus`` / ``--num-cpus``)."""
+    import ast
+    import os
+
+    plain = cli | own | run_sh | launcher | ray_cli
+    bad, named = [], 0
+    for folder, _, files in os.walk(root):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(folder, f)
+            for lineno, text in _strings(ast.parse(open(path, encoding="utf-8").read())):
+                for m in FLAG_ANY.finditer(text):
+                    flag, family = m.group(1), bool(m.group(2))
+                    if flag in NOT_OPTIONS:
+                        continue
+                    named += 1
+                    pool = launcher if "." in flag else plain
+                    want = re.escape(flag).replace("\x00", "[\\w-]+")
+                    ok = any(re.fullmatch(want + (r"[\w.-]*" if family else ""), o) for o in pool)
+                    if not ok and not family and "." not in flag:  # --div: the group's name
+                        ok = any(o.startswith(flag + ".") for o in launcher)
+                    if not ok:
+                        why = ("not an option of the Ray launchers (train_ppo_ray / presample_ray)" if "." in flag
+                               else "not an option of openrlhf-div, its module CLIs, run.sh, the Ray launchers or "
+                                    "ray start / ray job submit")
+                        bad.append((f"{os.path.relpath(path, root)}:{lineno}", flag.replace("\x00", "{}"), why))
+    return bad, named
+
+
+def _scan_pools():
+    import os
+
+    import openrlhf_div
+
+    root = os.path.dirname(openrlhf_div.__file__)
+    return root, dict(cli=_cli_options(), launcher=_launcher_options(), ray_cli=_ray_cli_options(),
+                      run_sh=_run_sh_options(), own=_argparse_options_in_package(root))
+
+
+def test_every_flag_named_in_the_package_exists():
+    """Every ``--flag`` any string of the package names (error hints, log lines, help texts,
+    docstrings) exists as an option of the command it belongs to (see :func:`scan_flags`): a
+    misspelt or removed option in a hint fails here."""
+    pytest.importorskip("openrlhf")
+    pytest.importorskip("ray")
+    root, pools = _scan_pools()
+    bad, named = scan_flags(root, **pools)
+    assert named > 200, named  # the scan sees the package's hints
+    assert not bad, "strings name options no command has:\n" + "\n".join(f"{w}: {f} ({why})" for w, f, why in bad)
+
+
+def test_the_flag_scan_catches_a_misspelt_option(tmp_path):
+    """The scan fails on a misspelt flag (a copy of a real hint with one letter changed)."""
+    pytest.importorskip("openrlhf")
+    pytest.importorskip("ray")
+    _, pools = _scan_pools()
+    (tmp_path / "hint.py").write_text(
+        'A = "make --rollout.batch_size x n a multiple; or pass --vllm.num_engine 2"\n'
+        'B = "start the head with `ray start --head --num-gpu 4`"\n'
+        'C = "pass --on-eror skip"\n'
+        'D = "set --div.anchor_eta, --div.* and ray start --num-gpus 4, --resume DIR"\n')
+    (tmp_path / "fstr.py").write_text('n = 3\nE = f"ray start --num-{n}gpus and --num-gpus {n}"\n')
+    bad, named = scan_flags(str(tmp_path), **pools)
+    assert sorted(f for _, f, _ in bad) == ["--num-gpu", "--num-{}gpus", "--on-eror", "--vllm.num_engine"], bad
+    assert named == 11, named

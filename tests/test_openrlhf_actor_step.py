@@ -52,6 +52,28 @@ def test_online_step_applies_registry_loss(trainer, name, rewards):
     assert status["metrics"]["actor_grad_norm"] > 0
 
 
+def test_step_logs_the_policy_entropy(trainer):
+    """``div/entropy`` (the Ray progress line's entropy, issue 30) is logged for a method that does not
+    train on it: the full-vocabulary entropy of softmax(logits / T) over the online tokens, equal to
+    a plain HF forward's of the same weights."""
+    from openrlhf_div.algorithms import get_method
+
+    method = get_method("grpo")
+    assert not method.needs.entropy
+    exp = _rollout(trainer, method, [1.0, 0.0, 1.0, 0.0], seed=5)
+    model = trainer.actor.model.module
+    pos = (exp.attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=exp.sequences, attention_mask=exp.attention_mask, position_ids=pos).logits.float()
+    logp = torch.log_softmax(logits[:, :-1] / float(getattr(trainer.actor, "temperature", 1.0)), dim=-1)
+    ent = -(logp.exp() * logp).sum(-1)[:, -exp.action_mask.shape[1]:]
+    m = exp.action_mask.float()
+    expected = float((ent * m).sum() / m.sum())
+    _, _, status, _ = _step(trainer, method, exp)
+    assert float(status["metrics"]["div/entropy"]) == pytest.approx(expected, rel=1e-4)
+    assert 0.5 < expected < float(torch.log(torch.tensor(float(logits.shape[-1]))))  # a real entropy
+
+
 def test_flowrl_step_trains_the_log_z_head(trainer):
     """FlowRL: seq-mean-token-mean through OpenRLHF's per-sample aggregate_loss, log Z from the
     head on the pooled prompt states, and the head's own optimizer steps with DeepSpeed's."""

@@ -103,3 +103,38 @@ def test_progress_line_has_an_eta_and_the_method_figures():
     row = {"step": 20, "n_prompts": 8, "n_samples": 4, "reward_mean": 0.3, "pass@1": 0.28125, "pass@4": 0.5,
            "pass_at_k": {"1": 0.28125}}
     assert passk_line(row) == "[eval] step 20: pass@1 0.281, pass@4 0.500 (8 prompts x 4 samples)"
+
+
+#: a metrics.jsonl row of the Ray path (tiny_cpu_dph_js, step 1; OpenRLHF's names + the div actor's)
+RAY_ROW = {"step": 1, "div/anchor_frac": 0.25, "policy_loss": -0.0037, "div/loss": 0.0121, "div/loss_exp": 0.0101,
+           "div/loss_pef": 0.2, "div/policy_loss": 3.6e-09, "div/entropy": 0.83, "rollout/reward_mean": 0.5,
+           "timing/step_total": 2.0, "actor_grad_norm": 0.9, "time": 1795754136.1}
+
+
+def test_the_ray_progress_line_is_the_local_engines():
+    """Issue 30: the Ray controller prints the local engine's line (one formatter,
+    :func:`openrlhf_div.progress.step_figures`) from a step's logs: step k/N, ETA, reward, loss,
+    entropy, and the anchor term only for a method that has one."""
+    from openrlhf_div.engines.local.trainer import progress_figures
+    from openrlhf_div.progress import ray_step_figures
+
+    local = {"reward_mean": 0.5, "loss": 0.0121, "entropy": 0.83, "loss_pef": 0.2, "time_step": 2.0}
+    assert ray_step_figures(RAY_ROW, 1, anchor=True) == progress_figures(local, 1)
+    no_anchor = ray_step_figures(RAY_ROW, 1, anchor=False)  # grpo logs div/loss_pef = 0 too
+    assert "anchor" not in no_anchor and no_anchor["entropy"] == "0.830" and no_anchor["reward"] == "0.500"
+    # as the controller drives it: a LineProgress of one line per step, started at the resumed step
+    buf, clock = io.StringIO(), _Clock()
+    bar = LineProgress(total=10, desc="[openrlhf-div] train dph_js", unit="step", initial=2, stream=buf,
+                       every_percent=0.0, every_seconds=0.0, clock=clock)
+    for step in (3, 4):
+        clock.t += 4.0
+        bar.set_postfix(ray_step_figures(dict(RAY_ROW, step=step), step, anchor=True))
+        bar.update(step - bar.n)
+    bar.close()
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == 2, lines
+    # 2 steps in 8 s since the resume: 6 left at 0.25 step/s -> 24 s
+    assert lines[1] == ("[openrlhf-div] train dph_js: 4/10 (40%) 8.0 s, 0.25 step/s, ETA 24 s, reward=0.500, "
+                        "loss=0.0121, entropy=0.830, anchor=0.2000, s_per_step=2.00"), lines[1]
+    # without the actor's entropy (another actor backend) the figure is left out, not invented
+    assert "entropy" not in ray_step_figures({k: v for k, v in RAY_ROW.items() if k != "div/entropy"}, 1, True)

@@ -7,6 +7,8 @@
 #                  when there is one, else python3)
 #   NUM_GPUS       GPUs a Ray head started by --submit offers (default: all visible; 4 logical
 #                  GPUs on a machine without GPU)
+#   OPENRLHF_DIV_KEEP_RAY_TMP=1   keep the temp dir (/tmp/openrlhf_div_ray_*, Ray's logs) of a cluster
+#                  we start (the job's head; the driver's private one) after a run that succeeded
 #   RAY_ADDRESS    dashboard address for `ray job submit`    (default: http://127.0.0.1:8265)
 #   RUN_DIR        the run folder (default: a new runs/<experiment>/<timestamp> for every run)
 #   DATA_DIR, PRESAMPLE_DIR, TINY_MODEL, SEED   expanded inside the configs (${VAR:-default})
@@ -119,17 +121,23 @@ override_args() {
   done
 }
 
-# For --submit: a Ray dashboard answering at RAY_ADDRESS; with RAY_ADDRESS unset and nothing at
-# the default address, start a head on this machine (logical GPUs where there is no GPU: the
-# job's driver applies the CPU layer, openrlhf_div.compat.cpu_seams). Stop it with `ray stop`.
+# For --submit: a Ray dashboard answering at RAY_ADDRESS. With RAY_ADDRESS unset and nothing at
+# the default address, start a head for this job (openrlhf_div.engines.openrlhf.head): on free
+# ports (never Ray's defaults, so it collides with no other cluster on the machine), its own temp
+# dir, logical GPUs where there is no GPU (the job's driver applies the CPU layer,
+# openrlhf_div.compat.cpu_seams); stopped when the launcher exits (job done, failed, Ctrl-C,
+# SIGTERM) by stop_job_head, which ends this cluster only (never `ray stop`).
+# Sets JOB_ADDRESS (where to submit).
+JOB_HEAD_DIR=""
+JOB_PID=""
 ensure_ray_head() {
+  JOB_ADDRESS="${RAY_ADDRESS:-http://127.0.0.1:8265}"
   if [[ "${DRY_RUN:-0}" == "1" ]]; then
-    say "dry run: ray start --head here unless a cluster answers at ${RAY_ADDRESS:-http://127.0.0.1:8265}"
+    say "dry run: a Ray head for the job here (free ports) unless a cluster answers at ${JOB_ADDRESS}"
     return 0
   fi
-  local addr="${RAY_ADDRESS:-http://127.0.0.1:8265}"
   if "$PYTHON" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + "/api/version", timeout=5)' \
-      "$addr" >/dev/null 2>&1; then
+      "$JOB_ADDRESS" >/dev/null 2>&1; then
     return 0
   fi
   if [[ -n "${RAY_ADDRESS:-}" ]]; then
@@ -141,9 +149,31 @@ ensure_ray_head() {
     gpus="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() or 4)')"
   fi
   if [[ "$(nproc)" -lt 8 ]]; then cpus=(--num-cpus 8); fi  # one logical CPU per placement bundle
-  say "no Ray cluster at ${addr}: starting a head on this machine (${gpus} GPU(s); logical ones where there is no GPU); stop it with: ray stop"
-  ray_cli start --head --node-ip-address 127.0.0.1 --include-dashboard=true --dashboard-host 127.0.0.1 \
-    --num-gpus "$gpus" "${cpus[@]}" >&2
+  say "no Ray cluster at ${JOB_ADDRESS}: starting a Ray head for this job (${gpus} GPU(s); logical ones where there is no GPU)"
+  trap 'stop_job_head' EXIT
+  trap 'say "interrupted: stopping the job and its Ray head"; stop_job_head; exit 130' INT
+  trap 'say "terminated: stopping the job and its Ray head"; stop_job_head; exit 143' TERM
+  JOB_HEAD_OUT="$("$PYTHON" -m openrlhf_div.engines.openrlhf.head start --num-gpus "$gpus" "${cpus[@]}")" || exit 2
+  eval "$JOB_HEAD_OUT"
+  JOB_ADDRESS="$JOB_HEAD_ADDRESS"
+  say "Ray head for this job: dashboard ${JOB_HEAD_ADDRESS}, GCS 127.0.0.1:${JOB_HEAD_GCS}, temp dir ${JOB_HEAD_DIR} (free ports; it stops when the job ends; a head of your own: ray start --head, then RAY_ADDRESS=http://127.0.0.1:8265)"
+}
+
+# Stop the head ensure_ray_head started (and the submitting client), once. Its temp dir is removed,
+# unless the job failed or OPENRLHF_DIV_KEEP_RAY_TMP=1: then the last line says where its logs are.
+JOB_FAILED=0
+JOB_HEAD_OUT=""
+stop_job_head() {
+  # a signal right after the head started, before its variables were set: they are in JOB_HEAD_OUT
+  if [[ -z "$JOB_HEAD_DIR" && -n "$JOB_HEAD_OUT" ]]; then eval "$JOB_HEAD_OUT"; fi
+  JOB_HEAD_OUT=""
+  [[ -n "$JOB_HEAD_DIR" ]] || return 0
+  local dir="$JOB_HEAD_DIR" keep=()
+  JOB_HEAD_DIR=""
+  if [[ -n "$JOB_PID" ]]; then kill "$JOB_PID" 2>/dev/null || true; fi
+  if [[ "$JOB_FAILED" == "1" || "${OPENRLHF_DIV_KEEP_RAY_TMP:-0}" == "1" ]]; then keep=(--keep); fi
+  "$PYTHON" -m openrlhf_div.engines.openrlhf.head stop "$dir" "${keep[@]}" || true
+  if [[ ${#keep[@]} -gt 0 ]]; then say "the job's Ray head is stopped; its logs: ${dir}/session_latest/logs"; fi
 }
 
 # True when the config (its extends chain resolved by openrlhf_div.config) has a presample stage;
@@ -245,8 +275,29 @@ submit_job() {
   local upstream_env=("TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-true}" "NCCL_DEBUG=${NCCL_DEBUG:-WARN}"
                       "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=${RAY_ENABLE_ZERO_COPY_TORCH_TENSORS:-1}")
   ensure_ray_head
-  run ray_cli job submit --address "${RAY_ADDRESS:-http://127.0.0.1:8265}" "${entry[@]}" \
-    --runtime-env-json "$renv" \
-    -- env "${upstream_env[@]}" bash -c "${steps} && ${train}"
+  if [[ "${DRY_RUN:-0}" == "1" ]]; then
+    run ray_cli job submit --address "$JOB_ADDRESS" "${entry[@]}" --runtime-env-json "$renv" \
+      -- env "${upstream_env[@]}" bash -c "${steps} && ${train}"
+    return 0
+  fi
+  # in the background + wait: a SIGTERM/SIGINT to this launcher runs its trap at once (bash runs
+  # traps only between foreground commands), which stops the job's own head
+  local rc=0
+  ray_cli job submit --address "$JOB_ADDRESS" "${entry[@]}" --runtime-env-json "$renv" \
+    -- env "${upstream_env[@]}" bash -c "${steps} && ${train}" &
+  JOB_PID=$!
+  wait "$JOB_PID" || rc=$?
+  JOB_PID=""
+  if [[ "$rc" != "0" ]]; then
+    JOB_FAILED=1
+    stop_job_head
+    if [[ -d "$RUN_DIR" ]]; then
+      say "error: the job failed (ray job submit exit status ${rc}); its run folder: ${RUN_DIR}"
+    else
+      say "error: the job failed (ray job submit exit status ${rc}) before it wrote its run folder; the job's log is above"
+    fi
+    exit "$rc"
+  fi
+  stop_job_head
   say_run_dir "$@"
 }

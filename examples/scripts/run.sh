@@ -8,13 +8,13 @@
 # Without --submit: the running Ray cluster (or a private one the driver starts for the run),
 # the DPH pre-sampling stage when the config has one (resumable; instant when done), then
 # training. With --submit: both stages as one `ray job submit` job to RAY_ADDRESS (default
-# http://127.0.0.1:8265; a head is started here when nothing answers there and RAY_ADDRESS is
-# unset). Every run gets a new folder runs/EXPERIMENT/<timestamp> (RUN_DIR overrides it); the
+# http://127.0.0.1:8265; with RAY_ADDRESS unset and nothing there, a head for the job is started
+# here on free ports and stopped when it ends). Every run gets a new folder runs/EXPERIMENT/<timestamp> (RUN_DIR overrides it); the
 # last line names it. Without a GPU the CPU path (tiny_cpu_*) runs as it is on a laptop.
 # Driver flags go to training, e.g. --dry-run, --div.anchor_eta 0.1, --ckpt.load_enable; a
 # --plugin MODULE (a module registering your own method) goes to the pre-sampling stage too.
 # Environment (see _common.sh): DATA_DIR, RUN_DIR, PRESAMPLE_DIR, TINY_MODEL, SEED, PYTHON,
-# NUM_GPUS, RAY_ADDRESS, DRY_RUN=1. Every experiment's command: docs/configs.md.
+# NUM_GPUS, RAY_ADDRESS, DRY_RUN=1, OPENRLHF_DIV_KEEP_RAY_TMP=1. Every experiment's command: docs/configs.md.
 # `openrlhf-div run EXPERIMENT --engine openrlhf|megatron` calls this script (the one Ray launcher;
 # docs/configs.md "Launchers" says why not the reverse); section.key=value overrides
 # (method.anchor_eta=0.3) among the driver flags reach both stages, merged by the one loader.

@@ -7,7 +7,12 @@
   private Ray cluster for the run; it succeeds in a new run folder that holds what a local run's
   holds (config.yaml, run_info.json, metrics.jsonl, eval.jsonl / eval.json / eval_step0.json, the
   model), the launcher's last line names that folder, and ``compare`` reads it side by side with
-  a local run of the same tiny task, without a base run.
+  a local run of the same tiny task, without a base run. The driver's private cluster leaves no
+  ``/tmp/openrlhf_div_ray_*`` folder; the controller prints one progress line per step (the local
+  engine's formatter: k/N, ETA, reward, loss, entropy) instead of OpenRLHF's bar.
+* Then ``run.sh tiny_cpu_grpo --submit`` in the same clean environment, no cluster running: the
+  launcher starts a head for the job on free ports, submits it with ``ray job submit``, stops that
+  head (and only it) at the end; the job's log carries the same progress lines.
 * A run asking for more GPUs than the live cluster has stops within seconds with one line that
   names what is missing (the old driver waited forever on the placement group).
 
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -121,6 +127,10 @@ def test_fresh_user_runs_tiny_cpu_grpo_locally(fresh_user, tmp_path):
         # the lenient extraction came from the config's env: section (rewards > 0 somewhere)
         assert any(v > 0 for v in sc["train/rollout/reward_mean"].values()), sc["train/rollout/reward_mean"]
         assert "private" in out  # the driver started its own cluster (no RAY_ADDRESS, none running)
+        # ... and removed its temp dir at exit (issue 30: no /tmp/openrlhf_div_ray_* left behind)
+        private = re.search(r"temp dir (/tmp/openrlhf_div_ray_\w+)", out)
+        assert private and not os.path.exists(private.group(1)), private and private.group(1)
+        _assert_progress_lines(out)
         # `compare` reads this Ray run and a local run of the same tiny task side by side, with no
         # base run (the step-0 evaluation the runs hold)
         local = _local_run(tmp_path)
@@ -131,6 +141,69 @@ def test_fresh_user_runs_tiny_cpu_grpo_locally(fresh_user, tmp_path):
         assert r.returncode == 0, r.stderr
         md = (cmp_dir / "report.md").read_text()
         assert "| ray_grpo |" in md and "| local_grpo |" in md and "step-0 evaluation" in md, md
+        # `--submit` with no cluster running: a head for the job (free ports), real `ray job submit`
+        _fresh_user_submits(fresh_user, before | {os.path.basename(run_dir)})
+    finally:
+        if run_dir and os.path.isdir(run_dir) and os.path.basename(run_dir) not in before:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _assert_progress_lines(out: str) -> None:
+    """The Ray controller's step line (issue 30: the local engine's formatter, not OpenRLHF's tqdm)."""
+    lines = [ln for ln in out.splitlines() if "[openrlhf-div] train grpo: " in ln]
+    assert len(lines) == 2, "\n".join(lines) or out[-3000:]
+    assert "train grpo: 1/2 (50%)" in lines[0] and ", ETA " in lines[0], lines[0]
+    assert "train grpo: 2/2 (100%)" in lines[1], lines[1]
+    for ln in lines:
+        assert re.search(r"reward=[\d.]+, loss=-?[\d.]+(e-?\d+)?, entropy=[\d.]+, s_per_step=", ln), ln
+        assert "anchor=" not in ln  # grpo has no anchor term
+    assert "Episode [1/1]" not in out  # OpenRLHF's own bar is replaced
+    assert "[openrlhf-div] [eval] step 0: pass@1 " in out and "[openrlhf-div] [eval] step 2: pass@1 " in out
+
+
+def _dashboard_answers(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/api/version", timeout=3):
+            return True
+    except OSError:
+        return False
+
+
+def _fresh_user_submits(env: dict, before: set) -> None:
+    """``run.sh tiny_cpu_grpo --submit`` with no Ray cluster at the default address and RAY_ADDRESS
+    unset: the launcher starts a head for the job on free ports (never 6379 / 8265: other clusters
+    of the machine are left alone), submits with ``ray job submit``, prints the job's log (the
+    progress lines included), stops that head only and removes its temp dir; the last line names
+    the run folder."""
+    from openrlhf_div.engines.openrlhf.head import own_pids
+
+    if _dashboard_answers("http://127.0.0.1:8265"):
+        pytest.skip("a Ray cluster answers at the default address: --submit rightly submits there")
+    proc = subprocess.run(["bash", RUN, "tiny_cpu_grpo", "--submit"], env=env, cwd="/", stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=1500)
+    out = proc.stdout
+    last = _last_line(out)
+    run_dir = last.split("run folder: ", 1)[1].strip() if "run folder: " in last else ""
+    head = re.search(r"Ray head for this job: dashboard (http://127\.0\.0\.1:(\d+)), GCS 127\.0\.0\.1:(\d+), "
+                     r"temp dir (/tmp/openrlhf_div_ray_\w+)", out)
+    try:
+        assert proc.returncode == 0, _failure(out)
+        assert "no Ray cluster at http://127.0.0.1:8265: starting a Ray head for this job" in out, out[:3000]
+        assert head, out[:3000]
+        assert int(head.group(2)) != 8265 and int(head.group(3)) != 6379  # free ports, not Ray's defaults
+        assert "succeeded" in out  # ray job submit followed the job to its end
+        assert last.startswith("[openrlhf-div] run folder: "), last
+        assert os.path.dirname(run_dir) == os.path.join(h.REPO, "runs", "tiny_cpu_grpo")
+        assert os.path.basename(run_dir) not in before
+        for f in ("config.yaml", "run_info.json", "metrics.jsonl", "eval.json", "model/config.json"):
+            assert os.path.exists(os.path.join(run_dir, f)), (f, sorted(os.listdir(run_dir)))
+        _assert_progress_lines(out)  # the job's log, streamed by ray job submit
+        # the head is gone: its processes and its temp dir (it was this job's own)
+        assert not os.path.exists(head.group(4)), head.group(4)
+        assert not own_pids(head.group(4), int(head.group(3))), "the job's Ray head outlived the launcher"
+        assert not _dashboard_answers(head.group(1))
     finally:
         if run_dir and os.path.isdir(run_dir) and os.path.basename(run_dir) not in before:
             shutil.rmtree(run_dir, ignore_errors=True)

@@ -702,23 +702,18 @@ class Trainer:
 
 
 def progress_figures(m: Dict[str, Any], step: int) -> Dict[str, str]:
-    """The progress line's figures of a step's metrics: reward, loss, the policy's entropy, the
-    anchor term for methods that have one (DPH: ``loss_pef``), degenerate steps, seconds per step
-    (the line itself adds the ETA)."""
-    out = {"reward": f"{m['reward_mean']:.3f}", "loss": f"{m.get('loss', float('nan')):.4f}"}
-    if "entropy" in m:
-        out["entropy"] = f"{m['entropy']:.3f}"
-    if "loss_pef" in m:
-        out["anchor"] = f"{m['loss_pef']:.4f}"
-    out["degenerate"] = f"{int(m.get('degenerate_steps_total', 0))}/{step}"
-    out["s_per_step"] = f"{m['time_step']:.2f}"
-    return out
+    """The progress line's figures of a step's metrics (:func:`openrlhf_div.progress.step_figures`,
+    the one formatter of every engine)."""
+    from openrlhf_div.progress import step_figures
+
+    return step_figures(m, step)
 
 
 def passk_line(row: Dict[str, Any]) -> str:
-    """``[eval] step 20: pass@1 0.281, pass@4 0.500 (8 prompts x 4 samples)`` from an ``eval.jsonl`` row."""
-    ks = ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k.startswith("pass@"))
-    return f"[eval] step {row['step']}: {ks} ({row['n_prompts']} prompts x {row['n_samples']} samples)"
+    """The pass@k line of an evaluation (:func:`openrlhf_div.progress.passk_line`)."""
+    from openrlhf_div.progress import passk_line as line
+
+    return line(row)
 
 
 # =============================================================================== entry point

@@ -176,9 +176,12 @@ class DivActorPPOTrainer(ActorPPOTrainer):
         log_probs, output = self.actor(
             experience.sequences, experience.action_mask, attention_mask=experience.attention_mask,
             return_output=True, ring_attn_group=self.strategy.ring_attn_group, packed_seq_lens=None,
-            return_entropy=needs.entropy, **mm_inputs)
+            return_entropy=True, **mm_inputs)
         A = experience.action_mask.shape[1]
-        entropy = output.entropy[:, -A:] if needs.entropy else None
+        # the policy's entropy is always logged (div/entropy, the progress line's): the fused head
+        # takes it in the same pass, and without gradient when the loss does not use it
+        full_entropy = output.entropy[:, -A:] if getattr(output, "entropy", None) is not None else None
+        entropy = full_entropy if needs.entropy else None
         log_z = None
         if needs.prompt_hidden:
             pooled = mean_prompt_hidden(output.hidden_states[-1], experience.attention_mask, experience.action_mask)
@@ -190,6 +193,11 @@ class DivActorPPOTrainer(ActorPPOTrainer):
             ref_log_probs=experience.base_action_log_probs, entropy=entropy, correct=correct,
             loss_batch_info=loss_batch_info, generator=self._div_generator, log_z=log_z)
         policy_loss = loss.detach()
+        if full_entropy is not None and "div/entropy" not in metrics:
+            online, _ = split_masks(experience.action_mask, is_anchor)
+            m = online.float()
+            metrics = dict(metrics)
+            metrics["div/entropy"] = float((full_entropy.detach().float() * m).sum() / m.sum().clamp_min(1.0))
         if self.aux_loss:  # Mixtral-style router balancing, as OpenRLHF adds it
             aux = output.aux_loss * self.args.actor.aux_loss_coef
             if self.args.train.dynamic_batch_enable:

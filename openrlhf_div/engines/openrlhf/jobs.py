@@ -148,16 +148,96 @@ def init_ray(environ: Optional[Mapping[str, str]] = None, need: Optional[Dict[st
             gpus = int((need or {}).get("GPU", 0))
             kwargs = {"num_gpus": gpus, "num_cpus": max(os.cpu_count() or 1, PRIVATE_MIN_CPUS, gpus + 2)}
         what = f"{kwargs['num_gpus']} logical GPU(s): no GPU here, the CPU path" if cpu else "this machine's GPUs"
+        from .head import KEEP_ENV, TEMP_PREFIX
+
+        temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir="/tmp")
         print(f"[openrlhf-div] no Ray cluster running (RAY_ADDRESS unset): starting a private one for this run "
-              f"({what})", file=sys.stderr, flush=True)
-        ray.init(address="local", include_dashboard=False, runtime_env=runtime_env,
-                 _temp_dir=tempfile.mkdtemp(prefix="openrlhf_div_ray_"), **kwargs)
+              f"({what}; temp dir {temp_dir}, removed at exit unless the run fails or {KEEP_ENV}=1)",
+              file=sys.stderr, flush=True)
+        _PRIVATE.update(dir=temp_dir, ok=False)
+        import atexit
+
+        # registered after Ray's own atexit shutdown, so it runs first (atexit is last-in first-out)
+        atexit.register(_close_private_cluster)
+        ray.init(address="local", include_dashboard=False, runtime_env=runtime_env, _temp_dir=temp_dir, **kwargs)
+        _note_interrupts()
     elif environ.get("RAY_ADDRESS"):
         ray.init(runtime_env=runtime_env)  # Ray reads RAY_ADDRESS itself (a submitted job's driver has it)
     else:
         ray.init(address=address, runtime_env=runtime_env)
     if need:
         check_resources(need, address or "the private cluster")
+
+
+#: the private cluster this process started (:func:`init_ray`): its temp dir; ``ok`` once the run
+#: ended well (or was refused with its one line: nothing in the cluster's logs explains more)
+_PRIVATE: Dict[str, Any] = {}
+
+
+def private_cluster_done() -> None:
+    """The run of this process is over and needs no cluster logs: the private cluster's temp dir
+    goes at exit (a run that ends any other way keeps it, and its last line says where)."""
+    _PRIVATE["ok"] = True
+
+
+def _note_interrupts() -> None:
+    """Ctrl-C and SIGTERM end the run as before (``KeyboardInterrupt``; ``SystemExit(signum)``, Ray's
+    own driver handler) and mark it interrupted: the private cluster's temp dir then goes too (a
+    stop asked for is no failure to investigate)."""
+    import signal
+    import sys
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def on_term(signum, frame):
+        _PRIVATE["interrupted"] = "SIGTERM"
+        sys.exit(signum)
+
+    prev_int = signal.getsignal(signal.SIGINT)
+
+    def on_int(signum, frame):
+        _PRIVATE["interrupted"] = "SIGINT"
+        if callable(prev_int):
+            prev_int(signum, frame)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_int)
+
+
+def _close_private_cluster(stream=None) -> Optional[str]:
+    """At the driver's exit (normal, an error, Ctrl-C, SIGTERM: :func:`_note_interrupts`): stop
+    the private cluster, then remove its temp dir (``/tmp/openrlhf_div_ray_*``) unless the run
+    failed (an error, not a stop asked for) or ``OPENRLHF_DIV_KEEP_RAY_TMP=1``; then one line, the
+    driver's last, names the kept folder. Returns the kept folder (None: removed)."""
+    import shutil
+    import sys
+
+    from .head import KEEP_ENV, keep_tmp
+
+    temp_dir = _PRIVATE.pop("dir", None)
+    if not temp_dir:
+        return None
+    try:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+    except Exception:  # noqa: BLE001 -- the folder is still ours to handle
+        pass
+    stream = sys.stderr if stream is None else stream
+    if keep_tmp():
+        print(f"[openrlhf-div] {KEEP_ENV}=1: the private Ray cluster's files are kept in {temp_dir}",
+              file=stream, flush=True)
+        return temp_dir
+    if not _PRIVATE.get("ok") and not _PRIVATE.get("interrupted"):
+        print(f"[openrlhf-div] the run did not finish: the private Ray cluster's logs are kept in "
+              f"{temp_dir}/session_latest/logs", file=stream, flush=True)
+        return temp_dir
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    return None
 
 
 class PlacementError(RuntimeError):

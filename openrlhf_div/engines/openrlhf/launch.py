@@ -595,12 +595,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(p.command)
     if p.dry_run:
         return 0
-    from .jobs import PlacementError
+    from .jobs import PlacementError, private_cluster_done
     from .nodes import SharedPathError
 
     try:
         run(p)
     except (SharedPathError, PlacementError) as exc:  # a path some node cannot see; a plan the cluster cannot place
+        private_cluster_done()  # the line says it all: no cluster logs to keep
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # a dead vLLM engine: end with the one line that names it
@@ -611,4 +612,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise
         print(f"error: {line}", file=sys.stderr)
         return 4
+    private_cluster_done()
     return 0

@@ -339,7 +339,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if getattr(parsed, "dry_run", False):
         print(json.dumps(settings_from_args(args), indent=2, default=str))
         return 0
-    from .jobs import PlacementError
+    from .jobs import PlacementError, private_cluster_done
     from .launch import apply_config_env
     from .nodes import SharedPathError
 
@@ -347,6 +347,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         print(format_summary(run(args)))
     except (SharedPathError, PlacementError) as exc:
+        private_cluster_done()  # the line says it all: no cluster logs to keep
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    private_cluster_done()
     return 0

@@ -84,6 +84,7 @@ class _DivPPOTrainer(PPOTrainer.__ray_actor_class__):
             client_states[ANCHOR_POOL_STATE] = pool.state_dict()
         self._div_last_step = int(global_step)
         self._div_folder().log_step(global_step, logs_dict or {})
+        self._div_progress_step(global_step, logs_dict or {})
         try:
             return super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
         finally:
@@ -109,10 +110,31 @@ class _DivPPOTrainer(PPOTrainer.__ray_actor_class__):
         self._div_last_step = start
         if start == 0:
             self._div_evaluate(0)
-        out = super().fit(global_step)
+        self._div_bar = _progress(self, start)
+        import openrlhf.trainer.ppo_trainer as upstream
+
+        bar, upstream.tqdm = upstream.tqdm, _QuietBar  # our step line replaces OpenRLHF's prompt bar
+        try:
+            out = super().fit(global_step)
+        finally:
+            upstream.tqdm = bar
+            self._div_bar.close()
         if self._div_last_step > start:
             self._div_evaluate(self._div_last_step)
         return out
+
+    def _div_progress_step(self, step: int, logs) -> None:
+        """One progress line per step (:func:`openrlhf_div.progress.ray_step_figures`, the local
+        engine's formatter): ``train grpo: 3/10 (30%) 41.0 s, 0.0732 step/s, ETA 1 min 36 s,
+        reward=..., loss=..., entropy=..., [anchor=...,] s_per_step=...``."""
+        from openrlhf_div.progress import ray_step_figures
+
+        bar = getattr(self, "_div_bar", None)
+        if bar is None:
+            return
+        method = method_from_args(self.args)
+        bar.set_postfix(ray_step_figures(logs, int(step), anchor=bool(method.needs.anchor_batch)))
+        bar.update(int(step) - bar.n)
 
     def _div_evaluate(self, step: int) -> None:
         """The run folder's evaluation; a failure there is reported (one line + its traceback on
@@ -123,7 +145,11 @@ class _DivPPOTrainer(PPOTrainer.__ray_actor_class__):
         from .runfolder import evaluate_with_engines
 
         try:
-            evaluate_with_engines(self, step)
+            row = evaluate_with_engines(self, step)
+            if row:
+                from openrlhf_div.progress import passk_line
+
+                print(f"[openrlhf-div] {passk_line(row)}", file=sys.stderr, flush=True)
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
             print(f"[openrlhf-div] error: the run folder's evaluation at step {step} failed "
@@ -141,6 +167,38 @@ class _DivPPOTrainer(PPOTrainer.__ray_actor_class__):
         stats = super()._compute_rollout_stats(online_view(experiences))
         stats["rollout/num_anchor_samples"] = float(getattr(self.experience_maker, "last_num_anchors", 0))
         return stats
+
+
+class _QuietBar:
+    """OpenRLHF's per-episode prompt bar, silenced (the controller prints its own step line)."""
+
+    def __init__(self, *a, **kw):
+        pass
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(trainer, start: int):
+    """The controller's step line (:class:`openrlhf_div.progress.LineProgress`, one line per step):
+    ``train <method>: k/N``, N = episodes x prompts per episode / prompts per step (with dynamic
+    filtering a step may consume more prompts: N is then an upper bound)."""
+    import sys
+
+    from openrlhf_div.progress import LineProgress
+
+    args = trainer.args
+    try:
+        per_episode = len(trainer.prompts_dataloader) // max(1, int(args.rollout.batch_size))
+        total = max(1, per_episode) * int(args.train.num_episodes)
+    except (TypeError, AttributeError):
+        total = None
+    name = method_from_args(args).name
+    return LineProgress(total, desc=f"[openrlhf-div] train {name}", unit="step", initial=start, stream=sys.stderr,
+                        every_percent=0.0, every_seconds=0.0)
 
 
 DivPPOTrainer = ray.remote(_DivPPOTrainer)
