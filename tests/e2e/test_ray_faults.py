@@ -15,7 +15,6 @@ Run with ``-n 0`` or ``--dist loadfile``: every job uses the one Ray head of the
 """
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 import signal
@@ -239,7 +238,13 @@ def test_ray_job_stop_mid_step_resumes_with_the_same_prompts_anchors_and_step(ra
     the controller pauses there), then that
     run resubmitted with ``--ckpt.load_enable``. The prompts each step trains on (its batch of the
     prompt loader; inside a step samples return in vLLM's completion order), the D_pef
-    anchor ids drawn for it and the step numbers must equal the uninterrupted run's."""
+    anchor ids drawn for it and the step numbers must equal the uninterrupted run's.
+
+    One anchor per step (``--div.anchor_batch_size 1``, the config draws 4): with D_pef's K >= 2
+    records (8 samples per prompt: several near-perfect prompts) step 2 then draws a record step 1
+    did not, so a cursor that restarted on resume (drawing step 1's anchor again) fails the check;
+    with 4 anchors and K = 4 each step drew a whole epoch and only the epochs' orders told them
+    apart."""
     import sys
 
     from ray.job_submission import JobSubmissionClient
@@ -250,7 +255,7 @@ def test_ray_job_stop_mid_step_resumes_with_the_same_prompts_anchors_and_step(ra
     def job(run, *args, env=None):
         os.makedirs(os.path.dirname(run), exist_ok=True)
         r = h.submit(ray_head, tiny_experiment, "examples/scripts/run.sh", "tiny_cpu_dph_js", "--submit",
-                     "--ckpt.save_steps", "1", *args, run_dir=run, presample_dir=pre, timeout=900,
+                     "--ckpt.save_steps", "1", "--div.anchor_batch_size", "1", *args, run_dir=run, presample_dir=pre, timeout=900,
                      extra_env={**trace, **(env or {})})
         with open(run + f".{int(time.time())}.log", "w") as fh:
             fh.write(r.output)
@@ -259,7 +264,14 @@ def test_ray_job_stop_mid_step_resumes_with_the_same_prompts_anchors_and_step(ra
     ref = str(tmp_path / "uninterrupted")
     assert "succeeded" in job(ref).output
     want = _trace(ref)
-    assert [t["step"] for t in want] == [1, 2] and all(t["anchors"] for t in want), want
+    assert [t["step"] for t in want] == [1, 2] and [len(t["anchors"]) for t in want] == [1, 1], want
+    from openrlhf_div.engines.anchor_data import read_pef
+
+    n_pef = len(read_pef(pre))
+    # the check can fail: a cursor restarted on resume would draw step 1's anchor for step 2
+    assert want[1]["anchors"] != want[0]["anchors"], (
+        f"D_pef has {n_pef} record(s): step 2 drew step 1's anchor again, so the anchor check could not "
+        "tell a resumed cursor from a restarted one (needs >= 2 distinct near-perfect records)")
 
     run = str(tmp_path / "stopped")
     # the controller pauses after step 2's rollout, before its training (site/e2e_faults.py): mid-step
@@ -292,8 +304,8 @@ def test_ray_job_stop_mid_step_resumes_with_the_same_prompts_anchors_and_step(ra
         assert g["anchors"] == w["anchors"], (w["step"], w["anchors"], g["anchors"])
     assert sorted(h.tb_scalars(os.path.join(run, "tb_resume"))["train/rollout/reward_mean"]) == [2]
     fu.record("`ray job stop` during step 2 (dph_js)", "resumed at step 2 with the uninterrupted run's prompts "
-              f"({len(want[1]['prompts'])} samples) and D_pef anchor ids ({len(want[1]['anchors'])}) for step 2; "
-              "step 1 identical too; job finished")
+              f"({len(want[1]['prompts'])} samples) and D_pef anchor for step 2 (the cursor's 2nd of {n_pef} "
+              "records, not step 1's); step 1 identical too; job finished")
 
 
 # ------------------------------------------------------------------ 1. the vLLM engine process dies
