@@ -109,7 +109,11 @@ class _DivPPOTrainer(PPOTrainer.__ray_actor_class__):
         self._div_last_step = start
         if start == 0:
             self._div_evaluate(0)
-        out = super().fit(global_step)
+        try:
+            out = super().fit(global_step)
+        except Exception as exc:  # noqa: BLE001
+            _raise_naming_dead_engine(self, exc)
+            raise
         if self._div_last_step > start:
             self._div_evaluate(self._div_last_step)
         return out
@@ -141,6 +145,18 @@ class _DivPPOTrainer(PPOTrainer.__ray_actor_class__):
         stats = super()._compute_rollout_stats(online_view(experiences))
         stats["rollout/num_anchor_samples"] = float(getattr(self.experience_maker, "last_num_anchors", 0))
         return stats
+
+
+def _raise_naming_dead_engine(trainer, exc: BaseException) -> None:
+    """A step failed: when a vLLM engine process of the trainer's rollout actors died, raise an error
+    carrying its one line (``compat/engine_death.py``; the job's driver prints it last), chained to
+    ``exc``. The controller often sees only the symptom (the weight sync's gloo "Connection closed
+    by peer"); the vLLM actor that owned the process knows its signal."""
+    from openrlhf_div.compat.engine_death import MARK, remote_dead_engine_lines
+
+    lines = remote_dead_engine_lines(getattr(trainer, "vllm_engines", None))
+    if lines:
+        raise RuntimeError(f"the rollout engine died: {MARK}{lines[0]}]") from exc
 
 
 DivPPOTrainer = ray.remote(_DivPPOTrainer)
