@@ -232,6 +232,11 @@ def _trace(run):
     return [json.loads(x) for x in open(p)] if os.path.exists(p) else []
 
 
+#: one D_pef anchor per step: 16 online + 1 anchor samples make one optimizer step (the launcher
+#: refuses a partial one)
+ONE_ANCHOR = ("--div.anchor_batch_size", "1", "--train.batch_size", "17", "--train.micro_batch_size", "17")
+
+
 def test_ray_job_stop_mid_step_resumes_with_the_same_prompts_anchors_and_step(ray_head, tiny_experiment, tmp_path):
     """dph_js (D_pef anchors from the pre-sampling stage, shared by the three jobs): an uninterrupted
     run, then a run stopped with ``ray job stop`` during step 2 (its rollout done, its training not:
@@ -255,7 +260,7 @@ def test_ray_job_stop_mid_step_resumes_with_the_same_prompts_anchors_and_step(ra
     def job(run, *args, env=None):
         os.makedirs(os.path.dirname(run), exist_ok=True)
         r = h.submit(ray_head, tiny_experiment, "examples/scripts/run.sh", "tiny_cpu_dph_js", "--submit",
-                     "--ckpt.save_steps", "1", "--div.anchor_batch_size", "1", *args, run_dir=run, presample_dir=pre, timeout=900,
+                     "--ckpt.save_steps", "1", *ONE_ANCHOR, *args, run_dir=run, presample_dir=pre, timeout=900,
                      extra_env={**trace, **(env or {})})
         with open(run + f".{int(time.time())}.log", "w") as fh:
             fh.write(r.output)
