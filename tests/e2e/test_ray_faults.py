@@ -106,6 +106,9 @@ def test_policy_actor_killed_during_a_save_resumes_from_the_previous_checkpoint(
     r = out[0]
     assert r.returncode != 0 and "succeeded" not in r.output
     fu.expect_named("ActorDiedError", r.output, n=400)
+    # step 1's metrics are on disk: the job died seconds after step 1, within SummaryWriter's 120 s
+    # timer, and its actors were killed (no graceful exit that would flush it)
+    assert sorted(h.tb_scalars(os.path.join(run, "tb"))["train/rollout/reward_mean"]) == [1]
     assert fu.latest(ckpt) == "global_step1"
     fu.assert_intact_and_finite(os.path.join(ckpt, "global_step1"))
     torn = os.path.join(ckpt, "global_step2")
@@ -120,7 +123,7 @@ def test_policy_actor_killed_during_a_save_resumes_from_the_previous_checkpoint(
     assert fu.latest(ckpt) == "global_step2"
     fu.assert_intact_and_finite(os.path.join(ckpt, "global_step2"))
     assert not os.path.exists(os.path.join(ckpt, "global_step1"))  # max_num 1, rotated after the save
-    fu.record("policy actor SIGKILLed mid-save", "global_step1 kept (max_num 1) + verified; torn global_step2 named "
+    fu.record("policy actor SIGKILLed mid-save", "global_step1 kept (max_num 1) + verified, step-1 metrics kept; torn global_step2 named "
               "and skipped on resume; resumed job trained step 2 and finished; new global_step2 verified")
 
 
