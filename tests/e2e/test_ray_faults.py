@@ -97,9 +97,6 @@ def test_policy_actor_killed_during_a_save_resumes_from_the_previous_checkpoint(
     t, out, err = _in_background(lambda: _job(ray_head, tiny_experiment, run, "--ckpt.max_num", "1",
                                               extra_env={"OPENRLHF_DIV_E2E_FAULT_HOLD_SAVE_STEP": "2"}))
     _wait_for(lambda: os.path.exists(marker), "the save of global_step2 to start", t)
-    # while the job runs, step 1's metrics are already on disk (flushed after its step, not at
-    # SummaryWriter's 120 s timer or at the process's exit: a controller killed now would keep them)
-    at_hold = sorted(h.tb_scalars(os.path.join(run, "tb")).get("train/rollout/reward_mean", {}))
     pid = fu.actor_pid(ray_head, "PolicyModelActor")
     with open(marker) as fh:
         assert int(fh.read()) == pid  # the process the state API names is the one saving
@@ -109,7 +106,6 @@ def test_policy_actor_killed_during_a_save_resumes_from_the_previous_checkpoint(
     r = out[0]
     assert r.returncode != 0 and "succeeded" not in r.output
     fu.expect_named("ActorDiedError", r.output, n=400)
-    assert 1 in at_hold, at_hold
     assert fu.latest(ckpt) == "global_step1"
     fu.assert_intact_and_finite(os.path.join(ckpt, "global_step1"))
     torn = os.path.join(ckpt, "global_step2")
@@ -124,7 +120,7 @@ def test_policy_actor_killed_during_a_save_resumes_from_the_previous_checkpoint(
     assert fu.latest(ckpt) == "global_step2"
     fu.assert_intact_and_finite(os.path.join(ckpt, "global_step2"))
     assert not os.path.exists(os.path.join(ckpt, "global_step1"))  # max_num 1, rotated after the save
-    fu.record("policy actor SIGKILLed mid-save", "global_step1 kept (max_num 1) + verified, step-1 metrics kept; torn global_step2 named "
+    fu.record("policy actor SIGKILLed mid-save", "global_step1 kept (max_num 1) + verified; torn global_step2 named "
               "and skipped on resume; resumed job trained step 2 and finished; new global_step2 verified")
 
 
