@@ -49,6 +49,48 @@ def test_explain_reads_the_line_through_a_ray_style_wrapper():
     assert generic and "not recorded" in generic
 
 
+def test_a_dead_engines_line_outlives_its_manager_and_reaches_the_controller(monkeypatch):
+    """vLLM drops a dead engine's process manager during its shutdown, and the controller of a Ray
+    job asks the vLLM actors only after the step failed (``trainer._raise_naming_dead_engine``)."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(engine_death, "_MANAGERS", weakref.WeakSet())
+    monkeypatch.setattr(engine_death, "_SEEN", [])
+
+    class Proc:
+        name, pid, exitcode = "EngineCore", 77, -int(signal.SIGSEGV)
+
+    class Manager:
+        processes = [Proc()]
+
+    m = Manager()
+    engine_death._MANAGERS.add(m)
+    want = [engine_death.describe_exit("EngineCore", 77, -int(signal.SIGSEGV))]
+    assert engine_death.dead_engine_lines() == want
+    del m
+    gc.collect()
+    assert len(engine_death._MANAGERS) == 0 and engine_death.dead_engine_lines() == want
+
+    class Call:  # an actor handle's __ray_call__: runs the function in the actor (here: at once)
+        def remote(self, fn):
+            return fn(None)
+
+    class Handle:
+        __ray_call__ = Call()
+
+    class Gone:  # an actor that died too
+        @property
+        def __ray_call__(self):
+            raise RuntimeError("actor gone")
+
+    import ray
+
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref)
+    assert engine_death.remote_dead_engine_lines([Gone(), Handle(), Handle()]) == want
+    assert engine_death.remote_dead_engine_lines(None) == []
+
+
 def test_killed_engine_core_is_named_in_the_error(monkeypatch, tmp_path):
     pytest.importorskip("vllm")
     torch = pytest.importorskip("torch")

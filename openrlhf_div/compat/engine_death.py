@@ -19,12 +19,15 @@ import signal
 import weakref
 from typing import List, Optional
 
-__all__ = ["explain", "dead_engine_lines", "describe_exit", "install", "MARK"]
+__all__ = ["explain", "dead_engine_lines", "describe_exit", "install", "MARK", "remote_dead_engine_lines"]
 
 #: the bracket our line travels in, inside an exception message
 MARK = "[openrlhf-div: "
 #: vLLM's engine-core process managers built in this process (alive or not)
 _MANAGERS: "weakref.WeakSet" = weakref.WeakSet()
+#: every line :func:`dead_engine_lines` found in this process (vLLM drops a dead engine's manager
+#: during its shutdown; the line must outlive it for a later :func:`remote_dead_engine_lines`)
+_SEEN: List[str] = []
 
 _ADVICE = {
     "SIGILL": ("illegal instruction: a CPU kernel used an instruction this process may not run - on an "
@@ -56,13 +59,46 @@ def describe_exit(name: str, pid, exitcode: int) -> str:
 
 
 def dead_engine_lines() -> List[str]:
-    """A line per engine process of this process's vLLM engines that ended with a failure."""
-    lines = []
+    """A line per engine process of this process's vLLM engines that ended with a failure (also
+    those whose manager vLLM has dropped since)."""
     for manager in list(_MANAGERS):
         for proc in getattr(manager, "processes", ()):
             code = proc.exitcode
             if code not in (None, 0):
-                lines.append(describe_exit(proc.name, proc.pid, code))
+                line = describe_exit(proc.name, proc.pid, code)
+                if line not in _SEEN:
+                    _SEEN.append(line)
+    return list(_SEEN)
+
+
+def _lines_in_actor(_actor) -> List[str]:
+    """Run inside a vLLM Ray actor by :func:`remote_dead_engine_lines` (``__ray_call__``)."""
+    return dead_engine_lines()
+
+
+def remote_dead_engine_lines(engines, timeout: float = 30.0) -> List[str]:
+    """:func:`dead_engine_lines` of each vLLM Ray actor in ``engines`` (OpenRLHF's ``RolloutRayActor``
+    handles), asked through Ray's ``__ray_call__``. The process that sees a training step fail is
+    not the one whose engine died: when the EngineCore dies during the weight sync, the controller
+    gets gloo's "Connection closed by peer" and no ``EngineDeadError`` at all. An actor that is gone,
+    or does not answer within ``timeout`` seconds in all, adds nothing."""
+    import time
+
+    import ray
+
+    refs = []
+    for handle in engines or ():
+        try:
+            refs.append(handle.__ray_call__.remote(_lines_in_actor))
+        except Exception:  # noqa: BLE001 - not a Ray actor handle, or its actor is gone
+            continue
+    deadline = time.time() + timeout
+    lines: List[str] = []
+    for ref in refs:
+        try:
+            lines += [x for x in ray.get(ref, timeout=max(0.1, deadline - time.time())) if x not in lines]
+        except Exception:  # noqa: BLE001 - the actor died too, or hangs
+            continue
     return lines
 
 

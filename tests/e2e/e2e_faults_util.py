@@ -57,6 +57,16 @@ def expect_named(text: str, output: str, n: int = 60) -> None:
         raise AssertionError(f"{text!r} is not in the last {n} lines of the job's output:\n{tail}")
 
 
+def expect_last_line(output: str, *parts: str) -> str:
+    """The job's last line (run.sh's ``run folder:`` line aside) holds every one of ``parts``."""
+    lines = [x for x in output.rstrip().splitlines() if x.strip() and "[openrlhf-div] run folder:" not in x]
+    last = lines[-1] if lines else ""
+    if not all(p in last for p in parts):
+        COUNTS["silent"].append(_current())
+        raise AssertionError(f"the job's last line does not name {parts!r}:\n" + "\n".join(lines[-30:]))
+    return last
+
+
 def actor_pid(head, class_part: str) -> int:
     """The pid of the one live actor whose class name contains ``class_part`` (Ray's state API)."""
     from ray.util.state import list_actors

@@ -540,10 +540,16 @@ def run(p: Plan) -> None:
 
 def _exit_naming(exc: BaseException) -> None:
     """A fault of :mod:`.checkpoints` (non-finite loss / weights, a failed or damaged checkpoint)
-    ends the job with its traceback, then one line naming it, last: ``SystemExit(1)``."""
+    or a dead vLLM engine process (:mod:`openrlhf_div.compat.engine_death`) ends the job with its
+    traceback, then one line naming it, last: ``SystemExit(1)`` (a dead engine: ``SystemExit(4)``,
+    the code of the CLI's engine line)."""
+    from openrlhf_div.compat.engine_death import explain
+
     from .checkpoints import named_fault
 
-    line = named_fault(exc)
+    line, code = named_fault(exc), 1
+    if line is None:
+        line, code = explain(exc), 4
     if line is None:
         return
     import traceback
@@ -558,7 +564,7 @@ def _exit_naming(exc: BaseException) -> None:
         pass
     sys.stdout.flush()
     print(f"error: {line}", file=sys.stderr, flush=True)
-    raise SystemExit(1)
+    raise SystemExit(code)
 
 
 def load_argv_plugins(argv: Sequence[str]) -> None:

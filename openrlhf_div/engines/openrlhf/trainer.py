@@ -116,6 +116,9 @@ class _DivPPOTrainer(PPOTrainer.__ray_actor_class__):
         bar, upstream.tqdm = upstream.tqdm, _QuietBar  # our step line replaces OpenRLHF's prompt bar
         try:
             out = super().fit(global_step)
+        except Exception as exc:  # noqa: BLE001
+            _raise_naming_dead_engine(self, exc)
+            raise
         finally:
             upstream.tqdm = bar
             self._div_bar.close()
@@ -199,6 +202,18 @@ def _progress(trainer, start: int):
     name = method_from_args(args).name
     return LineProgress(total, desc=f"[openrlhf-div] train {name}", unit="step", initial=start, stream=sys.stderr,
                         every_percent=0.0, every_seconds=0.0)
+
+
+def _raise_naming_dead_engine(trainer, exc: BaseException) -> None:
+    """A step failed: when a vLLM engine process of the trainer's rollout actors died, raise an error
+    carrying its one line (``compat/engine_death.py``; the job's driver prints it last), chained to
+    ``exc``. The controller often sees only the symptom (the weight sync's gloo "Connection closed
+    by peer"); the vLLM actor that owned the process knows its signal."""
+    from openrlhf_div.compat.engine_death import MARK, remote_dead_engine_lines
+
+    lines = remote_dead_engine_lines(getattr(trainer, "vllm_engines", None))
+    if lines:
+        raise RuntimeError(f"the rollout engine died: {MARK}{lines[0]}]") from exc
 
 
 DivPPOTrainer = ray.remote(_DivPPOTrainer)
