@@ -417,7 +417,7 @@ def bench_backends(work, args):
             variants.append((key if not seen else f"{key}#{seen + 1}", tuple(v.split())))  # a repeated row
         for key, extra in variants:
             t0 = time.perf_counter()
-            r = time_backend(work, which, key.split("[")[0], steps, warmup, extra)
+            r = time_backend(work, which, key.split("[")[0].split("#")[0], steps, warmup, extra)
             r["wall_s_total"] = time.perf_counter() - t0
             r["overrides"] = list(extra)
             gc.collect()  # the run's trainer (and its vLLM engine) go before the next one starts
