@@ -36,6 +36,7 @@ from openrlhf_div.engines.local.config import load_config  # noqa: E402
 from openrlhf_div.io import atomic_write_jsonl  # noqa: E402
 from openrlhf_div.engines.local.presample import presample  # noqa: E402
 from openrlhf_div.engines.local.toy import VOCAB, make_examples  # noqa: E402
+from openrlhf_div.engines.local.speed import PaddingMeter  # noqa: E402
 from openrlhf_div.engines.local.trainer import Trainer  # noqa: E402
 
 B, G, MAX_NEW = 16, 8, 10
@@ -213,9 +214,44 @@ def plain_rates(model, rows, seq_len, reps=2):
     return fwd, fb
 
 
+def logprob_forward_both_ways(tr, exp, phases):
+    """One no-grad log-prob forward (``Trainer._no_grad_log_probs``, what the old-log-prob and
+    reference forwards run) over the last step's rows, with length buckets on and off, timed here:
+    with the on-policy shortcut the steps run no such forward, so its phase efficiency and the
+    buckets' effect on it are measured on the same rows this way. ``{mode: {time, useful_tokens,
+    padded_share}}``; empty without an experience."""
+    if exp is None:
+        return {}
+    out = {}
+    saved = tr.cfg.optim.length_buckets
+    try:
+        for mode, on in (("buckets", True), ("no_buckets", False)):
+            tr.cfg.optim.length_buckets = on
+            tr._pad["logprob"] = PaddingMeter()
+            t0 = time.perf_counter()
+            tr._no_grad_log_probs(tr.model, exp.input_ids, exp.attention_mask, exp.mask)
+            t = time.perf_counter() - t0
+            meter = tr._pad["logprob"]
+            out[mode] = {"time": t, "useful_tokens": meter.useful, "padded_share": meter.share}
+    finally:
+        tr.cfg.optim.length_buckets = saved
+        tr._pad["logprob"] = PaddingMeter()
+        phases.take()
+    return out
+
+
 def time_backend(work, which, backend, steps, warmup, extra=()):
     tr = Trainer(load_config(None, backend_overrides(work, which, backend) + list(extra)))
     phases = PhaseTimers(tr)
+    last = {}
+    make_experience = tr.make_experience
+
+    def keep_last():  # the last step's experience, for the log-prob forward's own timing below
+        exp, stats = make_experience()
+        last["exp"] = exp
+        return exp, stats
+
+    tr.make_experience = keep_last
     try:
         start = getattr(tr.sampler, "start_seconds", 0.0)
         for _ in range(warmup):
@@ -231,6 +267,7 @@ def time_backend(work, which, backend, steps, warmup, extra=()):
         n_rows = tr.cfg.rollout.prompts_per_step * tr.cfg.rollout.group_size
         mean_len = max(1, round(statistics.median(r["useful_tokens_train"] for r in rows) / n_rows))
         fwd_rate, fb_rate = plain_rates(tr.model, min(tr.cfg.optim.micro_batch_size, n_rows), mean_len)
+        lp_forward = logprob_forward_both_ways(tr, last.get("exp"), phases)
         lp_diff = None
         if tr.backend == "vllm":  # the sampler's log-probs against the trainer's forward, after the steps
             from openrlhf_div.engines.local.generation import sequence_log_probs
@@ -246,6 +283,8 @@ def time_backend(work, which, backend, steps, warmup, extra=()):
     keys = ("time_step", "cpu_time_step", "time_generate", "cpu_time_generate", "time_experience", "time_train",
             "cpu_time_train", "response_length")
     res = {k: statistics.median(r[k] for r in rows) for k in keys}
+    res["step_times"] = [r["time_step"] for r in rows]
+    res["loadavg"] = os.getloadavg()
     res["time_weight_sync"] = statistics.median(r.get("time_weight_sync", 0.0) for r in rows)
     res["engine_start_s"] = start
     res["samples_per_s"] = rows[0]["samples_per_s"] if len(rows) == 1 else statistics.median(
@@ -264,14 +303,18 @@ def time_backend(work, which, backend, steps, warmup, extra=()):
                                  if res["time_logprob"] > 0 else None)  # None: no such forward (shortcut)
     res["efficiency_train"] = (res["useful_tokens_train"] / res["time_train_fwd_bwd"] / fb_rate
                                if res["time_train_fwd_bwd"] > 0 else None)  # None: no update (degenerate steps)
+    for mode, r in lp_forward.items():  # the last experience's no-grad log-prob forward, buckets on / off
+        r["efficiency"] = r["useful_tokens"] / r["time"] / fwd_rate
+        res[f"logprob_forward_{mode}"] = r
     res["on_policy_shortcut"], res["length_buckets"] = tr.on_policy_shortcut, tr.length_buckets
     res["dtype"], res["dtype_choice"] = tr.cfg.model.dtype, tr.dtype_choice
     return res
 
 
-def bench_trl_real(work, steps, warmup):
+def bench_trl_real(work, steps, warmup, bf16=False):
     """TRL's GRPOTrainer (no vLLM: TRL's colocated vLLM mode needs CUDA) on SmolLM2-135M, the same
-    arithmetic prompts (chat template), B x G, generation length, float32, the bench's torch threads."""
+    arithmetic prompts (chat template), B x G, generation length, the bench's torch threads; float32,
+    or with ``bf16`` GRPOConfig's own default (``bf16=True``: bfloat16 autocast over float32 weights)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
@@ -295,8 +338,8 @@ def bench_trl_real(work, steps, warmup):
         output_dir=f"{work}/trl_real", per_device_train_batch_size=REAL_B * REAL_G, gradient_accumulation_steps=1,
         num_generations=REAL_G, max_completion_length=REAL_NEW, learning_rate=1e-5, beta=0.0,
         max_steps=warmup + steps, logging_steps=1, save_strategy="no", report_to=[], temperature=1.0, use_cpu=True,
-        seed=0, bf16=False, fp16=False, dataloader_num_workers=0, disable_tqdm=True, use_vllm=False)
-    return _run_trl(model, tok, ds, reward, args, warmup, REAL_B * REAL_G)
+        seed=0, bf16=bool(bf16), fp16=False, dataloader_num_workers=0, disable_tqdm=True, use_vllm=False)
+    return dict(_run_trl(model, tok, ds, reward, args, warmup, REAL_B * REAL_G), bf16=bool(bf16))
 
 
 def _partial(args, out):
@@ -306,19 +349,75 @@ def _partial(args, out):
             json.dump(out, f, indent=1)
 
 
+def interleaved_summary(rows, variants):
+    """Repeated vllm rows (``--vllm-variants A B A B``): per variant n / min / median / max of the
+    timed steps of all its rows (each row's own steps, ``step_times``), and the ratio of each later
+    variant's row to the first variant's row of the same round (pairs in run order)."""
+    by = {}
+    for key, _ in variants:
+        if key != "hf":
+            by.setdefault(key.split("#")[0], []).append(rows[key])
+    out = {}
+    for name, rs in by.items():
+        steps = [t for r in rs for t in r["step_times"]]
+        out[name] = {"n_steps": len(steps), "n_rows": len(rs), "min": min(steps), "median": statistics.median(steps),
+                     "max": max(steps), "row_medians": [r["time_step"] for r in rs],
+                     "engine_start_s": [r["engine_start_s"] for r in rs]}
+        for k in ("efficiency_logprob", "efficiency_train", "padded_share_logprob", "padded_share_train"):
+            vals = [r[k] for r in rs if r[k] is not None]
+            out[name][k] = statistics.median(vals) if vals else None
+        for mode in ("buckets", "no_buckets"):
+            vals = [r[f"logprob_forward_{mode}"] for r in rs if r.get(f"logprob_forward_{mode}")]
+            if vals:
+                out[name][f"logprob_forward_{mode}_efficiency"] = [v["efficiency"] for v in vals]
+                out[name][f"logprob_forward_{mode}_padded_share"] = [v["padded_share"] for v in vals]
+    names = list(by)
+    base = names[0]
+    for name in names[1:]:
+        pairs = [b["time_step"] / a["time_step"] for a, b in zip(by[base], by[name])]
+        out[f"step_{name}_over_{base}"] = {"pairs": pairs, "min": min(pairs), "median": statistics.median(pairs),
+                                            "max": max(pairs)}
+        print(f"  interleaved: step {name} / {base}: median {statistics.median(pairs):.2f}x (min {min(pairs):.2f}, "
+              f"max {max(pairs):.2f}, {len(pairs)} pairs); steps {base}: n {out[base]['n_steps']} median "
+              f"{out[base]['median']:.1f} s; {name}: n {out[name]['n_steps']} median {out[name]['median']:.1f} s",
+              flush=True)
+    return out
+
+
 def bench_backends(work, args):
     sys.path.insert(0, os.path.join(ROOT, "examples", "real_model"))
     import arith
 
     arith.write_jsonl(f"{work}/arith.jsonl", arith.make_problems(64, seed=1))
     out = {}
+    if args.engine_starts_only:  # one vllm sampler start per --vllm-variants entry, no steps (compile cache)
+        for which in args.backend_models:
+            out[which] = {}
+            for i, v in enumerate(args.vllm_variants):
+                extra = v.split()
+                t0 = time.perf_counter()
+                tr = Trainer(load_config(None, backend_overrides(work, which, "vllm") + extra))
+                r = {"overrides": extra, "engine_start_s": tr.sampler.start_seconds, "dtype": tr.cfg.model.dtype,
+                     "trainer_init_s": time.perf_counter() - t0, "loadavg": os.getloadavg()}
+                tr.close_sampler()
+                del tr
+                gc.collect()
+                out[which][f"start{i + 1}[{v}]"] = r
+                _partial(args, out)
+                print(f"  {which} vllm start [{v}]: engine start {r['engine_start_s']:.1f} s (dtype {r['dtype']}, "
+                      f"trainer ready in {r['trainer_init_s']:.1f} s)", flush=True)
+        return out
     for which in args.backend_models:
         steps, warmup = (args.real_steps, args.real_warmup) if which == "smollm2" else (args.steps, args.warmup)
         out[which] = {}
-        variants = [("hf", ())] + [("vllm" if not v else f"vllm[{v}]", tuple(v.split())) for v in args.vllm_variants]
+        variants = [] if args.skip_hf else [("hf", ())]
+        for v in args.vllm_variants:
+            key = "vllm" if not v else f"vllm[{v}]"
+            seen = sum(1 for k, _ in variants if k.split("#")[0] == key)
+            variants.append((key if not seen else f"{key}#{seen + 1}", tuple(v.split())))  # a repeated row
         for key, extra in variants:
             t0 = time.perf_counter()
-            r = time_backend(work, which, key.split("[")[0], steps, warmup, extra)
+            r = time_backend(work, which, key.split("[")[0].split("#")[0], steps, warmup, extra)
             r["wall_s_total"] = time.perf_counter() - t0
             r["overrides"] = list(extra)
             gc.collect()  # the run's trainer (and its vLLM engine) go before the next one starts
@@ -333,14 +432,26 @@ def bench_backends(work, args):
                   f"{r['length_buckets']}; efficiency log-prob forward {eff_lp}, training fwd+bwd "
                   f"{r['efficiency_train'] or float('nan'):.2f}; padded share log-prob {r['padded_share_logprob']:.2f}, train "
                   f"{r['padded_share_train']:.2f}", flush=True)
-        h, v = out[which]["hf"], out[which][variants[1][0]]
-        for key, _ in variants[2:]:
-            out[which][f"generate_hf_over_{key}"] = h["time_generate"] / out[which][key]["time_generate"]
+            for mode in ("buckets", "no_buckets"):
+                lf = r.get(f"logprob_forward_{mode}")
+                if lf:
+                    print(f"    no-grad log-prob forward of the last step's rows, {mode}: {lf['time']:.2f} s, "
+                          f"efficiency {lf['efficiency']:.2f}, padded share {lf['padded_share']:.2f}", flush=True)
+        first_vllm = 0 if args.skip_hf else 1
+        v = out[which][variants[first_vllm][0]]
+        for key, _ in variants[first_vllm + 1:]:
+            if not args.skip_hf:
+                out[which][f"generate_hf_over_{key}"] = out[which]["hf"]["time_generate"] / out[which][key]["time_generate"]
             # a later vllm row: the whole step against the first vllm row (e.g. issue 32's items off vs on)
             out[which][f"step_{key}_over_vllm"] = out[which][key]["time_step"] / v["time_step"]
             print(f"  {which}: step {key} / vllm = {out[which][f'step_{key}_over_vllm']:.2f}x wall; engine start "
                   f"{v['engine_start_s']:.1f} s then {out[which][key]['engine_start_s']:.1f} s (second start of the "
                   f"same model)", flush=True)
+        if len(args.vllm_variants) > len(set(args.vllm_variants)):
+            out[which]["interleaved"] = interleaved_summary(out[which], variants)
+        if args.skip_hf:
+            continue
+        h = out[which]["hf"]
         out[which]["generate_hf_over_vllm"] = h["time_generate"] / v["time_generate"]
         out[which]["generate_tokens_per_s_vllm_over_hf"] = v["tokens_per_generate_s"] / h["tokens_per_generate_s"]
         out[which]["step_hf_over_vllm"] = h["time_step"] / v["time_step"]
@@ -350,14 +461,14 @@ def bench_backends(work, args):
               f"{out[which]['generate_cpu_hf_over_vllm']:.2f}x CPU; step {out[which]['step_hf_over_vllm']:.2f}x wall, "
               f"{out[which]['step_cpu_hf_over_vllm']:.2f}x CPU", flush=True)
     if args.trl and "smollm2" in args.backend_models:
-        r = bench_trl_real(work, args.real_steps, args.real_warmup)
+        r = bench_trl_real(work, args.real_steps, args.real_warmup, bf16=args.trl_bf16)
         out["trl_smollm2"] = r
-        for b in ("hf", "vllm"):
+        for b in (("vllm",) if args.skip_hf else ("hf", "vllm")):
             out[f"smollm2_{b}_over_trl_samples_per_s"] = out["smollm2"][b]["samples_per_s"] / r["samples_per_s"]
             out[f"smollm2_{b}_over_trl_samples_per_cpu_s"] = r["cpu_time_step"] / out["smollm2"][b]["cpu_time_step"]
         print(f"  trl {r['trl_version']}: step {r['time_step']:.2f} s, {r['samples_per_s']:.2f} samples/s; ours vllm "
-              f"{out['smollm2_vllm_over_trl_samples_per_s']:.2f}x, hf {out['smollm2_hf_over_trl_samples_per_s']:.2f}x",
-              flush=True)
+              f"{out['smollm2_vllm_over_trl_samples_per_s']:.2f}x, hf "
+              f"{out.get('smollm2_hf_over_trl_samples_per_s', float('nan')):.2f}x", flush=True)
     return out
 
 
@@ -381,6 +492,12 @@ def main():
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: 1 for the method / tiny TRL benchmarks, the cores available to "
                          "this process for --backends, what `num_threads: null` gives a user)")
+    ap.add_argument("--trl-bf16", action="store_true",
+                    help="--backends --trl: TRL with GRPOConfig's default bf16=True (bfloat16 autocast) instead of float32")
+    ap.add_argument("--engine-starts-only", action="store_true",
+                    help="--backends: only start (and close) one vllm trainer per --vllm-variants entry and print its "
+                         "engine start: the compile cache's reload, without steps")
+    ap.add_argument("--skip-hf", action="store_true", help="--backends: no hf row (vllm rows only)")
     ap.add_argument("--vllm-variants", nargs="+", default=[""],
                     help="--backends: one vllm row per entry, each a space-separated list of config overrides "
                          "('' = defaults), e.g. '' 'rollout.vllm_seeding=request'; issue 32's on/off comparison: "

@@ -4,6 +4,7 @@ printed in one line and kept in run_info.json and the run's config.yaml."""
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import torch
@@ -83,3 +84,22 @@ def test_the_trainer_follows_the_choice_and_records_it(faster, tmp_path, monkeyp
     flat = json.dumps(info)
     assert f'"dtype": "{faster}"' in flat and '"probe_seconds": {"float32": 0.01' in flat
     assert f"dtype: {faster}" in (tmp_path / "run" / "config.yaml").read_text()  # a resume keeps the choice
+
+
+def test_the_probe_keeps_each_dtypes_fastest_interleaved_round(monkeypatch):
+    """A round slowed by another process (here float32's first and bfloat16's last) does not
+    decide: each dtype's fastest round counts, the dtypes alternating within each round."""
+    deltas = iter([0.050, 0.004,    # round 1: float32 slowed down, bfloat16
+                   0.010, 0.004,    # round 2
+                   0.011, 0.090])   # round 3: bfloat16 slowed down
+    clock = {"t": 0.0, "start": True}
+
+    def fake_perf_counter():
+        if not clock["start"]:
+            clock["t"] += next(deltas)
+        clock["start"] = not clock["start"]
+        return clock["t"]
+
+    monkeypatch.setattr(dtype_probe, "time", types.SimpleNamespace(perf_counter=fake_perf_counter))
+    t = dtype_probe.matmul_probe(32, 64, "cpu", tokens=8, reps=3)
+    assert t == pytest.approx({"float32": 0.010, "bfloat16": 0.004})

@@ -29,6 +29,21 @@ LOGPROB_TOL = 1e-4
 
 
 # ------------------------------------------------------------------------------ selection
+def test_engine_config_folder_ignores_where_the_weights_came_from(tmp_path, monkeypatch):
+    """The vLLM model folder (and so vLLM's compile-cache key) depends on the architecture, not on
+    ``_name_or_path``: the same model read from another path reuses the compiled graph."""
+    from openrlhf_div.engines.local.vllm_sampler import _config_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model, _ = build_tiny_model(VOCAB, seed=0)
+    a, b = copy.deepcopy(model.config), copy.deepcopy(model.config)
+    a._name_or_path, b._name_or_path = "/venv1/cache/gguf/model-1111", "/venv2/cache/gguf/model-2222"
+    assert _config_dir(a) == _config_dir(b)
+    assert "_name_or_path" not in open(f"{_config_dir(a)}/config.json").read()
+    b.num_hidden_layers += 1  # another architecture: another folder
+    assert _config_dir(b) != _config_dir(a)
+
+
 def test_backend_selection_without_importing_vllm(monkeypatch):
     imported_before = "vllm" in sys.modules
     lines = []

@@ -106,10 +106,17 @@ def _config_dir(cfg) -> str:
     """A folder holding only ``cfg``'s ``config.json``, at a path fixed by its content
     (``~/.cache/openrlhf_div/vllm_models/<hash>``): vLLM's compile cache is keyed by the model
     path among other things, so a fresh temporary folder per start could never hit it (vLLM 0.29's
-    CPU build then needs :mod:`openrlhf_div.compat.vllm_aot_cache` to load what it finds)."""
+    CPU build then needs :mod:`openrlhf_div.compat.vllm_aot_cache` to load what it finds).
+    ``_name_or_path`` (where the weights were read from) is left out: the engine loads no weights
+    (``load_format="dummy"``), and the same model reached by another path (another venv, another
+    copy of the GGUF file) must find the same compiled graph (issue 32: a second process on the
+    same host compiled SmolLM2 again, 112.6 s instead of 15.3 s, for this field alone)."""
     import hashlib
+    import json
 
-    text = cfg.to_json_string(use_diff=False)
+    data = json.loads(cfg.to_json_string(use_diff=False))
+    data.pop("_name_or_path", None)
+    text = json.dumps(data, indent=2, sort_keys=True) + "\n"
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     folder = os.path.join(root, "openrlhf_div", "vllm_models", hashlib.sha256(text.encode()).hexdigest()[:20])
     path = os.path.join(folder, "config.json")
