@@ -175,15 +175,22 @@ LOST_NODE_BOUND_S = 240
 
 def test_rkl_job_losing_node_b_stops_in_one_line_and_resumes_from_its_checkpoint(cluster, shared_experiment):
     """rkl (a reference actor beside the policy, colocated on one logical GPU; the vLLM engine on the
-    other node), 4 steps, a checkpoint after each; node B's link is cut as soon as step 1's is
-    complete: the job ends within LOST_NODE_BOUND_S with one line naming node B. With B back (link
-    up, a fresh raylet), the same job with --ckpt.load_enable resumes at step 2 and finishes."""
+    other node), 4 steps, a checkpoint after each; node B's link is cut during step 2: the job ends
+    within LOST_NODE_BOUND_S with one line naming node B. With B back (link up, a fresh raylet), the
+    same job with --ckpt.load_enable resumes at step 2 (from step 1's checkpoint) and finishes.
+
+    The cut lands in step 2 by construction: the controller holds after step 2's rollout
+    (tests/e2e/site/e2e_faults.py, OPENRLHF_DIV_E2E_FAULT_HOLD_STEP=2: after step 1's checkpoint,
+    before step 2's training) and is never released. Without the hold a tiny step takes a fraction
+    of a second, so a cut made on seeing step 1's checkpoint could land after step 2's (seen once:
+    the resume then started at step 3)."""
     import time
 
     import ray_harness as h
 
     run = os.path.join(cluster.shared, "rkl")
-    env = dict(shared_experiment.env, RAY_ADDRESS=cluster.address, PYTHON=__import__("sys").executable, RUN_DIR=run)
+    env = dict(shared_experiment.env, RAY_ADDRESS=cluster.address, PYTHON=__import__("sys").executable, RUN_DIR=run,
+               OPENRLHF_DIV_E2E_FAULT_HOLD_STEP="2")
     log = open(os.path.join(cluster.shared, "rkl_cut.log"), "w+")
     p = cluster.popen("A", ["bash", os.path.join(h.REPO, "examples/scripts/run.sh"), "tiny_cpu_rkl", "--submit",
                             "--ckpt.save_steps", "1", "--train.colocate_actor_ref", "--train.num_episodes", "2"],
@@ -196,10 +203,11 @@ def test_rkl_job_losing_node_b_stops_in_one_line_and_resumes_from_its_checkpoint
         except OSError:
             return False
 
+    held = os.path.join(run, "fault_hold_step.pid")  # the controller waits in step 2 (never released)
     deadline = time.time() + 1200
-    while not step1_saved() and p.poll() is None and time.time() < deadline:
+    while not os.path.exists(held) and p.poll() is None and time.time() < deadline:
         time.sleep(0.5)
-    assert step1_saved(), open(log.name).read()[-6000:]
+    assert os.path.exists(held) and step1_saved(), open(log.name).read()[-6000:]
     cluster.link("B", False)
     t_cut = time.time()
     try:
@@ -223,3 +231,40 @@ def test_rkl_job_losing_node_b_stops_in_one_line_and_resumes_from_its_checkpoint
     assert open(latest).read().strip() == "global_step4"
     placed = cluster.actor_nodes()  # both jobs: something of the run was on node B
     assert "B" in {n for k, v in placed.items() if k != "JobSupervisor" for n in v}, placed
+
+
+#: the Megatron job across the nodes costs a node restart and a Megatron job (minutes on 2 cores):
+#: it runs only when asked (docs/scaling.md, "Two nodes on one machine")
+MEGATRON_VAR = "OPENRLHF_DIV_TWO_NODES_MEGATRON"
+
+
+@pytest.mark.skipif(os.environ.get(MEGATRON_VAR) != "1",
+                    reason=f"the two-node Megatron TP=2 job runs with {MEGATRON_VAR}=1")
+def test_megatron_tp2_one_rank_on_each_node_weights_synced(cluster, shared_experiment):
+    """configs/openrlhf/tiny_cpu_grpo_megatron.yaml split across the nodes: the policy is two
+    Megatron-core Ray actors at TP=2, one on each node, so its TP group (gloo: every forward's and
+    backward's all-reduces, the vocab-parallel loss, the gather of the TP shards before each weight
+    sync) runs over the link between the nodes' network namespaces; each node's own name is
+    loopback there, so this also needs the GLOO_SOCKET_IFNAME worker hook. After each sync vLLM's
+    log-probs equal the Megatron forward's.
+
+    Placement: node B is restarted declaring 2 logical GPUs (3 in all: 2 Megatron ranks + 1 vLLM
+    engine). OpenRLHF makes the vLLM engine's placement group first; Ray's bundle scheduler puts a
+    lone bundle on the least used node (B: half its GPUs left, A: none), then the actor's 2-bundle
+    PACK group no longer fits one node and takes one GPU on each. The test asserts the placement."""
+    import ray_harness as h
+
+    cluster.restart_worker(gpus=2)
+    run = os.path.join(cluster.shared, "grpo_megatron")
+    # the two-node spelling of the layout (OpenRLHF's RayActorGroup makes the same 2 one-GPU bundles)
+    r = _job(cluster, shared_experiment, "grpo_megatron", run, "--actor.num_nodes", "2",
+             "--actor.num_gpus_per_node", "1")
+    placed = cluster.actor_nodes(job_output=r.output)
+    megatron = sorted(n for k, v in placed.items() if "Megatron" in k for n in v)
+    assert megatron == ["A", "B"], placed
+    sc = h.tb_scalars(os.path.join(run, "tb"))
+    assert sorted(sc["train/rollout/reward_mean"]) == [1, 2]
+    syncs = [rec for rec in h.probe_records(run) if rec["event"] == "sync"]
+    assert len(syncs) >= 2 and all(rec["max_abs_diff"] < 0.1 for rec in syncs), syncs
+    assert max(abs(a - b) for a, b in zip(syncs[0]["vllm"], syncs[-1]["vllm"])) > 1e-3
+    print("megatron syncs max_abs_diff", [round(rec["max_abs_diff"], 4) for rec in syncs])

@@ -219,18 +219,28 @@ class TwoNodes:
                      cwd=ray_harness.REPO, timeout=timeout)
         return ray_harness.JobResult(r.returncode, r.output, run_dir)
 
-    def actor_nodes(self) -> Dict[str, List[str]]:
-        """``{actor class name: [hostname of the node it ran on, ...]}`` of every actor the cluster
-        has seen (Ray's state API, asked on node A)."""
+    def actor_nodes(self, job_output: Optional[str] = None) -> Dict[str, List[str]]:
+        """``{actor class name: ["A"|"B" (the node it ran on), ...]}`` of every actor the cluster
+        has seen (Ray's state API, asked on node A); with ``job_output`` (what ``ray job submit``
+        printed) only the actors that job's driver made."""
+        job = ""
+        if job_output is not None:
+            import re
+
+            ids = re.findall(r"raysubmit_[A-Za-z0-9]+", job_output)
+            assert ids, job_output[-3000:]
+            job = ids[-1]
         code = (
             "import json, ray\n"
+            "from ray.job_submission import JobSubmissionClient\n"
             "from ray.util.state import list_actors, list_nodes\n"
             f"ray.init(address='{HEAD}:{GCS_PORT}', logging_level='ERROR', log_to_driver=False)\n"
-            "host = {n.node_id: n.node_name for n in list_nodes(limit=100)}\n"
+            f"job = '{job}' and JobSubmissionClient('{self.address}').get_job_info('{job}').job_id\n"
             "ip = {n.node_id: n.node_ip for n in list_nodes(limit=100)}\n"
             "out = {}\n"
             "for a in list_actors(limit=10000, detail=True):\n"
-            "    out.setdefault(a.class_name, []).append(ip.get(a.node_id, '?'))\n"
+            "    if not job or a.job_id == job:\n"
+            "        out.setdefault(a.class_name, []).append(ip.get(a.node_id, '?'))\n"
             "print('ACTORS ' + json.dumps(out))\n")
         r = self.python("A", code)
         line = next((ln for ln in r.output.splitlines() if ln.startswith("ACTORS ")), None)
@@ -268,6 +278,14 @@ class TwoNodes:
         alive nodes."""
         self.link(node, True)
         self.run(node, [os.path.join(os.path.dirname(sys.executable), "ray"), "stop", "--force"], timeout=120)
+        self._ray(timeout, head=False)
+
+    def restart_worker(self, gpus: int, timeout: float = 600) -> None:
+        """Node B's raylet stopped (gracefully: the GCS drops it at once) and started again declaring
+        ``gpus`` logical GPUs; waits for two alive nodes holding the new total."""
+        self.link("B", True)
+        self.run("B", [os.path.join(os.path.dirname(sys.executable), "ray"), "stop"], timeout=120)
+        self.gpus["B"] = gpus
         self._ray(timeout, head=False)
 
     # ---------------------------------------------------------------- start / stop
@@ -356,7 +374,8 @@ class TwoNodes:
             "import json, time, urllib.request, ray\n"
             f"ray.init(address='{HEAD}:{GCS_PORT}', logging_level='ERROR', log_to_driver=False)\n"
             f"t = time.time()\n"
-            f"while sum(n['Alive'] for n in ray.nodes()) < 2 and time.time() - t < {timeout}: time.sleep(0.5)\n"
+            f"while (sum(n['Alive'] for n in ray.nodes()) != 2 or ray.cluster_resources().get('GPU', 0) != "
+            f"{sum(self.gpus.values())}) and time.time() - t < {timeout}: time.sleep(0.5)\n"
             "alive = [(n['NodeManagerAddress'], n['NodeManagerHostname']) for n in ray.nodes() if n['Alive']]\n"
             f"while time.time() - t < {timeout}:\n"
             "    try:\n"
