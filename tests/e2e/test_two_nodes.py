@@ -109,6 +109,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from openrlhf_div.engines.openrlhf import jobs
 
 fixed = sys.argv[1] == "1"
+# its own rendezvous port per run and a longer wait for the fixed run: the control run's rank may
+# still hold 29511 while its process exits (seen once in CI: both fixed ranks timed out on 29511)
+port, wait = (29512, 90) if fixed else (29511, 20)
 ray.init(address="10.200.0.1:6379", logging_level="ERROR", log_to_driver=False,
          runtime_env=jobs.driver_runtime_env({}) if fixed else None)
 
@@ -117,8 +120,8 @@ class Rank:
     def run(self, rank):
         import os, socket, torch, torch.distributed as dist
         try:
-            dist.init_process_group("gloo", init_method="tcp://10.200.0.1:29511", rank=rank, world_size=2,
-                                    timeout=datetime.timedelta(seconds=20))
+            dist.init_process_group("gloo", init_method=f"tcp://10.200.0.1:{port}", rank=rank, world_size=2,
+                                    timeout=datetime.timedelta(seconds=wait))
             t = torch.ones(3) * (rank + 1)
             dist.all_reduce(t)
             out = t.tolist()
