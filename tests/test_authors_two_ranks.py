@@ -23,6 +23,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from mcore_cpu import run_multiprocess  # noqa: E402
+from test_megatron_actor_cpu import tiny_dir  # noqa: E402  (the same tiny HF model, vocab V)
 from test_authors_replay import (CLIP_C, EPS_HIGH, EPS_LOW, GROUP_OF_ONE_ADV, _authors_forward_kl,  # noqa: E402
                                  _authors_ppo, authors_plan)
 
@@ -34,20 +35,6 @@ N_ROLL, N_ANCHOR = 8, 2      # per rank: 8 rollouts then 2 anchors (20 rows in t
 WORLD = 2                    # the authors' GPU count this run reproduces
 ROWS_PER_STEP = 8            # train.batch_size: the authors' rows per optimiser step (4 per GPU at W = 2)
 MICRO = 2
-
-
-def tiny_dir(path):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    m = Qwen2ForCausalLM(cfg)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, 0.2)
-    m.save_pretrained(path)
-    return m.eval()
 
 
 def log_probs(model, seq, am):
