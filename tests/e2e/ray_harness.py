@@ -205,19 +205,11 @@ class RayHead:
         return "\n".join(parts)
 
     def own_pids(self) -> List[int]:
-        """Processes of this cluster (its temp dir or its GCS port in the command line)."""
-        out = []
-        for pid in os.listdir("/proc"):
-            if not pid.isdigit():
-                continue
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                    cmd = fh.read().decode(errors="replace")
-            except OSError:
-                continue
-            if self.temp_dir in cmd or f"127.0.0.1:{self.gcs_port}" in cmd:
-                out.append(int(pid))
-        return out
+        """Processes of this cluster (:func:`openrlhf_div.engines.openrlhf.head.own_pids`: its temp dir
+        or its GCS port in the command line, or its GCS address as a job driver's ``RAY_ADDRESS``)."""
+        from openrlhf_div.engines.openrlhf.head import own_pids
+
+        return own_pids(self.temp_dir, self.gcs_port)
 
     def stop(self) -> None:
         if self.proc is not None:
