@@ -104,35 +104,39 @@ def test_dph_js_anchors_presampled_on_node_b_weights_synced_across_the_link(clus
 
 _GLOO = r'''
 import datetime, json, sys, ray
-from ray.util.placement_group import placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from openrlhf_div.engines.openrlhf import jobs
 
 fixed = sys.argv[1] == "1"
-# its own rendezvous port per run and a longer wait for the fixed run: the control run's rank may
-# still hold 29511 while its process exits (seen once in CI: both fixed ranks timed out on 29511)
+# rank 0 (the TCPStore server) on node B, the worker node, and the rendezvous is rank 0's own node
+# address, as OpenRLHF's and our actors' get_master_addr_port do. (A fixed 10.200.0.1 with a
+# STRICT_SPREAD placement group left both ranks waiting on node A's port whenever bundle 0 landed on
+# node B: CI twice; the passes were the other placement.) Each run has its own port.
 port, wait = (29512, 90) if fixed else (29511, 20)
 ray.init(address="10.200.0.1:6379", logging_level="ERROR", log_to_driver=False,
          runtime_env=jobs.driver_runtime_env({}) if fixed else None)
 
 @ray.remote(num_cpus=1)
 class Rank:
-    def run(self, rank):
-        import os, socket, torch, torch.distributed as dist
+    def ip(self):
+        return ray.util.get_node_ip_address()
+
+    def run(self, rank, addr):
+        import os, socket, time, torch, torch.distributed as dist
+        t0 = time.time()
         try:
-            dist.init_process_group("gloo", init_method=f"tcp://10.200.0.1:{port}", rank=rank, world_size=2,
+            dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=2,
                                     timeout=datetime.timedelta(seconds=wait))
             t = torch.ones(3) * (rank + 1)
             dist.all_reduce(t)
             out = t.tolist()
         except Exception as e:
             out = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-        return {"host": socket.gethostname(), "ifname": os.environ.get("GLOO_SOCKET_IFNAME"), "result": out}
+        return {"host": socket.gethostname(), "ifname": os.environ.get("GLOO_SOCKET_IFNAME"), "result": out,
+                "master": addr, "seconds": round(time.time() - t0, 1)}
 
-pg = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="STRICT_SPREAD")
-ray.get(pg.ready(), timeout=120)
-ranks = [Rank.options(scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)).remote() for i in range(2)]
-print("GLOO " + json.dumps(ray.get([r.run.remote(i) for i, r in enumerate(ranks)], timeout=180)))
+ranks = [Rank.options(resources={node: 0.01}).remote() for node in ("nodeB", "nodeA")]
+addr = ray.get(ranks[0].ip.remote(), timeout=180)
+print("GLOO " + json.dumps(ray.get([r.run.remote(i, addr) for i, r in enumerate(ranks)], timeout=wait + 120)))
 '''
 
 
@@ -151,6 +155,7 @@ def test_gloo_group_across_nodes_advertises_the_node_address(cluster):
     assert sorted(x["host"] for x in bare) == ["nodeA", "nodeB"]
     assert any(isinstance(x["result"], str) for x in bare), bare  # no hook: gloo advertised loopback
     fixed = _gloo(cluster, fixed=True)
+    assert [(x["host"], x["master"]) for x in fixed] == [("nodeB", "10.200.0.2"), ("nodeA", "10.200.0.2")], fixed
     assert [x["ifname"] for x in fixed] == ["eth0", "eth0"], fixed
     assert [x["result"] for x in fixed] == [[3.0, 3.0, 3.0]] * 2, fixed
 
