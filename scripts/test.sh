@@ -20,4 +20,5 @@ export PYTHONFAULTHANDLER=1
 # The two-node tests (marker two_nodes, root only, ~10 min) are CI's second command (.ci/run);
 # `bash scripts/test.sh -m two_nodes -n 0` runs them (a later -m replaces this one).
 # (pyproject.toml's addopts leave out the markers ray_faults and two_nodes; a -m given here replaces that)
-exec "$ROOT/.venv/bin/python" -m pytest -n 2 --dist loadfile "$@"
+# --durations: the slowest tests, named in every log (where the suite's time goes)
+exec "$ROOT/.venv/bin/python" -m pytest -n 2 --dist loadfile --durations=20 "$@"

@@ -179,3 +179,47 @@ def test_presample_settings_name_a_reward_file_by_content_not_by_rays_upload_pat
     assert reward_identity(str(a)) == reward_identity(str(b)) != reward_identity("http://rm:5000/get_reward")
     b.write_text("def reward_func(q, p, l): return 1\n")
     assert reward_identity(str(a)) != reward_identity(str(b))
+
+
+def _actor_died(class_name: str, pid: int, detail: str):
+    """Ray's own ActorDiedError as its core worker builds it for a dead actor process (the
+    ActorDiedErrorContext protobuf Ray fills in, the exit detail text Ray 2.55 writes)."""
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext
+    from ray.exceptions import ActorDiedError
+
+    ctx = ActorDiedErrorContext(class_name=class_name, actor_id=b"\x01" * 16, pid=pid, node_ip_address="10.0.0.7",
+                                error_message="The actor is dead because its worker process has died. Worker exit "
+                                f"type: SYSTEM_ERROR Worker exit detail: {detail} There are some potential root "
+                                "causes. (1) The process is killed by SIGKILL by OOM killer due to high memory usage.")
+    return ActorDiedError(ctx)
+
+
+def test_a_dead_ray_actor_is_named_with_its_role_and_where_the_run_resumes(tmp_path):
+    """The driver's last line when an actor of the run died (tests/e2e/test_ray_faults.py kills the
+    controller and the policy actor): class, role, pid, node, Ray's exit detail, and the checkpoint
+    ``latest`` names, found also inside a task error of the controller (Ray's RayTaskError)."""
+    from ray.exceptions import RayTaskError
+
+    from openrlhf_div.engines.openrlhf.launch import dead_actor_line
+
+    detail = "Worker unexpectedly exits with a connection error code 2. End of file."
+    exc = _actor_died("_DivPPOTrainer", 4242, detail)
+    ckpt = tmp_path / "ckpt"
+    line = dead_actor_line(exc, str(ckpt))
+    assert line.startswith("Ray actor _DivPPOTrainer (the controller) (pid 4242, node 10.0.0.7) died: Worker "
+                           "unexpectedly exits with a connection error code 2. End of file (its process was killed"), line
+    assert line.endswith(f"no checkpoint in {ckpt}/_actor yet: the run starts again from the beginning"), line
+    (ckpt / "_actor").mkdir(parents=True)
+    (ckpt / "_actor" / "latest").write_text("global_step1")
+    import traceback
+
+    inner = _actor_died("DivPolicyModelActor", 77, detail)
+    # as Ray's worker builds it for the controller's failed task: the cause does not pickle, so Ray
+    # keeps only the traceback's text
+    wrapped = RayTaskError("fit", "".join(traceback.format_exception(inner)), inner, proctitle="ray::_DivPPOTrainer.fit")
+    assert not isinstance(wrapped.cause, type(inner))
+    line = dead_actor_line(wrapped, str(ckpt))
+    assert "Ray actor DivPolicyModelActor (the policy actor) (pid 77, node 10.0.0.7)" in line, line
+    assert line.endswith(f"resume from {ckpt}/_actor/global_step1: submit the same experiment again with "
+                         "--ckpt.load_enable"), line
+    assert dead_actor_line(ValueError("other"), str(ckpt)) is None

@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 
@@ -225,3 +226,41 @@ def test_more_gpus_than_the_cluster_has_fails_in_seconds(ray_head, tiny_experime
     assert f"needs {want} GPU(s)" in line and f"has {ray_head.num_gpus}" in line and "--num-gpus" in line, line
     assert "Traceback" not in proc.stderr
     assert took < 30, f"the placement error took {took:.0f} s"
+
+
+def test_a_stopped_submit_stops_the_jobs_head(fresh_user):
+    """SIGTERM to the launcher while its job runs (``run.sh tiny_cpu_grpo --submit``, no cluster
+    running): the job's head is stopped at once, its processes and temp dir gone, exit 143 (the
+    launcher waits on ``ray job submit`` in the background, so its trap runs without waiting for
+    the job to end)."""
+    from openrlhf_div.engines.openrlhf.head import own_pids
+
+    if _dashboard_answers("http://127.0.0.1:8265"):
+        pytest.skip("a Ray cluster answers at the default address: --submit rightly submits there")
+    runs = os.path.join(h.REPO, "runs", "tiny_cpu_grpo")
+    before = set(os.listdir(runs)) if os.path.isdir(runs) else set()
+    proc = subprocess.Popen(["bash", RUN, "tiny_cpu_grpo", "--submit"], env=fresh_user, cwd="/",
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines, head = [], None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            head = head or re.search(r"GCS 127\.0\.0\.1:(\d+), temp dir (/tmp/openrlhf_div_ray_\w+)", line)
+            if "Job submission server address" in line or "submitted successfully" in line:
+                break
+        assert head, "".join(lines)[-3000:]
+        os.kill(proc.pid, signal.SIGTERM)  # the launcher only, as `kill PID` does
+        rest, _ = proc.communicate(timeout=120)
+        out = "".join(lines) + rest
+        assert proc.returncode == 143, out[-3000:]
+        assert "terminated: stopping the job and its Ray head" in out, out[-3000:]
+        assert not os.path.exists(head.group(2)) and not own_pids(head.group(2), int(head.group(1))), out[-2000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if head:
+            from openrlhf_div.engines.openrlhf.head import stop
+
+            stop(head.group(2))  # whatever the assertions found: never leave a cluster behind
+        for name in (set(os.listdir(runs)) if os.path.isdir(runs) else set()) - before:
+            shutil.rmtree(os.path.join(runs, name), ignore_errors=True)  # the stopped run's folder

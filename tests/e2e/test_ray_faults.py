@@ -106,6 +106,7 @@ def test_policy_actor_killed_during_a_save_resumes_from_the_previous_checkpoint(
     r = out[0]
     assert r.returncode != 0 and "succeeded" not in r.output
     fu.expect_named("ActorDiedError", r.output, n=400)
+    fu.expect_last_line(r.output, "error: Ray actor ", "(the policy actor) (pid ", f"resume from {ckpt}/global_step1")
     assert fu.latest(ckpt) == "global_step1"
     fu.assert_intact_and_finite(os.path.join(ckpt, "global_step1"))
     torn = os.path.join(ckpt, "global_step2")
@@ -356,3 +357,51 @@ def test_vllm_engine_process_dies_job_fails_naming_it_and_resume_finishes(ray_he
     fu.record(f"vLLM EngineCore {sig} after step 2's rollout", f"job failed {took:.0f}s after the signal; its last "
               f"line: {last[:60]}...; global_step1 intact" + ("; resumed job redid step 2 and finished"
                                                               if sig == "SIGKILL" else ""))
+
+
+# ------------------------------------------------------------------ the controller dies
+def test_controller_killed_mid_step_keeps_every_logged_step_and_resumes(ray_head, tiny_experiment, tmp_path):
+    """The controller (openrlhf-div's PPOTrainer actor: the step loop, TensorBoard's writer and
+    metrics.jsonl) gets SIGKILL while it holds after step 2's rollout: step 1 is trained, logged and
+    checkpointed. What step 1 logged must be on disk: TensorBoard's SummaryWriter keeps events in a
+    file buffer and flushes every 120 s (``flush_secs``) unless the trainer flushes after each step
+    (``trainer.save_logs_and_checkpoints``); a killed process never flushes. The job fails with one
+    line naming the controller, its pid and the checkpoint to resume from; resubmitted with
+    ``--ckpt.load_enable`` it trains step 2 and finishes."""
+    import json
+
+    run = str(tmp_path / "controller")
+    marker = os.path.join(run, "fault_hold_step.pid")
+    t, out, err = _in_background(lambda: _job(ray_head, tiny_experiment, run, timeout=600,
+                                              extra_env={"OPENRLHF_DIV_E2E_FAULT_HOLD_STEP": "2"}))
+    try:
+        _wait_for(lambda: os.path.exists(marker), "step 2's rollout", t)
+        with open(marker) as fh:
+            pid = int(fh.read())
+        assert fu.actor_pids(ray_head, "PPOTrainer") == [pid]  # the holding process is the controller
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.time()
+    finally:
+        open(os.path.join(run, "fault_hold_step.go"), "w").close()
+    t.join(timeout=700)
+    assert not t.is_alive() and not err, err
+    r, took = out[0], time.time() - t0
+    assert r.returncode != 0 and "succeeded" not in r.output
+    ckpt = os.path.join(run, "ckpt", "_actor")
+    last = fu.expect_last_line(r.output, "error: Ray actor ", "(the controller) (pid " + str(pid),
+                               f"resume from {ckpt}/global_step1: submit the same experiment again with "
+                               "--ckpt.load_enable")
+    # step 1's figures are on disk although the process that wrote them was killed
+    logged = h.tb_scalars(os.path.join(run, "tb"))
+    assert sorted(logged.get("train/rollout/reward_mean", {})) == [1], sorted(logged)
+    with open(os.path.join(run, "metrics.jsonl")) as fh:
+        assert [json.loads(x)["step"] for x in fh if x.strip()] == [1]
+    assert fu.latest(ckpt) == "global_step1"
+    fu.assert_intact_and_finite(os.path.join(ckpt, "global_step1"))
+    r2 = _job(ray_head, tiny_experiment, run, "--ckpt.load_enable", "--logger.tensorboard_dir",
+              os.path.join(run, "tb_resume"))
+    assert "succeeded" in r2.output, _tail(r2.output, 200)
+    assert sorted(h.tb_scalars(os.path.join(run, "tb_resume"))["train/rollout/reward_mean"]) == [2]
+    fu.record("controller SIGKILLed after step 2's rollout", f"job failed {took:.0f}s after the signal; its last "
+              f"line: {last[:60]}...; step 1 in TensorBoard and metrics.jsonl, global_step1 intact; resumed job "
+              "trained step 2 and finished")

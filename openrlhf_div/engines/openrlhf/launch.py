@@ -534,15 +534,80 @@ def run(p: Plan) -> None:
             if lost:  # Ray's error about an actor on that node reached us before the watchdog
                 print(lost, file=sys.stderr, flush=True)
                 raise SystemExit(LOST_NODE_EXIT) from None
-            _exit_naming(exc)
+            _exit_naming(exc, p.args)
             raise
 
 
-def _exit_naming(exc: BaseException) -> None:
-    """A fault of :mod:`.checkpoints` (non-finite loss / weights, a failed or damaged checkpoint)
-    or a dead vLLM engine process (:mod:`openrlhf_div.compat.engine_death`) ends the job with its
-    traceback, then one line naming it, last: ``SystemExit(1)`` (a dead engine: ``SystemExit(4)``,
-    the code of the CLI's engine line)."""
+#: the exit code of a job whose Ray actor died (4: a dead vLLM engine process, nodes.LOST_NODE_EXIT: a lost node)
+DEAD_ACTOR_EXIT = 5
+
+#: what each of the run's Ray actor classes is, for the dead-actor line (a substring of the class name)
+ACTOR_ROLES = (("PPOTrainer", "the controller"), ("PolicyModelActor", "the policy actor"),
+               ("ReferenceModelActor", "the reference actor"), ("Rollout", "a vLLM rollout actor"),
+               ("LLMRayActor", "a vLLM rollout actor"), ("Megatron", "a Megatron policy rank"))
+
+
+def dead_actor_line(exc: BaseException, ckpt_path: Optional[str] = None) -> Optional[str]:
+    """One line for a Ray actor of the run whose process died (SIGKILL from the OOM killer or a
+    user, a crash, a preempted node): Ray's ``ActorDiedError`` anywhere in ``exc``'s chain (the
+    controller's own, or one a controller task raised), its class, role, pid, node, Ray's exit
+    detail, and where the run resumes (``latest`` of ``ckpt_path``/_actor). ``None``: not that."""
+    try:
+        from ray.exceptions import ActorDiedError
+    except ImportError:  # pragma: no cover - Ray is a dependency of this engine
+        return None
+    # the controller's own death arrives as ActorDiedError; an actor dying under a controller task
+    # arrives as that task's RayTaskError, whose cause Ray replaced by the traceback's text
+    # (ActorDiedError holds a protobuf and does not pickle): "...ActorDiedError: ...\n\tclass_name: X"
+    seen, stack, text = set(), [exc], None
+    while stack and text is None:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, ActorDiedError):
+            text = str(e)
+            break
+        s = str(e)
+        at = s.rfind("ActorDiedError: ")
+        if at >= 0 and "class_name: " in s[at:]:
+            text = s[at:]
+            break
+        cause = getattr(e, "cause", None)
+        stack += [cause if isinstance(cause, BaseException) else None, e.__cause__, e.__context__]
+    if text is None:
+        return None
+    import re
+
+    def field(name):
+        m = re.search(rf"^\s*{name}: (\S+)", text, re.M)
+        return m.group(1) if m else None
+
+    cls, pid, ip = field("class_name"), field("pid"), field("ip")
+    role = next((r for part, r in ACTOR_ROLES if cls and part in cls), None)
+    m = re.search(r"Worker exit detail: ([^\n]*?)(?:\s*There are some potential root causes|\n|$)", text)
+    detail = " ".join((m.group(1) if m else text.strip().splitlines()[0]).split()).rstrip(".")
+    who = f"Ray actor {cls or '?'}" + (f" ({role})" if role else "")
+    where = ", ".join(x for x in (f"pid {pid}" if pid else "", f"node {ip}" if ip else "") if x)
+    line = f"{who}{f' ({where})' if where else ''} died: {detail}"
+    if "connection error" in detail or "SIGKILL" in detail or "killed" in detail.lower():
+        line += " (its process was killed: the OOM killer, a signal, `ray stop --force`, or a crash)"
+    if ckpt_path:
+        from .checkpoints import read_latest
+
+        save_dir = os.path.join(ckpt_path, "_actor")
+        tag = read_latest(save_dir)
+        line += (f"; resume from {save_dir}/{tag}: submit the same experiment again with --ckpt.load_enable"
+                 if tag else f"; no checkpoint in {save_dir} yet: the run starts again from the beginning")
+    return line
+
+
+def _exit_naming(exc: BaseException, args=None) -> None:
+    """A fault of :mod:`.checkpoints` (non-finite loss / weights, a failed or damaged checkpoint),
+    a dead vLLM engine process (:mod:`openrlhf_div.compat.engine_death`) or a dead Ray actor
+    (:func:`dead_actor_line`) ends the job with its traceback, then one line naming it, last:
+    ``SystemExit(1)`` (a dead engine: ``SystemExit(4)``, the code of the CLI's engine line; a dead
+    actor: ``SystemExit(5)``)."""
     from openrlhf_div.compat.engine_death import explain
 
     from .checkpoints import named_fault
@@ -550,6 +615,9 @@ def _exit_naming(exc: BaseException) -> None:
     line, code = named_fault(exc), 1
     if line is None:
         line, code = explain(exc), 4
+    if line is None:
+        ckpt = getattr(getattr(args, "ckpt", None), "path", None)
+        line, code = dead_actor_line(exc, ckpt if isinstance(ckpt, str) and ckpt else None), DEAD_ACTOR_EXIT
     if line is None:
         return
     import traceback
