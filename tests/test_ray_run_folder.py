@@ -29,6 +29,7 @@ def test_driver_files(tmp_path, monkeypatch):
     assert cfg["command"].startswith("python -m openrlhf_div.cli.train_ppo_ray") and "--div.method grpo" in cfg["command"]
     info = json.load(open(os.path.join(run_dir, "run_info.json")))
     assert info["engine"] == "openrlhf" and info["method"]["name"] == "grpo" and info["task"] == "math"
+    assert info["actor_backend"] == "deepspeed"
     assert info["gpus_needed"] == {"actor": 1, "vllm": 1, "total": 2}
     assert set(info["versions"]) >= {"openrlhf_div", "torch", "vllm", "ray", "deepspeed", "openrlhf"}
     assert info["versions"]["vllm"] and info["versions"]["torch"].startswith("torch==")

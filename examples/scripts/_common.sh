@@ -291,7 +291,11 @@ submit_job() {
   if [[ "$rc" != "0" ]]; then
     JOB_FAILED=1
     stop_job_head
-    if [[ -d "$RUN_DIR" ]]; then
+    if [[ -s "$RUN_DIR/error.txt" ]]; then
+      # the driver's named cause (engines/openrlhf/runfolder.py: record_failure), last, after Ray's
+      # own end-of-job output (which repeats the job's log)
+      say "$(head -c 4000 "$RUN_DIR/error.txt" | head -n 1) (the job failed: ray job submit exit status ${rc}; its run folder: ${RUN_DIR})"
+    elif [[ -d "$RUN_DIR" ]]; then
       say "error: the job failed (ray job submit exit status ${rc}); its run folder: ${RUN_DIR}"
     else
       say "error: the job failed (ray job submit exit status ${rc}) before it wrote its run folder; the job's log is above"

@@ -117,6 +117,8 @@ def test_one_experiment_file_on_three_engines(dph_js_job, ray_head, tiny_experim
     import yaml
 
     assert "--div.actor_backend megatron" in yaml.safe_load(open(os.path.join(mg_run, "config.yaml")))["command"]
+    backend = {r: json.load(open(os.path.join(r, "run_info.json")))["actor_backend"] for r in (ds_run, mg_run)}
+    assert backend == {ds_run: "deepspeed", mg_run: "megatron"}, backend
     local, ds, mg = _run_method(local_run), _run_method(ds_run), _run_method(mg_run)
     assert local["name"] == "dph_js" and local == ds == mg, (local, ds, mg)
     # an optimiser step each

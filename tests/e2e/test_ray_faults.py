@@ -391,6 +391,8 @@ def test_controller_killed_mid_step_keeps_every_logged_step_and_resumes(ray_head
     last = fu.expect_last_line(r.output, "error: Ray actor ", "(the controller) (pid " + str(pid),
                                f"resume from {ckpt}/global_step1: submit the same experiment again with "
                                "--ckpt.load_enable")
+    with open(os.path.join(run, "error.txt")) as fh:  # the cause stays with the run folder
+        assert fh.read().startswith("error: Ray actor _DivPPOTrainer (the controller)")
     # step 1's figures are on disk although the process that wrote them was killed
     logged = h.tb_scalars(os.path.join(run, "tb"))
     assert sorted(logged.get("train/rollout/reward_mean", {})) == [1], sorted(logged)
@@ -402,6 +404,7 @@ def test_controller_killed_mid_step_keeps_every_logged_step_and_resumes(ray_head
               os.path.join(run, "tb_resume"))
     assert "succeeded" in r2.output, _tail(r2.output, 200)
     assert sorted(h.tb_scalars(os.path.join(run, "tb_resume"))["train/rollout/reward_mean"]) == [2]
+    assert not os.path.exists(os.path.join(run, "error.txt"))  # the resumed run's own: none
     fu.record("controller SIGKILLed after step 2's rollout", f"job failed {took:.0f}s after the signal; its last "
               f"line: {last[:60]}...; step 1 in TensorBoard and metrics.jsonl, global_step1 intact; resumed job "
               "trained step 2 and finished")

@@ -522,17 +522,23 @@ def run(p: Plan) -> None:
     from .nodes import LOST_NODE_EXIT, check_shared_paths, config_paths, watch_nodes
 
     check_shared_paths(config_paths(p.args))  # several nodes: each sees every path (nodes.py)
-    watch = watch_nodes()  # a node lost mid-run ends the run in one line (nodes.py)
-    from .runfolder import write_driver_files
+    from .nodes import NodeWatch, lost_node_message
+    from .runfolder import record_failure, write_driver_files
+
+    def lost(node):  # the line also goes into the run folder (error.txt), then the driver ends
+        record_failure(p.args, lost_node_message(node))
+        NodeWatch._exit(node)
 
     write_driver_files(p, p.experiment)  # config.yaml, run_info.json (the experiment with its overrides)
+    watch = watch_nodes(on_lost=lost)  # a node lost mid-run ends the run in one line (nodes.py)
     with div_classes(p.args) as upstream_cli:
         try:
             upstream_cli.train(p.args)
         except Exception as exc:  # noqa: BLE001
-            lost = watch.explain() if watch else None
-            if lost:  # Ray's error about an actor on that node reached us before the watchdog
-                print(lost, file=sys.stderr, flush=True)
+            named = watch.explain() if watch else None
+            if named:  # Ray's error about an actor on that node reached us before the watchdog
+                record_failure(p.args, named)
+                print(named, file=sys.stderr, flush=True)
                 raise SystemExit(LOST_NODE_EXIT) from None
             _exit_naming(exc, p.args)
             raise
@@ -585,7 +591,7 @@ def dead_actor_line(exc: BaseException, ckpt_path: Optional[str] = None) -> Opti
 
     cls, pid, ip = field("class_name"), field("pid"), field("ip")
     role = next((r for part, r in ACTOR_ROLES if cls and part in cls), None)
-    m = re.search(r"Worker exit detail: ([^\n]*?)(?:\s*There are some potential root causes|\n|$)", text)
+    m = re.search(r"Worker exit detail: ([^\n]*?)(?:\s*(?:There are some potential root causes|Some common causes include)|\n|$)", text)
     detail = " ".join((m.group(1) if m else text.strip().splitlines()[0]).split()).rstrip(".")
     who = f"Ray actor {cls or '?'}" + (f" ({role})" if role else "")
     where = ", ".join(x for x in (f"pid {pid}" if pid else "", f"node {ip}" if ip else "") if x)
@@ -620,6 +626,10 @@ def _exit_naming(exc: BaseException, args=None) -> None:
         line, code = dead_actor_line(exc, ckpt if isinstance(ckpt, str) and ckpt else None), DEAD_ACTOR_EXIT
     if line is None:
         return
+    if args is not None:
+        from .runfolder import record_failure
+
+        record_failure(args, f"error: {line}")
     import traceback
 
     traceback.print_exc()

@@ -27,6 +27,8 @@ from typing import Any, Dict, List, Mapping, Optional
 CONFIG_FILE = "config.yaml"
 RUN_INFO = "run_info.json"
 METRICS = "metrics.jsonl"
+#: the named cause of a failed run, one line (the driver's last line); the launcher repeats it last
+ERROR_FILE = "error.txt"
 EVAL_LOG = "eval.jsonl"
 EVAL_STEP0 = "eval_step0.json"
 
@@ -50,6 +52,10 @@ def write_driver_files(p, cfg: Mapping[str, Any]) -> str:
 
     run_dir = run_dir_of(p.args)
     os.makedirs(run_dir, exist_ok=True)
+    try:  # an earlier attempt's cause (this run folder resumed) is not this run's
+        os.remove(os.path.join(run_dir, ERROR_FILE))
+    except FileNotFoundError:
+        pass
     resolved = {"config": p.config, "experiment": cfg.get("experiment"), "engine": "openrlhf",
                 **{k: v for k, v in expand_tree(dict(cfg)).items() if k != "experiment"}, "command": p.command}
     atomic_write_text(os.path.join(run_dir, CONFIG_FILE), yaml.safe_dump(resolved, sort_keys=False))
@@ -57,7 +63,9 @@ def write_driver_files(p, cfg: Mapping[str, Any]) -> str:
             "experiment": cfg.get("experiment"), "config": p.config, "seed": p.args.train.seed,
             "gpus_needed": dict(p.gpus), "cpu_path": os.environ.get("OPENRLHF_DIV_CPU_SEAMS") == "1",
             "versions": versions(), "machine": machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "resume": bool(getattr(p.args.ckpt, "load_enable", False))}
+            "resume": bool(getattr(p.args.ckpt, "load_enable", False)),
+            # the engine is OpenRLHF's Ray topology; its policy actor DeepSpeed or Megatron-core
+            "actor_backend": getattr(div_namespace(p.args), "actor_backend", None) or "deepspeed"}
     from openrlhf_div.engines.local.runlog import git_commit
 
     info["git_commit"] = git_commit()
@@ -66,6 +74,17 @@ def write_driver_files(p, cfg: Mapping[str, Any]) -> str:
         name = f"run_info.resume_{time.strftime('%Y%m%d-%H%M%S')}.json"
     atomic_write_json(os.path.join(run_dir, name), info, default=str)
     return run_dir
+
+
+def record_failure(args, line: str) -> None:
+    """``error.txt`` in the run folder: the line that names why the run failed (kept with its
+    checkpoints and metrics; ``examples/scripts/run.sh`` ends with it). Never raises."""
+    try:
+        from openrlhf_div.io import atomic_write_text
+
+        atomic_write_text(os.path.join(run_dir_of(args), ERROR_FILE), line.rstrip("\n") + "\n")
+    except Exception:  # noqa: BLE001 - the run is already failing; its line still reaches the log
+        pass
 
 
 def _number(v) -> Optional[float]:
