@@ -597,7 +597,7 @@ def dead_actor_line(exc: BaseException, ckpt_path: Optional[str] = None) -> Opti
     where = ", ".join(x for x in (f"pid {pid}" if pid else "", f"node {ip}" if ip else "") if x)
     line = f"{who}{f' ({where})' if where else ''} died: {detail}"
     if "connection error" in detail or "SIGKILL" in detail or "killed" in detail.lower():
-        line += " (its process was killed: the OOM killer, a signal, `ray stop --force`, or a crash)"
+        line += " (its process was killed: the OOM killer, a signal, a forced `ray stop`, or a crash)"
     if ckpt_path:
         from .checkpoints import read_latest
 
