@@ -86,7 +86,9 @@ def test_dph_js_anchors_presampled_on_node_b_weights_synced_across_the_link(clus
 
     r = _job(cluster, shared_experiment, "dph_js", run, presample_dir=pre)
     assert cluster.job_driver_node(r.output) == "A"
-    placed = cluster.actor_nodes()
+    # this job's actors only: the pre-sampling job made a vLLM engine too, on either node (CI once:
+    # the two jobs' engines on different nodes)
+    placed = cluster.actor_nodes(job_output=r.output)
     (engine_node,) = set(placed["RolloutRayActor"])
     policy = {k: v for k, v in placed.items() if "Policy" in k}
     assert policy and all(n != engine_node for v in policy.values() for n in v), placed
