@@ -105,6 +105,17 @@ def _authors_forward_kl(stored, lp, mask):
     return _token_mean(torch.clamp(torch.exp(kl) - kl - 1, -10.0, 10.0), mask)
 
 
+def authors_micro_loss(types, rows, lp, stored, old, adv, mask):
+    """One micro-batch's loss in the authors' loop (``rows`` of the step, ``lp`` their log-probs):
+    its first row decides; an anchor in a PPO micro-batch is a PPO row at the group-of-one advantage."""
+    if types[rows[0]] == 2:
+        return ETA * _authors_forward_kl(stored, lp, mask)
+    sft = torch.tensor([types[i] == 2 for i in rows]).unsqueeze(1)
+    old = torch.where(sft, stored, old)
+    adv = torch.where(sft, torch.full_like(mask, GROUP_OF_ONE_ADV), adv.expand_as(mask))
+    return _authors_ppo(lp, old, adv, mask)
+
+
 def authors_plan(types, attn_len, world, mini, micro, max_token_len=None):
     """Per optimiser step, ``[(rank, rows in order, factor)]`` of the authors' loop at ``world`` GPUs."""
     n = len(types)
@@ -141,14 +152,8 @@ def authors_step_grads(d, types, world, mini, micro, max_token_len=None):
         total = lp.sum() * 0.0
         for _, rows, factor in step:
             idx = torch.tensor(rows)
-            m = d["mask"][idx]
-            if types[rows[0]] == 2:
-                loss = ETA * _authors_forward_kl(d["ref"][idx], lp[idx], m)
-            else:
-                sft = torch.tensor([types[i] == 2 for i in rows]).unsqueeze(1)
-                old = torch.where(sft, d["ref"][idx], d["old"][idx])
-                adv = torch.where(sft, torch.full_like(m, GROUP_OF_ONE_ADV), d["adv"][idx])
-                loss = _authors_ppo(lp[idx], old, adv, m)
+            loss = authors_micro_loss(types, rows, lp[idx], d["ref"][idx], d["old"][idx], d["adv"][idx],
+                                      d["mask"][idx])
             total = total + loss * factor / world  # FSDP: the mean of the ranks' gradients
         (g,) = torch.autograd.grad(total, lp)
         grads.append(g)

@@ -24,12 +24,12 @@ pytest.importorskip("megatron.core")
 
 from mcore_cpu import run_multiprocess  # noqa: E402
 from test_megatron_actor_cpu import tiny_dir  # noqa: E402  (the same tiny HF model, vocab V)
-from test_authors_replay import (CLIP_C, EPS_HIGH, EPS_LOW, GROUP_OF_ONE_ADV, _authors_forward_kl,  # noqa: E402
-                                 _authors_ppo, authors_plan)
+from test_authors_replay import ETA as REPLAY_ETA  # noqa: E402
+from test_authors_replay import CLIP_C, EPS_HIGH, EPS_LOW, authors_micro_loss, authors_plan  # noqa: E402
 
 pytestmark = pytest.mark.slow
 V, TEMP, LR, EPS = 40, 0.8, 1e-2, 1e-3
-ETA = 0.3
+ETA = REPLAY_ETA  # the transcription's anchor weight (authors_micro_loss)
 P, L = 3, 12                 # prompt tokens, row width (prompt + response, right-padded)
 N_ROLL, N_ANCHOR = 8, 2      # per rank: 8 rollouts then 2 anchors (20 rows in the rollout step)
 WORLD = 2                    # the authors' GPU count this run reproduces
@@ -114,14 +114,8 @@ def reference(model, data, world):
         total = lp.sum() * 0.0
         for _, rows, factor in step:
             idx = torch.tensor(rows)
-            m = cat["action_mask"][idx]
-            if types[rows[0]] == 2:
-                loss = ETA * _authors_forward_kl(cat["stored"][idx], lp[idx], m)
-            else:  # the micro-batch's first row decides: an anchor here is a PPO row at the group-of-one advantage
-                sft = torch.tensor([types[i] == 2 for i in rows]).unsqueeze(1)
-                old = torch.where(sft, cat["stored"][idx], cat["old"][idx])
-                adv = torch.where(sft, torch.full_like(m, GROUP_OF_ONE_ADV), cat["adv"][idx].expand_as(m))
-                loss = _authors_ppo(lp[idx], old, adv, m)
+            loss = authors_micro_loss(types, rows, lp[idx], cat["stored"][idx], cat["old"][idx], cat["adv"][idx],
+                                      cat["action_mask"][idx])
             total = total + loss * factor / world   # FSDP: the mean of the ranks' gradients
         opt.zero_grad()
         total.backward()
