@@ -519,11 +519,10 @@ def run(p: Plan) -> None:
     # the task's variables (OPENRLHF_DIV_*) reach every worker (jobs.py); the CPU layer without a
     # GPU; a private cluster when none runs; a run the live cluster cannot place stops here
     init_ray(need=p.needs())
-    from .nodes import LOST_NODE_EXIT, check_shared_paths, config_paths, watch_nodes
+    from .nodes import LOST_NODE_EXIT, NodeWatch, check_shared_paths, config_paths, lost_node_message, watch_nodes
+    from .runfolder import record_failure, write_driver_files
 
     check_shared_paths(config_paths(p.args))  # several nodes: each sees every path (nodes.py)
-    from .nodes import NodeWatch, lost_node_message
-    from .runfolder import record_failure, write_driver_files
 
     def lost(node):  # the line also goes into the run folder (error.txt), then the driver ends
         record_failure(p.args, lost_node_message(node))
@@ -565,12 +564,10 @@ def dead_actor_line(exc: BaseException, ckpt_path: Optional[str] = None) -> Opti
     # the controller's own death arrives as ActorDiedError; an actor dying under a controller task
     # arrives as that task's RayTaskError, whose cause Ray replaced by the traceback's text
     # (ActorDiedError holds a protobuf and does not pickle): "...ActorDiedError: ...\n\tclass_name: X"
-    seen, stack, text = set(), [exc], None
-    while stack and text is None:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
+    from .checkpoints import exception_chain
+
+    text = None
+    for e in exception_chain(exc):
         if isinstance(e, ActorDiedError):
             text = str(e)
             break
@@ -579,8 +576,6 @@ def dead_actor_line(exc: BaseException, ckpt_path: Optional[str] = None) -> Opti
         if at >= 0 and "class_name: " in s[at:]:
             text = s[at:]
             break
-        cause = getattr(e, "cause", None)
-        stack += [cause if isinstance(cause, BaseException) else None, e.__cause__, e.__context__]
     if text is None:
         return None
     import re
