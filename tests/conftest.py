@@ -1,4 +1,4 @@
-"""Shared test set-up: test-only helper modules in this directory (``mcore_cpu``) are importable
+"""Shared test set-up: test-only helper modules in this directory (``vllm_cpu_attn``) are importable
 (the suite runs with ``--import-mode=importlib``, which does not put ``tests/`` on ``sys.path``)."""
 import os
 import sys
