@@ -225,3 +225,16 @@ def test_wheel_cpu_seams_import_path(installed):
     assert lines[2] == "no vllm" or lines[2].startswith(installed["venv"]), lines
     if lines[2] != "no vllm":  # the forced branch's line, from the package's module
         assert "vLLM's CPU GEMM dispatch forced to fallback" in out.stderr, out.stderr[-2000:]
+
+
+def test_no_shipped_files_is_one_line(monkeypatch, tmp_path, capsys):
+    """Neither a checkout nor the wheel's copy: `run NAME` says so in one line (naming both places)."""
+    from openrlhf_div import shipped
+    from openrlhf_div.cli.main import main
+
+    monkeypatch.setattr(shipped, "CHECKOUT_DIR", str(tmp_path / "checkout"))
+    monkeypatch.setattr(shipped, "PACKAGE_DIR", str(tmp_path / "pkg"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "tiny_cpu_grpo_nope", "--engine", "local", "--toy"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "checkout" in err and "installed package" in err, err
