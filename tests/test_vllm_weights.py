@@ -94,6 +94,10 @@ def test_the_kernel_library_is_the_one_asked_for():
     from test_vllm_kernel_libs import _this_cpus_library, loaded_vllm_library
 
     assert loaded_vllm_library() == (os.environ.get("OPENRLHF_DIV_FORCE_VLLM_KERNEL_LIB") or _this_cpus_library())
+    if os.environ.get("OPENRLHF_DIV_FORCE_VLLM_KERNEL_LIB"):  # ... and the attention ISA of that library's CPU
+        from vllm.v1.attention.backends import cpu_attn
+
+        assert cpu_attn._get_attn_isa(torch.bfloat16, 128, 64) == "vec"
 
 
 def test_each_forced_branch_is_one_vllms_dispatch_chooses():
