@@ -142,7 +142,7 @@ def free_port() -> int:
 
 def _load_fn(ref):
     """The function ``ref = (file, qualname)`` names, from its file: test modules are imported by
-    pytest under ``--import-mode=importlib`` and cannot be imported by name in a fresh process."""
+    pytest in its importlib import mode and cannot be imported by name in a fresh process."""
     import importlib.util
 
     path, qualname = ref
