@@ -22,12 +22,19 @@ PACKAGE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_shipped
 CHECKOUT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _holds_ours(folder: str) -> bool:
+    """``folder`` has this project's tree (not just any ``configs/``: an installed package's parent
+    is site-packages, where another distribution may have put a top-level ``configs``)."""
+    return (os.path.isdir(os.path.join(folder, "configs", "openrlhf"))
+            and os.path.isfile(os.path.join(folder, "examples", "scripts", "run.sh")))
+
+
 def root(strict: bool = True) -> str:
     """The folder holding ``configs/`` and ``examples/``: the checkout's top level when the package
     runs from one, else the wheel's ``openrlhf_div/_shipped``. Neither: an error naming both
     (``strict=False``: the checkout's path, for module-level constants that must not raise)."""
     for candidate in (CHECKOUT_DIR, PACKAGE_DIR):
-        if os.path.isdir(os.path.join(candidate, "configs")):
+        if _holds_ours(candidate):
             return candidate
     if not strict:
         return CHECKOUT_DIR
