@@ -2,9 +2,33 @@
 import os
 import re
 
+import runpy
+import shutil
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 _here = os.path.dirname(os.path.abspath(__file__))
+
+# configs/, examples/data/, examples/scripts/ travel in the wheel as openrlhf_div/_shipped/<same
+# path> (openrlhf_div/shipped.py finds them there when no checkout is around the package): an
+# installed package runs `openrlhf-div run EXPERIMENT` without the repository.
+SHIPPED = runpy.run_path(os.path.join(_here, "openrlhf_div", "shipped.py"))["SHIPPED"]
+
+
+class BuildPyShipped(build_py):
+    def run(self):
+        super().run()
+        if getattr(self, "editable_mode", False):  # an editable install reads the checkout's own folders
+            return
+        for rel in SHIPPED:
+            src = os.path.join(_here, rel)
+            if not os.path.isdir(src):
+                raise FileNotFoundError(f"setup.py: {src} missing (openrlhf_div/shipped.py SHIPPED names it)")
+            dst = os.path.join(self.build_lib, "openrlhf_div", "_shipped", rel)
+            shutil.rmtree(dst, ignore_errors=True)
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+
 with open(os.path.join(_here, "openrlhf_div", "__init__.py")) as fh:
     VERSION = re.search(r'__version__ = "([^"]+)"', fh.read()).group(1)
 
@@ -39,6 +63,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["openrlhf_div", "openrlhf_div.*"]),
     package_data={"openrlhf_div": ["py.typed"]},
+    cmdclass={"build_py": BuildPyShipped},
     python_requires=">=3.10",
     install_requires=CORE,
     extras_require={

@@ -1,4 +1,4 @@
-"""Shared test set-up: test-only helper modules in this directory (``mcore_cpu``) are importable
+"""Shared test set-up: test-only helper modules in this directory (``vllm_cpu_attn``) are importable
 (the suite runs with ``--import-mode=importlib``, which does not put ``tests/`` on ``sys.path``)."""
 import os
 import sys
@@ -21,16 +21,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # (vllm/platforms/cpu.py import_kernels): _C (AVX-512 + BF16: Zen 4/5, Sapphire Rapids and later),
 # _C_AVX512 (AVX-512 without BF16) and _C_AVX2. OPENRLHF_DIV_FORCE_VLLM_KERNEL_LIB=avx2|avx512 makes
 # this process load that library (every one runs on a newer CPU), so the branches an older CPU takes
-# run here too (tests/test_vllm_kernel_libs.py).
+# run here too (tests/test_vllm_kernel_libs.py). Every capability probe that CPU answers differently
+# is forced with it (the attention ISA too: tests/vllm_cpu_features.py), and
+# OPENRLHF_DIV_SIMULATE_AMX_CPU=1 first makes a CPU without AMX answer as an AMX Xeon does.
 _force_lib = os.environ.get("OPENRLHF_DIV_FORCE_VLLM_KERNEL_LIB")
 if _force_lib:
-    import torch as _torch
+    import vllm_cpu_features as _features
 
-    if _force_lib not in ("avx2", "avx512"):
-        raise ValueError(f"OPENRLHF_DIV_FORCE_VLLM_KERNEL_LIB={_force_lib!r}: one of avx2, avx512")
-    _torch.cpu._is_avx512_bf16_supported = lambda: False
-    if _force_lib == "avx2":
-        _torch.cpu._is_avx512_supported = lambda: False
+    if os.environ.get(_features.SIMULATE_AMX_ENV) == "1":
+        _features.simulate_amx_cpu()
+    _features.force_cpu_of(_force_lib)
 
 # every process the suite starts (vLLM engines, Ray workers) prints the Python frame of a native
 # crash (SIGILL in an AMX kernel, SIGSEGV); scripts/test.sh sets it too

@@ -22,7 +22,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from mcore_cpu import run_multiprocess  # noqa: E402
+from openrlhf_div.compat.mcore_cpu import run_multiprocess  # noqa: E402
 from test_megatron_actor_cpu import tiny_dir  # noqa: E402  (the same tiny HF model, vocab V)
 from test_authors_replay import ETA as REPLAY_ETA  # noqa: E402
 from test_authors_replay import CLIP_C, EPS_HIGH, EPS_LOW, authors_micro_loss, authors_plan  # noqa: E402

@@ -165,7 +165,7 @@ def test_engine_ranks_gather_the_step_and_share_it():
     """Two gloo ranks (our data parallelism) each hold their own rows; `authors_world_size` plans
     the whole step on both (the same rows in rank order) and each runs its share of every step's
     micro-batches at twice the coefficient (the engines average the two ranks' gradients)."""
-    from mcore_cpu import run_multiprocess
+    from openrlhf_div.compat.mcore_cpu import run_multiprocess
 
     res = run_multiprocess(_gather_worker, world_size=2, timeout=120)
     want = [r * 100 + i for r in range(2) for i in range(16)]

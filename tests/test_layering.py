@@ -19,7 +19,7 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 LAYERS: List[List[str]] = [
     # foundations: no algorithm, no model
     ["openrlhf_div", "openrlhf_div.io", "openrlhf_div.progress", "openrlhf_div.config", "openrlhf_div.compat",
-     "openrlhf_div.plugins"],
+     "openrlhf_div.plugins", "openrlhf_div.shipped"],
     ["openrlhf_div.algorithms"],                      # pure-torch losses, estimators, the registry
     ["openrlhf_div.tasks"],                           # prompts, verifiers, data loading
     ["openrlhf_div.eval", "openrlhf_div.bandit"],     # metrics, results, reports: no model, no engine

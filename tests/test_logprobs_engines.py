@@ -187,7 +187,7 @@ def test_megatron_engine_tp2_hidden_path():
     """TP=2 engine: log-probs/entropy equal the HF full-logits forward and no [tokens, V/tp]
     float32 logits exist in forward_log_probs or train_step (sequence parallelism needs
     Transformer Engine's norms, so it cannot be built on CPU: not covered here)."""
-    from mcore_cpu import run_multiprocess
+    from openrlhf_div.compat.mcore_cpu import run_multiprocess
 
     ranks = run_multiprocess(_mg_worker, world_size=2, args=(False,), timeout=120)
     cfg, model = _mg_tiny()

@@ -15,7 +15,7 @@ from openrlhf_div.algorithms.registry import AnchorInputs, LossInputs  # noqa: E
 from openrlhf_div.engines.megatron import actor_class_for, reference_class_for, uses_megatron  # noqa: E402
 from openrlhf_div.engines.contract import rows_from_experience  # noqa: E402
 from openrlhf_div.engines.megatron.actor import collate_rows, resolve_method  # noqa: E402
-from mcore_cpu import run_multiprocess  # noqa: E402
+from openrlhf_div.compat.mcore_cpu import run_multiprocess  # noqa: E402
 
 pytestmark = pytest.mark.slow
 V, TEMP, LR = 40, 0.8, 1e-2

@@ -23,7 +23,7 @@ from openrlhf_div.algorithms import get_method  # noqa: E402
 from openrlhf_div.algorithms.registry import AnchorInputs, LossInputs  # noqa: E402
 from openrlhf_div.engines.megatron.config import MegatronConfig  # noqa: E402
 from openrlhf_div.engines.megatron.loss import MicroBatch  # noqa: E402
-from mcore_cpu import run_multiprocess  # noqa: E402
+from openrlhf_div.compat.mcore_cpu import run_multiprocess  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TEMP = 0.9

@@ -8,7 +8,7 @@ import torch
 from openrlhf_div.algorithms import get_method
 from openrlhf_div.algorithms.registry import AnchorInputs, LossInputs
 from openrlhf_div.engines.megatron.loss import MicroBatch, StepCounts, registry_loss, step_counts, token_log_probs_entropy
-from mcore_cpu import run_multiprocess
+from openrlhf_div.compat.mcore_cpu import run_multiprocess
 from openrlhf_div.engines.megatron.vocab_parallel import vocab_range
 
 METHODS = ["grpo", "dph_js", "dph_f", "entropy_bonus", "rkl", "lad_js", "ds_grpo"]

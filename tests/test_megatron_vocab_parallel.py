@@ -3,7 +3,7 @@ computation: values and the gradients of the hidden states and of every weight r
 import pytest
 import torch
 
-from mcore_cpu import run_multiprocess
+from openrlhf_div.compat.mcore_cpu import run_multiprocess
 from openrlhf_div.algorithms import log_probs_from_hidden
 from openrlhf_div.engines.megatron.vocab_parallel import (
     output_layer_returns_hidden,

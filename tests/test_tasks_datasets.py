@@ -13,6 +13,10 @@ def fx(*p):
     return os.path.join(FIX, *p)
 
 
+def sql_fx(name):  # the SQL toy's data ship with the package (examples/data/toy_sql)
+    return os.path.join(os.path.dirname(os.path.dirname(FIX)), "examples", "data", "toy_sql", name)
+
+
 @pytest.mark.parametrize("path, source, first_id, prompt_start, label", [
     (fx("math", "math500.jsonl"), "math500", "test/prealgebra/1.json", "What is $\\frac{1}{2}", "\\frac{5}{6}"),
     (fx("math", "aime24.jsonl"), "aime24", "2024-I-1", "Find the remainder", "1"),
@@ -32,12 +36,12 @@ def test_math_layouts(path, source, first_id, prompt_start, label):
 
 
 def test_sql_layouts():
-    bird, _ = load_examples(fx("sql", "bird_dev.json"), "sql")
+    bird, _ = load_examples(sql_fx("bird_dev.json"), "sql")
     assert len(bird) == 4
     assert bird[0]["label"] == {"db_id": "school",
                                 "sql": "SELECT COUNT(*) FROM schools WHERE county = 'Fresno' AND charter = 1"}
     assert bird[0]["evidence"] == "charter school refers to charter = 1" and bird[0]["id"] == "0"
-    spider, _ = load_examples(fx("sql", "spider_dev.json"), "sql")
+    spider, _ = load_examples(sql_fx("spider_dev.json"), "sql")
     assert spider[1]["label"]["sql"].startswith("SELECT name FROM singer") and spider[1]["evidence"] == ""
     assert [e["id"] for e in spider] == ["spider_dev-0", "spider_dev-1", "spider_dev-2"]
 

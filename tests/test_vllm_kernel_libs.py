@@ -11,6 +11,12 @@ weight-sync branch tests (``tests/test_vllm_weights.py``) in a process that load
 library (``OPENRLHF_DIV_FORCE_VLLM_KERNEL_LIB``, tests/conftest.py); every library runs on a newer
 CPU, so a newer CI machine covers the older ones.
 
+Standing in for another CPU means answering *every* capability probe as it would (issue 43 item 7:
+on an AMX Xeon the forced AVX2 library met the AMX attention ISA, a pair no CPU takes, and the
+rerun failed): tests/vllm_cpu_features.py forces each ``torch.cpu._is_*_supported`` probe the
+library's CPU answers False, and the rerun starts from a simulated AMX CPU where this one has no
+AMX (``OPENRLHF_DIV_SIMULATE_AMX_CPU``), so an incomplete forcing fails here as it did there.
+
 Cost: one pytest process per other library, ~40-70 s each on the 2-core machine.
 """
 from __future__ import annotations
@@ -56,7 +62,8 @@ def test_weight_sync_branches_under_another_cpus_kernel_library(lib):
         pytest.skip(f"this CPU loads the {lib} library itself: the suite's own run covers it")
     if lib == "avx512" and _this_cpus_library() == "avx2":
         pytest.skip("the AVX-512 library cannot run on an AVX2-only CPU")
-    env = dict(os.environ, OPENRLHF_DIV_FORCE_VLLM_KERNEL_LIB=lib, PYTHONFAULTHANDLER="1")
+    env = dict(os.environ, OPENRLHF_DIV_FORCE_VLLM_KERNEL_LIB=lib, PYTHONFAULTHANDLER="1",
+               OPENRLHF_DIV_SIMULATE_AMX_CPU="1")  # the newest CPU's answers first, then the forcing
     env.pop("PYTEST_XDIST_WORKER", None)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
                            os.path.join(HERE, "test_vllm_weights.py"), "-k", "sgl or onednn or library"],
@@ -65,3 +72,23 @@ def test_weight_sync_branches_under_another_cpus_kernel_library(lib):
     tail = proc.stdout[-3000:] + (proc.stderr[fatal:fatal + 4000] if fatal >= 0 else proc.stderr[-2000:])
     assert proc.returncode == 0, tail
     assert " passed" in proc.stdout and "3 passed" in proc.stdout.splitlines()[-1], tail
+
+
+def test_the_forcing_answers_every_probe_vllm_reads(monkeypatch):
+    """vLLM's installed source reads only probes torch has (so the forcing reaches each), and on a
+    simulated AMX CPU each forced library's CPU gets that CPU's attention ISA for a bf16 engine
+    (``vec``), where the AMX answer alone gives ``amx`` (what broke the AVX2 rerun on the Xeon)."""
+    import vllm_cpu_features as F
+    from vllm.v1.attention.backends import cpu_attn
+
+    in_vllm = F.probes_in_vllm()
+    assert {"amx_tile", "avx512", "avx512_bf16"} <= in_vllm, in_vllm  # the reading works
+    assert in_vllm <= F.torch_probes(), f"vLLM probes what torch.cpu lacks: {in_vllm - F.torch_probes()}"
+    F.simulate_amx_cpu(monkeypatch.setattr)
+    assert cpu_attn._get_attn_isa(torch.bfloat16, 128, 64) == "amx"
+    for lib in F.LIBRARY_CPU:
+        with monkeypatch.context() as m:
+            forced = F.force_cpu_of(lib, m.setattr)
+            assert "amx_tile" in forced and torch.cpu._is_amx_tile_supported() is False
+            assert cpu_attn._get_attn_isa(torch.bfloat16, 128, 64) == "vec", lib
+            assert ("avx512" in forced) == (lib == "avx2") and "avx512_bf16" in forced, forced

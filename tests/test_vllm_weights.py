@@ -2,7 +2,7 @@
 
 One in-process vLLM engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, eager) on a tiny tied Qwen2
 built from a config. Its linear layers are forced through each branch of
-``dispatch_cpu_unquantized_gemm`` in turn (``tests/vllm_cpu_gemm.py``: the capability answers are
+``dispatch_cpu_unquantized_gemm`` in turn (``openrlhf_div/compat/vllm_cpu_gemm.py``: the capability answers are
 patched as the CPU family of that branch gives them, vLLM's branch code runs; oneDNN's real kernel
 runs in float32 on any x86 CPU, sgl-kernel's real kernels on any AVX-512 CPU, stand-ins that keep
 the real kernels' input checks elsewhere). Each branch runs in a configuration vLLM's dispatch can
@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
-import vllm_cpu_gemm as G  # noqa: E402  (tests/ helper)
+from openrlhf_div.compat import vllm_cpu_gemm as G  # noqa: E402
 
 PROMPT = [3, 5, 7, 2, 9, 4, 11, 6, 8, 3, 12, 5]
 TOL = 2e-3  # nats: float32 on both sides (vLLM's CPU attention vs transformers' sdpa)
@@ -94,6 +94,10 @@ def test_the_kernel_library_is_the_one_asked_for():
     from test_vllm_kernel_libs import _this_cpus_library, loaded_vllm_library
 
     assert loaded_vllm_library() == (os.environ.get("OPENRLHF_DIV_FORCE_VLLM_KERNEL_LIB") or _this_cpus_library())
+    if os.environ.get("OPENRLHF_DIV_FORCE_VLLM_KERNEL_LIB"):  # ... and the attention ISA of that library's CPU
+        from vllm.v1.attention.backends import cpu_attn
+
+        assert cpu_attn._get_attn_isa(torch.bfloat16, 128, 64) == "vec"
 
 
 def test_each_forced_branch_is_one_vllms_dispatch_chooses():

@@ -9,6 +9,10 @@
   zentorch); imported by name, it needs vLLM.
 * :mod:`.cpu_seams` — OpenRLHF's CUDA-only calls redirected to the CPU, applied whenever no GPU
   is present (every process of a CPU Ray run, through ``cpu_site/sitecustomize.py``).
+* :mod:`.mcore_cpu` — megatron-core 0.16's CUDA-only corners redirected to the CPU (the Megatron
+  actor's CPU path and its gloo tests) and ``run_multiprocess`` (N gloo processes).
+* :mod:`.vllm_cpu_gemm` — which CPU GEMM branch vLLM's dispatch gave a layer, and forcing one
+  (``OPENRLHF_DIV_FORCE_CPU_GEMM``) with stand-in kernels where this CPU lacks the real ones.
 
 The ``install_*`` names are imported on first use: importing this package (as every process of a
 CPU run does, for :mod:`.cpu_seams`) costs no torch import.

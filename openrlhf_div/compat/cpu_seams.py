@@ -17,10 +17,11 @@ still prove. Keep the two in step: :data:`SEAMS` names each patch.
 What is *not* patched: vLLM itself (its CPU build is real), DeepSpeed's engine (its CPU
 accelerator is real; only the JIT-compiled shared-memory collective and FusedAdam are swapped
 for their pure-torch equivalents, as DeepSpeed does itself when asked), Ray, OpenRLHF's trainer
-and experience maker, and our own actor/trainer classes. Two test-side helpers are loaded from
-the checkout's ``tests/`` only where asked for: megatron-core's CPU shim (``tests/mcore_cpu.py``,
-for the Megatron actor) and the forced CPU GEMM branch (``tests/vllm_cpu_gemm.py``,
-``OPENRLHF_DIV_FORCE_CPU_GEMM``).
+and experience maker, and our own actor/trainer classes. Two helpers of this package are loaded only where needed:
+megatron-core's CPU shim (:mod:`openrlhf_div.compat.mcore_cpu`, for the Megatron actor) and the
+CPU GEMM branch reader / forcer (:mod:`openrlhf_div.compat.vllm_cpu_gemm`, the weight sync's route
+note and ``OPENRLHF_DIV_FORCE_CPU_GEMM``). Nothing here reads the checkout's ``tests/``: an
+installed package runs the CPU path on its own.
 """
 from __future__ import annotations
 
@@ -58,8 +59,8 @@ SEAMS: Dict[str, tuple] = {
         "a gloo group on the same StatelessProcessGroup rendezvous; broadcast(tensor, src, stream)"),
     "megatron-core 0.16 CUDA-only corners (our Megatron actor's engine)": (
         "megatron/core hard-coded 'cuda' tensors, torch.cuda.current_device/streams, "
-        "CudaRNGStatesTracker.fork (tests/mcore_cpu.py lists them)",
-        "tests/mcore_cpu.megatron_cpu_compat around each MegatronEngine method"),
+        "CudaRNGStatesTracker.fork (openrlhf_div/compat/mcore_cpu.py lists them)",
+        "openrlhf_div.compat.mcore_cpu.megatron_cpu_compat around each MegatronEngine method"),
     "WorkerWrap.update_weight receive buffer": (
         "trainer/ray/vllm_worker_wrap.py:40 (torch.empty(..., device='cuda'))",
         "the buffer on the vLLM worker's own device (cpu)"),
@@ -70,7 +71,7 @@ SEAMS: Dict[str, tuple] = {
 }
 
 #: set to onednn / sgl / zentorch / fallback: every vLLM process of the cluster takes that CPU GEMM
-#: branch (tests/vllm_cpu_gemm.py; stand-in kernels where this CPU lacks the real ones)
+#: branch (openrlhf_div/compat/vllm_cpu_gemm.py; stand-in kernels where this CPU lacks the real ones)
 FORCE_GEMM_ENV = "OPENRLHF_DIV_FORCE_CPU_GEMM"
 
 _PATCHED: set = set()
@@ -174,8 +175,7 @@ def _note_sync_route(model) -> None:
 
     import openrlhf_div.compat.vllm_weights as vw
 
-    _tests_on_path()
-    from vllm_cpu_gemm import branch_of
+    from openrlhf_div.compat.vllm_cpu_gemm import branch_of
 
     kinds = Counter(branch_of(m) for m in model.modules() if hasattr(m, "cpu_linear"))
     print(f"[cpu_seams] pid {os.getpid()}: weight sync through {vw.__file__}; CPU GEMM of the layers: "
@@ -206,13 +206,12 @@ def _patch_worker_wrap(mod) -> None:
 
 
 def _patch_megatron_engine(mod) -> None:
-    """Run our Megatron engine's methods inside megatron-core's CPU shim (``tests/mcore_cpu.py``:
+    """Run our Megatron engine's methods inside megatron-core's CPU shim (:mod:`.mcore_cpu`:
     megatron-core 0.16's few hard-coded ``"cuda"`` tensors and ``torch.cuda`` calls -> CPU), the
     shim the gloo tests of the engine use; the engine itself is unchanged."""
     import functools
 
-    _tests_on_path()
-    from mcore_cpu import megatron_cpu_compat
+    from openrlhf_div.compat.mcore_cpu import megatron_cpu_compat
 
     def wrap(fn):
         @functools.wraps(fn)
@@ -236,25 +235,13 @@ def _patch_megatron_engine(mod) -> None:
     mod.init_megatron_parallel = wrap(mod.init_megatron_parallel)
 
 
-def _tests_on_path() -> None:
-    """The checkout's ``tests/`` (its helper modules: mcore_cpu, vllm_cpu_gemm) importable."""
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    tests_dir = os.path.join(repo, "tests")
-    if not os.path.isfile(os.path.join(tests_dir, "mcore_cpu.py")):
-        raise ImportError(f"the CPU path of this engine needs the checkout's tests/ helpers (mcore_cpu.py, "
-                          f"vllm_cpu_gemm.py), not found under {tests_dir}; run from a clone of the repository")
-    if tests_dir not in sys.path:
-        sys.path.insert(0, tests_dir)
-
-
 def _force_cpu_gemm(mod) -> None:
     """``OPENRLHF_DIV_FORCE_CPU_GEMM=<branch>``: vLLM's CPU GEMM dispatch takes that branch in this
     process (the e2e run that proves the weight sync on a packing branch on any CPU)."""
     branch = os.environ.get(FORCE_GEMM_ENV, "")
     if not branch:
         return
-    _tests_on_path()
-    import vllm_cpu_gemm
+    from openrlhf_div.compat import vllm_cpu_gemm
 
     if branch not in vllm_cpu_gemm.BRANCHES:
         raise ValueError(f"{FORCE_GEMM_ENV}={branch!r}: not a CPU GEMM branch of vLLM 0.29; use one of "

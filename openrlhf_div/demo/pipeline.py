@@ -25,6 +25,7 @@ import shutil
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from .. import shipped
 from ..config import ConfigError, deep_merge, load, parse_overrides
 from ..eval.report import build_metrics, write_report
 from ..eval.results import read_eval_json, write_eval
@@ -32,8 +33,7 @@ from ..tasks.demo import STYLES, STYLE_NAMES, SplitSpec, read_jsonl, render, wri
 from .evaluate import evaluate_model
 from .warmup import WarmupConfig, build_base_model
 
-REPO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                           "configs", "demo.yaml")
+REPO_CONFIG = os.path.join(shipped.root(strict=False), "configs", "demo.yaml")  # the checkout's or the wheel's
 STAGES = 5
 
 

@@ -25,9 +25,11 @@ import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from openrlhf_div.config import ConfigError, deep_merge, load_experiment, parse_overrides
+from openrlhf_div import shipped
 
 ENGINES = ("local", "openrlhf", "megatron")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: where configs/ and examples/ live: the checkout, or the installed wheel's copy (openrlhf_div.shipped)
+ROOT = shipped.root(strict=False)
 
 #: OpenRLHF flag -> the local engine's key (settings both engines have, under OpenRLHF's name in a file)
 SHARED = {
@@ -56,6 +58,7 @@ def find_experiment(name: str) -> str:
         return found[0]
     import difflib
 
+    shipped.root()  # no configs/ at all (neither a checkout nor the wheel's copy): say so in one line
     names = sorted(os.path.basename(p)[:-5] for sub in ("openrlhf", "megatron")
                    for p in glob.glob(os.path.join(ROOT, "configs", sub, "[!_]*.yaml")))
     close = difflib.get_close_matches(name, names, n=3)

@@ -163,6 +163,10 @@ def add_div_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     g.add_argument("--div.truncate_prompts", type=_bool, default=False, metavar="BOOL",
                    help="let OpenRLHF cut prompts longer than data.max_len - rollout.max_new_tokens from the left "
                         "(default: stop before the run with their count)")
+    g.add_argument("--div.drop_long_prompts", type=_bool, default=False, metavar="BOOL",
+                   help="drop prompts longer than data.max_len - rollout.max_new_tokens from the training, "
+                        "evaluation and pre-sampling data, counted in the log and run_info.json (the DPH-RL "
+                        "authors' filter_overlong_prompts; authors'-mode configs: true)")
     g.add_argument("--div.eval_greedy", type=_bool, default=None, metavar="BOOL",
                    help="`python -m openrlhf_div.engines.openrlhf.evaluate --config` also scores one greedy "
                         "response per problem (the report's greedy column); the DPH-RL authors validate greedily")

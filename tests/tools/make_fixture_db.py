@@ -5,7 +5,7 @@ Every ``<db_id>.sql`` in ``--src`` becomes ``<out>/<db_id>/<db_id>.sqlite`` (the
 layout the ``sql`` task reads with ``db_root=<out>``). No binary files are committed: tests call
 :func:`build_databases` into a temporary folder.
 
-    python tests/tools/make_fixture_db.py --out /tmp/dbs   # --src defaults to tests/fixtures/sql/dbs
+    python tests/tools/make_fixture_db.py --out /tmp/dbs   # --src defaults to examples/data/toy_sql/dbs
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import tempfile
 from typing import Dict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_SRC = os.path.join(HERE, "..", "fixtures", "sql", "dbs")
+DEFAULT_SRC = os.path.join(HERE, "..", "..", "examples", "data", "toy_sql", "dbs")
 
 
 def build_database(sql_path: str, out_root: str) -> str:

@@ -362,8 +362,10 @@ def run(a) -> int:
     if a.markdown:
         import glob
 
-        # the checkout's configs/megatron (an editable install), else the working directory's
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        from openrlhf_div import shipped
+
+        # the checkout's or the installed wheel's configs/megatron, else the working directory's
+        root = shipped.root(strict=False)
         if not os.path.isdir(os.path.join(root, "configs", "megatron")):
             root = os.getcwd()
         print(markdown(a.seq))

@@ -92,7 +92,10 @@ def settings_from_args(args) -> Dict[str, Any]:
             "reward": [reward_identity(u) for u in (args.reward.remote_url or [])],
             # only when on, so runs started before the option existed still resume
             **({"resample_anchor_responses": True} if getattr(p, "resample_anchor_responses", False) else {}),
-            **({"anchor_top_p": float(p.anchor_top_p)} if getattr(p, "anchor_top_p", None) is not None else {})}
+            **({"anchor_top_p": float(p.anchor_top_p)} if getattr(p, "anchor_top_p", None) is not None else {}),
+            # the authors' filter changes which rows the store holds
+            **({"drop_long_prompts": True} if getattr(getattr(args, "div", None), "drop_long_prompts", False)
+               else {})}
 
 
 # ------------------------------------------------------------------ Ray / vLLM driver
@@ -232,11 +235,16 @@ def run(args) -> Dict[str, Any]:
     tokenizer = get_tokenizer(model, None, "left", strategy, use_fast=not args.data.disable_fast_tokenizer)
     rows, data = _raw_rows(args, strategy)
     dataset = PromptDataset(data, tokenizer, strategy, input_template=args.data.input_template)
-    from ..prompt_budget import check_prompt_budget, tokenizer_counter
+    from ..prompt_budget import check_prompt_budget, keep_rows, tokenizer_counter
 
-    check_prompt_budget(dataset.prompts, tokenizer_counter(tokenizer), max_len=args.data.max_len,
-                        max_new_tokens=args.rollout.max_new_tokens,
-                        truncate=bool(getattr(getattr(args, "div", None), "truncate_prompts", False)))
+    div = getattr(args, "div", None)
+    budget = check_prompt_budget(dataset.prompts, tokenizer_counter(tokenizer), max_len=args.data.max_len,
+                                 max_new_tokens=args.rollout.max_new_tokens,
+                                 truncate=bool(getattr(div, "truncate_prompts", False)),
+                                 drop=bool(getattr(div, "drop_long_prompts", False)))
+    if getattr(div, "drop_long_prompts", False) and budget["over"]:  # the authors' filter: D_pef / D_exp without them
+        keep_rows(dataset, budget["keep"])
+        rows = [rows[i] for i in budget["keep"]]
     settings = settings_from_args(args)
     store = ShardStore(args.presample.out, settings, len(rows), overwrite=args.presample.overwrite,
                        engine="openrlhf", hint="use another --presample.out or --presample.overwrite")

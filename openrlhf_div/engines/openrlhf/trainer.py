@@ -41,15 +41,35 @@ def online_view(experiences: List) -> List[SimpleNamespace]:
 
 def _check_prompts(trainer, args) -> None:
     """No silent truncation: count the training and evaluation prompts over the prompt budget
-    (:mod:`openrlhf_div.engines.prompt_budget`)."""
-    from ..prompt_budget import check_prompt_budget, tokenizer_counter
+    (:mod:`openrlhf_div.engines.prompt_budget`); with ``div.drop_long_prompts`` drop them (the
+    authors' way) and rebuild the loaders and the step count as OpenRLHF's ``prepare_datasets``
+    builds them, the count in the log and the run folder's ``run_info.json``."""
+    from ..prompt_budget import check_prompt_budget, keep_rows, record_dropped, tokenizer_counter
 
     count = tokenizer_counter(trainer.tokenizer)
-    truncate = bool(getattr(getattr(args, "div", None), "truncate_prompts", False))
-    for what, loader in (("data.prompt_dataset", trainer.prompts_dataloader), ("eval.dataset", trainer.eval_dataloader)):
-        if loader is not None and hasattr(loader.dataset, "prompts"):
-            check_prompt_budget(loader.dataset.prompts, count, max_len=args.data.max_len,
-                                max_new_tokens=args.rollout.max_new_tokens, truncate=truncate, what=what)
+    div = getattr(args, "div", None)
+    truncate = bool(getattr(div, "truncate_prompts", False))
+    drop = bool(getattr(div, "drop_long_prompts", False))
+    for what, attr, shuffle in (("data.prompt_dataset", "prompts_dataloader", True),
+                                ("eval.dataset", "eval_dataloader", False)):
+        loader = getattr(trainer, attr, None)
+        if loader is None or not hasattr(loader.dataset, "prompts"):
+            continue
+        summary = check_prompt_budget(loader.dataset.prompts, count, max_len=args.data.max_len,
+                                      max_new_tokens=args.rollout.max_new_tokens, truncate=truncate, drop=drop,
+                                      what=what)
+        if not (drop and summary["over"]):
+            continue
+        dataset = loader.dataset
+        keep_rows(dataset, summary["keep"])
+        setattr(trainer, attr, trainer.strategy.setup_dataloader(
+            dataset, 1, True, shuffle, dataset.collate_fn, num_workers=args.data.dataloader_num_workers))
+        if attr == "prompts_dataloader":  # openrlhf/trainer/ppo_trainer.py prepare_datasets' max_steps
+            trainer.max_steps = (len(dataset) * args.rollout.n_samples_per_prompt // args.train.batch_size
+                                 * args.train.num_episodes * args.train.max_epochs)
+        from .runfolder import run_dir_of
+
+        record_dropped(run_dir_of(args), what, summary)
 
 
 class _DivPPOTrainer(PPOTrainer.__ray_actor_class__):

@@ -1,4 +1,4 @@
-"""Force vLLM 0.29's CPU GEMM dispatch into a chosen branch on any x86 CPU (test-only helper).
+"""Force vLLM 0.29's CPU GEMM dispatch into a chosen branch on any x86 CPU.
 
 ``dispatch_cpu_unquantized_gemm`` (``vllm/model_executor/layers/utils.py``) picks, per layer, at
 load time and again whenever a layer is re-processed:
@@ -36,7 +36,8 @@ expects), so a test that the real kernel would fail fails on every CPU:
 
 docs/scaling.md ("CPU weight sync") names these stand-ins. Used by
 ``tests/test_vllm_weights.py`` and, in every process of the CPU e2e cluster, by
-``openrlhf_div/compat/cpu_seams.py`` when ``OPENRLHF_DIV_FORCE_CPU_GEMM`` names a branch.
+``openrlhf_div/compat/cpu_seams.py`` (the weight sync's one-line route note, and the forced branch
+when ``OPENRLHF_DIV_FORCE_CPU_GEMM`` names one): the CPU path runs it, so it lives in the package.
 """
 from __future__ import annotations
 

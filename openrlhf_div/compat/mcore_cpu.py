@@ -1,7 +1,9 @@
-"""Test scaffolding for megatron-core on CPU: the CUDA-to-CPU shim and N gloo processes.
+"""megatron-core on CPU: the CUDA-to-CPU shim and N gloo processes.
 
-Not part of the package: the production engine (``openrlhf_div.engines.megatron``) runs
-megatron-core unmodified; these tests enter :func:`megatron_cpu_compat` around it.
+The production engine (``openrlhf_div.engines.megatron``) runs megatron-core unmodified; on a
+machine without a GPU the CPU path (:mod:`openrlhf_div.compat.cpu_seams`) and the CPU tests
+enter :func:`megatron_cpu_compat` around it. It lives in the package (not under ``tests/``) because
+the CPU Ray path runs it in every Megatron actor: an installed package must not need the checkout.
 
 **The shim.** Run Megatron-core's model, DDP wrapper and optimizers on CPU (tests and CI only).
 
@@ -140,7 +142,7 @@ def free_port() -> int:
 
 def _load_fn(ref):
     """The function ``ref = (file, qualname)`` names, from its file: test modules are imported by
-    pytest under ``--import-mode=importlib`` and cannot be imported by name in a fresh process."""
+    pytest in its importlib import mode and cannot be imported by name in a fresh process."""
     import importlib.util
 
     path, qualname = ref
@@ -189,7 +191,7 @@ def _mp_context():
     pytest-xdist worker directly (it runs execnet's I/O thread, and earlier tests may have left
     threads of their own) hung both children of a gloo pair in a clean-clone run."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "megatron.core", "mcore_cpu"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "megatron.core", __name__])
     return ctx
 
 
