@@ -2,7 +2,7 @@
 exploration rates of a model on one or more dataset files.
 
     openrlhf-div eval --model PATH --task math --data aime24.jsonl --data math500.jsonl \\
-        --n 16 --k 1,8,16 --temperature 0.6 --top-p 0.95 --greedy --out runs/eval/qwen
+        --n 16 --k 1,8,16 --temperature 0.6 --top-p 0.95 --greedy --role base --out runs/eval/qwen
 
 ``--role`` says what the model is for ``compare``: ``base`` (the model before RL) or ``trained``.
 It is inferred only from a train run folder (``--model`` inside one, e.g. ``RUN/final_model``, or
