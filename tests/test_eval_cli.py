@@ -218,14 +218,15 @@ def test_eval_role_is_explicit_or_read_from_a_train_run_folder(model_dir, tmp_pa
 
     run = tmp_path / "runs" / "grpo"
     shutil.copytree(model_dir, run / "final_model")
-    (run / "run_info.json").write_text(json.dumps({"seed": 5, "engine": "local", "experiment": None}))
+    (run / "run_info.json").write_text(json.dumps({"seed": 5, "engine": "local", "experiment": None,
+                                                   "method": {"name": "dph_js"}}))
     common = ["--task", "math", "--data", os.path.join(FIX, "math", "math500.jsonl"), "--n", "2", "--k", "1",
               "--max-new-tokens", "3", "--limit", "1", "--engine", "hf", "--no-progress", "--task-opt", "timeout=2",
               "--task-opt", "num_workers=1"]
     out = tmp_path / "ev_trained"
     assert main(["eval", "--model", str(run / "final_model"), *common, "--out", str(out)]) == 0
     d = json.load(open(out / "eval.json"))
-    assert d["role"] == "trained" and d["seed"] == 5 and d["info"]["run_dir"] == str(run)
+    assert d["role"] == "trained" and d["seed"] == 5 and d["info"]["run_dir"] == str(run) and d["name"] == "dph_js"
     assert d["info"]["eval_seed"] == 0  # the sampling seed is not passed off as a training seed
     # compare reads the run's seed and engine through the recorded run folder
     prov = load_run(str(out))["_provenance"]

@@ -67,8 +67,8 @@ def add_parser(sub) -> None:
     p.add_argument("--base-results", default=None,
                    help="a base model's eval.json (or its folder): adds keep / exploration rates; it must have been "
                         "evaluated with the same n, temperature, top_p, max_new_tokens, grading, data and keep_k")
-    p.add_argument("--name", default=None, help="name of this model in `compare` reports (default: the model's "
-                                                 "folder name)")
+    p.add_argument("--name", default=None, help="name of this model in `compare` reports (default: the method of "
+                                                 "its train run folder, else the model's folder name)")
     p.add_argument("--role", choices=["base", "trained", "method"], default=None,
                    help="role in `compare`: base (the model before RL) or trained (method: the older spelling). "
                         "Default: trained when --model is inside a train run folder, --out is one, or "
@@ -146,18 +146,32 @@ def resolve_role(args):
     return None, None
 
 
-def run_seed(folder):
-    """The seed training used, from a run folder's ``run_info.json`` (None when unknown)."""
+def _run_info(folder):
     from openrlhf_div.eval.results import RUN_INFO_FILE
 
     if not folder:
-        return None
+        return {}
     try:
         with open(os.path.join(folder, RUN_INFO_FILE)) as f:
-            seed = json.load(f).get("seed")
-    except (OSError, ValueError, AttributeError):
-        return None
+            d = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def run_seed(folder):
+    """The seed training used, from a run folder's ``run_info.json`` (None when unknown)."""
+    seed = _run_info(folder).get("seed")
     return seed if isinstance(seed, int) and not isinstance(seed, bool) else None
+
+
+def run_method(folder):
+    """The method a run folder trained (``run_info.json``'s settings or method), or None."""
+    info = _run_info(folder)
+    name = (info.get("settings") or {}).get("method.name") if isinstance(info.get("settings"), dict) else None
+    if name is None and isinstance(info.get("method"), dict):
+        name = info["method"].get("name")
+    return str(name) if name else None
 
 
 def run(args) -> int:
@@ -253,7 +267,8 @@ def run(args) -> int:
     info = {"source": "eval", "data": summaries, "task_options": dict(args.task_opt),
             "base_results": args.base_results, "settings_mismatch": mismatch, "seconds": round(time.time() - t0, 2),
             "eval_seed": args.seed, "run_dir": run_folder if role == "trained" else None}
-    name = args.name or os.path.basename(os.path.normpath(args.model))
+    name = args.name or (run_method(run_folder) if role == "trained" else None) \
+        or os.path.basename(os.path.normpath(args.model))
     # eval.json's seed is the training run's (compare groups seeds by it), never the sampling seed
     seed = run_seed(run_folder) if role == "trained" else None
     paths = write_eval(out, result, name=name, role=role, seed=seed, info=info,
