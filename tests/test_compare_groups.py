@@ -108,7 +108,8 @@ def test_runs_that_ran_something_else_are_flagged_not_averaged(tmp_path, base, c
     """Another prompt template for one method, another engine, and a run folder without settings:
     rows of their own, each difference flagged at the top of the report."""
     g = run_folder(tmp_path / "g", "grpo", seed=1)
-    d = run_folder(tmp_path / "d", "dph_js", seed=1, settings={**TRAIN, "data.template": "math"})
+    d = run_folder(tmp_path / "d", "dph_js", seed=1, settings={**TRAIN, "data.template": "math",
+                                                               "presample.tau": 8})  # a DPH-only key
     loc = run_folder(tmp_path / "loc", "grpo", seed=1, engine="local")
     old = run_folder(tmp_path / "old", "grpo", seed=2, settings=None)
     paths = compare_runs([base, g, d, loc, old], str(tmp_path / "out"))
@@ -119,6 +120,7 @@ def test_runs_that_ran_something_else_are_flagged_not_averaged(tmp_path, base, c
     assert "`data.template` differs between rows" in flags and "dph_js=math" in flags
     assert "settings unknown for grpo [engine=openrlhf, settings unknown]" in flags
     assert "method.name" not in flags  # methods differ by their own settings by design
+    assert "presample.tau" not in flags  # nor by the keys only their method has
     md = open(paths["report"]).read()
     assert "the rows did not all run the same setup" in md and "`data.template` differs" in md
     assert "- **grpo [engine=openrlhf, settings unknown]**: settings unknown" in md

@@ -541,12 +541,14 @@ def group_runs(evals: Sequence[Mapping[str, Any]]) -> "OrderedDict[str, Dict[str
 
 
 def comparability_flags(groups: Mapping[str, Mapping[str, Any]]) -> List[str]:
-    """One line per thing that makes the rows not comparable: a training setting other than the
-    method's own (``method.*``) that differs between rows (prompts, grading, data, evaluation,
-    budget, model), runs whose settings are unknown, runs of unknown seed."""
+    """One line per thing that makes the rows not comparable: a training setting every row has,
+    other than the method's own (``method.*``), that differs between rows (prompts, grading, data,
+    evaluation, budget, model), runs whose settings are unknown, runs of unknown seed."""
     flags: List[str] = []
     known = [(label, g) for label, g in groups.items() if g["settings"] is not None]
-    for k in _differing([g["settings"] for _, g in known]):
+    # a key only some rows have belongs to their method (DPH's anchor.* / presample.*): not a flag
+    shared = [k for k in (known[0][1]["settings"] if known else {}) if all(k in g["settings"] for _, g in known)]
+    for k in _differing([g["settings"] for _, g in known], shared):
         if k.startswith("method."):
             continue
         flags.append(f"`{k}` differs between rows: " + ", ".join(
