@@ -593,6 +593,10 @@ def provenance_markdown(metrics: Mapping[str, Any]) -> List[str]:
         seeds = ", ".join(str(s) for s in p["seeds"])
         md.append(f"| {label} | {p['engine']} | {', '.join(p['experiment'] or ['-'])} | {seeds} | "
                   + "<br>".join(f"`{r['path']}`" for r in p["runs"]) + " |")
+    ev = metrics.get("evaluation") or {}
+    if ev:
+        md += ["", "Evaluation (the base's; every row's agrees unless --allow-mismatch says otherwise above): "
+               + ", ".join(f"`{k}={_val(v)}`" for k, v in ev.items())]
     known = [p["settings"] for _, p in rows if p["settings"] is not None]
     differ = set(_differing(known))
     common = {k: v for k, v in (known[0] if known else {}).items() if k not in differ}
@@ -683,6 +687,9 @@ def compare_runs(run_dirs: Iterable[str], out_dir: str, *, base_dir: Optional[st
         metrics["methods"][label]["seeds"] = seeds_of[label]
         metrics["methods"][label]["provenance"] = _provenance_of(g, seeds_of[label])
     metrics["base_provenance"] = {"path": os.path.dirname(base_eval["_path"]), "note": base_note}
+    metrics["evaluation"] = {**{k: v for k, v in base_eval["settings"].items()
+                                if not isinstance(v, (dict, list)) or k == "ks"},
+                             "data_hash": (base_eval["settings"].get("data") or {}).get("hash")}
     intro = f"**Base.** {base_note[len('base: '):]}." if base_note else ""
     if mismatch:
         intro += ("\n\n" if intro else "") + ("**Warning: these runs were evaluated with different settings (compared with --allow-mismatch); "
