@@ -16,7 +16,11 @@ Input: the base model's metric dict ``M`` and, per method, one ``M`` per seed (s
   distinct correct styles (0..5).
 
 :func:`compare_runs` builds the same report from run directories' ``eval.json`` files
-(``openrlhf-div compare``).
+(``openrlhf-div compare``), one row per group of runs that ran the same thing
+(:func:`group_runs`); its ``metrics.json`` adds, per row, ``provenance`` (``method``, ``engine``,
+``experiment``, ``seeds``, ``settings``, ``settings_known``, ``runs``), and at the top ``flags``
+(:func:`comparability_flags`), ``evaluation`` (the shared evaluation settings) and
+``base_provenance``; ``seeds`` lists each run's own seed, ``"unknown"`` where no file records it.
 """
 from __future__ import annotations
 
