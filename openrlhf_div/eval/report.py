@@ -519,7 +519,9 @@ def group_runs(evals: Sequence[Mapping[str, Any]]) -> "OrderedDict[str, Dict[str
             if seed in seen:
                 what = "the same settings" if g["settings"] is not None else "unknown settings"
                 raise ValueError(f"compare: {seen[seed]} and {where} are both {g['method']} seed {seed} with {what} "
-                                 f"on engine {g['engine']}: a repeat is not a second seed; pass one of them")
+                                 f"on engine {g['engine']}: a repeat is not a second seed; pass one of them"
+                                 + ("" if g["settings"] is not None else
+                                    ", or name them apart (NAME=DIR) if they ran different settings"))
             seen[seed] = where
     by_method: "OrderedDict[str, List[Dict[str, Any]]]" = OrderedDict()
     for g in groups.values():
