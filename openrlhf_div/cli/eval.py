@@ -221,6 +221,12 @@ def run(args) -> int:
     if not examples:
         print("error: no examples loaded", file=sys.stderr)
         return 2
+    role, run_folder = resolve_role(args)
+    if role is None:
+        print("error: --role is required: --model is not inside a train run folder (none holds run_info.json) "
+              "and --out is not one; pass --role base (the model before RL) or --role trained (a trained model)",
+              file=sys.stderr)
+        return 2
     mismatch = []
     try:
         base = read_eval_json(args.base_results) if args.base_results else None
@@ -237,12 +243,6 @@ def run(args) -> int:
         print(f"error: --base-results: {exc}", file=sys.stderr)
         return 2
 
-    role, run_folder = resolve_role(args)
-    if role is None:
-        print("error: --role is required: --model is not inside a train run folder (none holds run_info.json) "
-              "and --out is not one; pass --role base (the model before RL) or --role trained (a trained model)",
-              file=sys.stderr)
-        return 2
     t0 = time.time()
     try:
         gen_fn, tokenizer, engine = make_generate_fn(args.model, engine=args.engine, device=args.device,
