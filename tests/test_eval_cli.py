@@ -92,10 +92,11 @@ def test_eval_command_end_to_end(model_dir, tmp_path, capsys):
                "--data", os.path.join(FIX, "math", "aime24.jsonl"), "--n", "4", "--k", "1,2,4", "--temperature", "1.0",
                "--top-p", "0.95", "--greedy", "--max-new-tokens", "6", "--batch-size", "4", "--engine", "hf",
                "--limit", "2",
-               "--out", str(out), "--no-progress", "--task-opt", "timeout=2", "--task-opt", "num_workers=2"])
+               "--out", str(out), "--no-progress", "--task-opt", "timeout=2", "--task-opt", "num_workers=2",
+               "--role", "base"])
     assert rc == 0
     data = json.load(open(out / "eval.json"))
-    assert data["format"] == "openrlhf-div.eval/2" and data["role"] == "base"
+    assert data["format"] == "openrlhf-div.eval/2" and data["role"] == "base" and data["seed"] is None
     assert set(data["by_source"]) == {"math500", "aime24", "all"}
     assert data["by_source"]["math500"]["problems"] == 2 and data["by_source"]["aime24"]["problems"] == 2
     for m in data["by_source"].values():
@@ -131,7 +132,7 @@ def test_eval_command_end_to_end(model_dir, tmp_path, capsys):
     rc = main(args + ["--allow-mismatch"])
     assert rc == 0
     data2 = json.load(open(out2 / "eval.json"))
-    assert data2["role"] == "method" and any("max_new_tokens" in d for d in data2["info"]["settings_mismatch"])
+    assert data2["role"] == "trained" and any("max_new_tokens" in d for d in data2["info"]["settings_mismatch"])
     m = data2["by_source"]["aime24"]
     assert m["problems"] == 3 and m["keep_explore_problems"] == 2  # the base run saw 2 of the 3
     assert "keep_rate" in m and "explore_rate" in m
@@ -150,7 +151,7 @@ def test_eval_command_errors(model_dir, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     # sql without db_root: a clear error before any generation
     assert main(["eval", "--model", model_dir, "--task", "sql", "--data", os.path.join(FIX, "sql", "spider_dev.json"),
-                 "--engine", "hf", "--n", "1", "--k", "1", "--no-progress"]) == 2
+                 "--engine", "hf", "--n", "1", "--k", "1", "--no-progress", "--role", "base"]) == 2
     assert "db_root" in capsys.readouterr().err
 
 
@@ -193,7 +194,7 @@ def test_eval_defaults_to_the_engine_sampler_and_samples_carry_everything(model_
     out = tmp_path / "run"
     rc = main(["eval", "--model", model_dir, "--task", "math", "--data", os.path.join(FIX, "math", "math500.jsonl"),
                "--n", "2", "--k", "1", "--max-new-tokens", "5", "--limit", "2", "--out", str(out), "--no-progress",
-               "--task-opt", "timeout=2", "--task-opt", "num_workers=1"])
+               "--task-opt", "timeout=2", "--task-opt", "num_workers=1", "--role", "base"])
     assert rc == 0
     assert json.load(open(out / "eval.json"))["settings"]["engine"] == "local"  # vllm is not installed here
     samples = [json.loads(line) for line in open(out / "samples.jsonl")]
@@ -204,3 +205,43 @@ def test_eval_defaults_to_the_engine_sampler_and_samples_carry_everything(model_
         assert all(isinstance(t, bool) for t in s["truncated"])
     # 5 tokens are too few for this random model to end: at least one sample is marked truncated
     assert any(t for s in samples for t in s["truncated"])
+
+
+def test_eval_role_is_explicit_or_read_from_a_train_run_folder(model_dir, tmp_path, capsys):
+    """Issue 39 defect 6: following compare's hint (`openrlhf-div eval --model RUN/final_model ...
+    --out DIR`) evaluated a trained model as `role: base` by default, and the report then said "RL
+    raises pass@1 over the base: NO". A model inside a train run folder is `trained` (with the run's
+    seed); a model of unknown provenance needs --role; every hint printing an eval command names it."""
+    import shutil
+
+    from openrlhf_div.eval.results import load_run
+
+    run = tmp_path / "runs" / "grpo"
+    shutil.copytree(model_dir, run / "final_model")
+    (run / "run_info.json").write_text(json.dumps({"seed": 5, "engine": "local", "experiment": None,
+                                                   "method": {"name": "dph_js"}}))
+    common = ["--task", "math", "--data", os.path.join(FIX, "math", "math500.jsonl"), "--n", "2", "--k", "1",
+              "--max-new-tokens", "3", "--limit", "1", "--engine", "hf", "--no-progress", "--task-opt", "timeout=2",
+              "--task-opt", "num_workers=1"]
+    out = tmp_path / "ev_trained"
+    assert main(["eval", "--model", str(run / "final_model"), *common, "--out", str(out)]) == 0
+    d = json.load(open(out / "eval.json"))
+    assert d["role"] == "trained" and d["seed"] == 5 and d["info"]["run_dir"] == str(run) and d["name"] == "dph_js"
+    assert d["info"]["eval_seed"] == 0  # the sampling seed is not passed off as a training seed
+    # compare reads the run's seed and engine through the recorded run folder
+    prov = load_run(str(out))["_provenance"]
+    assert (prov["seed"], prov["engine"], prov["settings"]) == (5, "local", None)
+    # a model of unknown provenance: refused in one line naming --role
+    capsys.readouterr()
+    assert main(["eval", "--model", model_dir, *common, "--out", str(tmp_path / "ev_unknown")]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]
+    assert len(err) == 1 and "--role base" in err[0] and "--role trained" in err[0], err
+    assert not (tmp_path / "ev_unknown").exists()
+    assert main(["eval", "--model", model_dir, *common, "--out", str(tmp_path / "ev_base"), "--role", "base"]) == 0
+    b = json.load(open(tmp_path / "ev_base" / "eval.json"))
+    assert b["role"] == "base" and b["seed"] is None
+    # compare's hint for a train run folder without eval.json names the role
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "config.yaml").write_text("task: math\n")
+    with pytest.raises(FileNotFoundError, match=r"openrlhf-div eval --model .* --role trained --out"):
+        load_run(str(tmp_path / "bare"))

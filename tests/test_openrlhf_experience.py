@@ -305,6 +305,53 @@ def test_rollout_stats_exclude_anchor_rows():
     assert stats["rollout/num_anchor_samples"] == 6.0
 
 
+def test_logged_reward_and_correct_are_the_online_rows_only():
+    """Issue 39 defect 3: on the Ray path `train/reward` / `train/correct` (metrics.jsonl and
+    TensorBoard) counted DPH's anchor rows as reward 0 and `div_correct` counted them as correct.
+    A step's logged status is the policy actor's (OpenRLHF reduces each per-row figure over all the
+    rows it trained on, anchors included) updated with the controller's rollout stats; the
+    controller's figures must make every per-row key the online rows' mean, with the anchors under
+    keys of their own."""
+    from openrlhf_div.engines.openrlhf.actor import DivActorPPOTrainer
+    from openrlhf_div.engines.openrlhf.trainer import _DivPPOTrainer
+    from openrlhf_div.engines.contract import anchor_rows
+
+    rewards = [1, 1, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0]  # 4 of 12 online rows correct
+    r, old, mask, lens = _fake_rollout(6, rewards=rewards)
+    exps = _micro_batches(r, old, mask, lens)
+    for e in exps:
+        e.info["correct"] = e.info["reward"].clone()  # the reward function's extra_logs["correct"]
+    exps = _maker(get_method("dph_js"), pool=AnchorSampler(_records(2), seed=0)).compute_advantages_and_returns(exps)
+    mixed = [append_rows(e, anchor_experience(_records(2, seed=i), 0, info_keys=[k for k in e.info
+                                                                                if k not in ("div_anchor", "div_correct")]), 0)
+             for i, e in enumerate(exps)]
+    # the actor's status, as OpenRLHF's ppo_train reduces it (sample-weighted over every row)
+    actor = object.__new__(DivActorPPOTrainer)
+    actor.actor_scheduler = NS(get_last_lr=lambda: [0.0])
+    sums, rows = {}, 0
+    for e in mixed:
+        B = int(e.sequences.shape[0])
+        st = actor._status(e, torch.tensor(0.0), {}, anchor_rows(e.info, B), False)
+        for k in ("reward", "correct", "div_correct"):
+            sums[k] = sums.get(k, 0.0) + float(st["metrics"][k].float().mean()) * B
+        rows += B
+    status = {k: v / rows for k, v in sums.items()}
+    assert status["reward"] < 4 / 12 and status["div_correct"] > 4 / 12  # what the old logs showed
+    tr = object.__new__(_DivPPOTrainer)
+    tr.experience_maker = NS(last_num_anchors=6)
+    status.update(tr._compute_rollout_stats(mixed))  # OpenRLHF's train_step merges them so
+    assert status["reward"] == pytest.approx(4 / 12) == status["rollout/reward_mean"]
+    assert status["correct"] == pytest.approx(4 / 12) and status["div_correct"] == pytest.approx(4 / 12)
+    assert status["return"] == pytest.approx(4 / 12)
+    assert status["anchor/num_samples"] == 6.0
+    an_len = [len(rec.response_ids) for i in range(3) for rec in _records(2, seed=i)]
+    assert status["anchor/response_length"] == pytest.approx(sum(an_len) / 6)
+    # a method without anchors: the same figures as the actor's (nothing to exclude)
+    plain = _maker(get_method("grpo")).compute_advantages_and_returns(_micro_batches(r, old, mask, lens))
+    st = tr._compute_rollout_stats(plain)
+    assert st["reward"] == pytest.approx(4 / 12) and "anchor/num_samples" not in st
+
+
 def test_maker_reads_d_pef_through_the_shared_reader(tmp_path):
     """The experience maker reads D_pef with the engine-neutral reader: an empty D_pef names the
     pre-sampling histogram and --presample.tau, and base log-probs pre-sampled at another

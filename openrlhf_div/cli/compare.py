@@ -6,12 +6,19 @@ Each RUN_DIR is an eval output (a folder holding ``eval.json``, format:
 :mod:`openrlhf_div.eval.results`, written by ``openrlhf-div eval`` / ``demo`` / ``train``) or a
 ``train`` run directory: its in-training evaluation (``eval.json``), or, when it has none, its
 final model is evaluated on its config's ``data.eval`` first. ``NAME=RUN_DIR`` names a run
-(default: from the eval.json; ``.../grpo/seed1`` without a seed gives seed 1). Exactly one run
-has ``role: base``, or name it with ``--base``. Runs of one method name with different
-seeds are averaged (mean +- sd). Runs evaluated with different settings (n, temperature,
-top_p, max_new_tokens, grading, data, keep_k) are refused with the list of differences unless
+(default: from the eval.json). Exactly one run has ``role: base``, or name it with ``--base``
+(without one, a run folder's ``eval_step0.json``).
+
+Runs are grouped by what they ran (method, engine, the resolved settings of the run folder's
+``run_info.json`` except the seed, evaluation settings); a group's runs are its seeds (mean +-
+sd). A method whose runs differ in a setting gets one row per setting, labelled by the differing
+keys (``dph_js [method.anchor_eta=0.3]``); a repeated (method, settings, seed) is refused in one
+line; a seed is never invented (``unknown`` when no file records it); rows that differ in
+anything but the method's own settings, and runs whose settings are unknown, are flagged at the
+top of the report. Runs evaluated with different settings (n, temperature, top_p,
+max_new_tokens, grading, data, keep_k) are refused with the list of differences unless
 ``--allow-mismatch`` (the report then says so). Writes metrics.json, report.md, passk.png,
-styles.png.
+styles.png. Rules: docs/demo.md.
 """
 from __future__ import annotations
 

@@ -2,7 +2,12 @@
 exploration rates of a model on one or more dataset files.
 
     openrlhf-div eval --model PATH --task math --data aime24.jsonl --data math500.jsonl \\
-        --n 16 --k 1,8,16 --temperature 0.6 --top-p 0.95 --greedy --out runs/eval/qwen
+        --n 16 --k 1,8,16 --temperature 0.6 --top-p 0.95 --greedy --role base --out runs/eval/qwen
+
+``--role`` says what the model is for ``compare``: ``base`` (the model before RL) or ``trained``.
+It is inferred only from a train run folder (``--model`` inside one, e.g. ``RUN/final_model``, or
+``--out`` being one: ``trained``, and the run's seed is recorded) or from ``--base-results``
+(``trained``); otherwise it is required.
 
 Writes ``eval.json`` (the project's one results format, :mod:`openrlhf_div.eval.results`),
 ``results.md`` and ``samples.jsonl`` into ``--out``. Generation uses
@@ -62,10 +67,12 @@ def add_parser(sub) -> None:
     p.add_argument("--base-results", default=None,
                    help="a base model's eval.json (or its folder): adds keep / exploration rates; it must have been "
                         "evaluated with the same n, temperature, top_p, max_new_tokens, grading, data and keep_k")
-    p.add_argument("--name", default=None, help="name of this model in `compare` reports (default: the model's "
-                                                 "folder name)")
-    p.add_argument("--role", choices=["base", "method"], default=None,
-                   help="role in `compare` (default: method with --base-results, else base)")
+    p.add_argument("--name", default=None, help="name of this model in `compare` reports (default: the method of "
+                                                 "its train run folder, else the model's folder name)")
+    p.add_argument("--role", choices=["base", "trained", "method"], default=None,
+                   help="role in `compare`: base (the model before RL) or trained (method: the older spelling). "
+                        "Default: trained when --model is inside a train run folder, --out is one, or "
+                        "--base-results is given; otherwise required")
     p.add_argument("--allow-mismatch", action="store_true",
                    help="use --base-results even when its evaluation settings differ (recorded in eval.json)")
     p.add_argument("--keep-k", type=int, default=None,
@@ -99,6 +106,72 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run)
+
+
+#: how far up from --model a train run folder is looked for (RUN/final_model, RUN/checkpoints/step_N/model)
+RUN_FOLDER_DEPTH = 3
+
+
+def train_run_folder(path: str):
+    """The train run folder ``path`` is or lies in (a folder holding ``run_info.json``, which every
+    engine's run folder has), looking up to :data:`RUN_FOLDER_DEPTH` levels; None when none."""
+    from openrlhf_div.eval.results import RUN_INFO_FILE
+
+    if not path or not os.path.exists(path):
+        return None
+    cur = os.path.abspath(path)
+    for _ in range(RUN_FOLDER_DEPTH + 1):
+        if os.path.isdir(cur) and os.path.isfile(os.path.join(cur, RUN_INFO_FILE)):
+            return cur
+        parent = os.path.dirname(cur)
+        if parent == cur:
+            break
+        cur = parent
+    return None
+
+
+def resolve_role(args):
+    """``(role, run_folder)``: ``--role`` when given, else ``trained`` for a model of a train run
+    folder (or ``--out`` a run folder, or ``--base-results``); ``(None, None)`` when it cannot be
+    told (the caller refuses in one line)."""
+    from openrlhf_div.eval.results import RUN_INFO_FILE
+
+    folder = train_run_folder(args.model)
+    if folder is None and args.out and os.path.isfile(os.path.join(args.out, RUN_INFO_FILE)):
+        folder = os.path.abspath(args.out)
+    if args.role:
+        return ("trained" if args.role == "method" else args.role), folder
+    if folder is not None or args.base_results:
+        return "trained", folder
+    return None, None
+
+
+def _run_info(folder):
+    from openrlhf_div.eval.results import RUN_INFO_FILE
+
+    if not folder:
+        return {}
+    try:
+        with open(os.path.join(folder, RUN_INFO_FILE)) as f:
+            d = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def run_seed(folder):
+    """The seed training used, from a run folder's ``run_info.json`` (None when unknown)."""
+    seed = _run_info(folder).get("seed")
+    return seed if isinstance(seed, int) and not isinstance(seed, bool) else None
+
+
+def run_method(folder):
+    """The method a run folder trained (``run_info.json``'s settings or method), or None."""
+    info = _run_info(folder)
+    name = (info.get("settings") or {}).get("method.name") if isinstance(info.get("settings"), dict) else None
+    if name is None and isinstance(info.get("method"), dict):
+        name = info["method"].get("name")
+    return str(name) if name else None
 
 
 def run(args) -> int:
@@ -148,6 +221,12 @@ def run(args) -> int:
     if not examples:
         print("error: no examples loaded", file=sys.stderr)
         return 2
+    role, run_folder = resolve_role(args)
+    if role is None:
+        print("error: --role is required: --model is not inside a train run folder (none holds run_info.json) "
+              "and --out is not one; pass --role base (the model before RL) or --role trained (a trained model)",
+              file=sys.stderr)
+        return 2
     mismatch = []
     try:
         base = read_eval_json(args.base_results) if args.base_results else None
@@ -186,10 +265,13 @@ def run(args) -> int:
     out = args.out or os.path.join("runs", "eval", f"{os.path.basename(os.path.normpath(args.model))}-{args.task}")
     model = os.path.abspath(args.model) if os.path.exists(args.model) else args.model
     info = {"source": "eval", "data": summaries, "task_options": dict(args.task_opt),
-            "base_results": args.base_results, "settings_mismatch": mismatch, "seconds": round(time.time() - t0, 2)}
-    name = args.name or os.path.basename(os.path.normpath(args.model))
-    role = args.role or ("base" if base is None else "method")
-    paths = write_eval(out, result, name=name, role=role, seed=args.seed, info=info,
+            "base_results": args.base_results, "settings_mismatch": mismatch, "seconds": round(time.time() - t0, 2),
+            "eval_seed": args.seed, "run_dir": run_folder if role == "trained" else None}
+    name = args.name or (run_method(run_folder) if role == "trained" else None) \
+        or os.path.basename(os.path.normpath(args.model))
+    # eval.json's seed is the training run's (compare groups seeds by it), never the sampling seed
+    seed = run_seed(run_folder) if role == "trained" else None
+    paths = write_eval(out, result, name=name, role=role, seed=seed, info=info,
                        model=model, engine=engine, data_paths=list(args.data))
     print(results_markdown(result))
     print(f"wrote {paths['json']}, {paths['markdown']}, {paths['samples']}", file=sys.stderr)

@@ -16,10 +16,15 @@ Input: the base model's metric dict ``M`` and, per method, one ``M`` per seed (s
   distinct correct styles (0..5).
 
 :func:`compare_runs` builds the same report from run directories' ``eval.json`` files
-(``openrlhf-div compare``).
+(``openrlhf-div compare``), one row per group of runs that ran the same thing
+(:func:`group_runs`); its ``metrics.json`` adds, per row, ``provenance`` (``method``, ``engine``,
+``experiment``, ``seeds``, ``settings``, ``settings_known``, ``runs``), and at the top ``flags``
+(:func:`comparability_flags`), ``evaluation`` (the shared evaluation settings) and
+``base_provenance``; ``seeds`` lists each run's own seed, ``"unknown"`` where no file records it.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -139,11 +144,18 @@ def _columns(metrics: Mapping[str, Any], style_split: Optional[str]) -> List[Tup
 
 
 def _table(rows: Sequence[Tuple[str, Mapping[str, Any]]], cols: Sequence[Tuple[str, str]]) -> str:
-    head = "| model | " + " | ".join(h for h, _ in cols) + " |"
-    sep = "|---|" + "---|" * len(cols)
+    # rows built by `compare` carry what produced them: their engine and seeds go in the table
+    prov = any(isinstance(M.get("provenance"), Mapping) for _, M in rows)
+    head = "| model | " + ("engine | seeds | " if prov else "") + " | ".join(h for h, _ in cols) + " |"
+    sep = "|---|" + ("---|---|" if prov else "") + "---|" * len(cols)
     lines = [head, sep]
     for name, M in rows:
-        lines.append(f"| {name} | " + " | ".join(_fmt(M, p) for _, p in cols) + " |")
+        extra = ""
+        if prov:
+            p = M.get("provenance") or {}
+            extra = (f"{p.get('engine', '-')} | {', '.join(str(s) for s in p.get('seeds', [])) or '-'} | "
+                     if p else "- | - | ")
+        lines.append(f"| {name} | " + extra + " | ".join(_fmt(M, p) for _, p in cols) + " |")
     return "\n".join(lines)
 
 
@@ -375,7 +387,7 @@ def plot_styles(metrics: Mapping[str, Any], path: str, split: Optional[str] = No
 # ------------------------------------------------------------------ the report
 def write_report(out_dir: str, metrics: Mapping[str, Any], *, settings: Optional[Mapping[str, Any]] = None,
                  notes: Sequence[str] = (), style_split: Optional[str] = "auto",
-                 title: Optional[str] = None, intro: str = "") -> Dict[str, str]:
+                 title: Optional[str] = None, intro: str = "", keep_k: int = 8) -> Dict[str, str]:
     """Write ``metrics.json``, ``report.md``, ``passk.png`` and ``styles.png`` into ``out_dir``.
 
     ``settings``: ``{model name: {setting: value}}`` printed per method; ``notes``: markdown
@@ -402,8 +414,10 @@ def write_report(out_dir: str, metrics: Mapping[str, Any], *, settings: Optional
     base = metrics["base"]
     md += [f"{base.get('n_problems', '?')} evaluation problems x {base.get('n_samples', '?')} samples each; "
            f"methods: mean ± sd over {'/'.join(map(str, seeds))} seed(s). pass@k is the unbiased estimator; "
-           "keep / explore use the first 8 samples of each problem (one pass@8 draw) against the base.", ""]
+           f"keep / explore use the first {keep_k} samples of each problem (one pass@{keep_k} draw) against the base.",
+           ""]
     md += ["## Comparison", "", _table(rows, _columns(metrics, style_split)), ""]
+    md += provenance_markdown(metrics)
     if has_styles:
         md += [f"## Style mix{f' (split {style_split})' if style_split else ''}", "",
                "Share of *correct* samples in each style (in brackets: the share of that style's samples "
@@ -451,6 +465,162 @@ def step0_base(evals: Sequence[Mapping[str, Any]]) -> Tuple[Dict[str, Any], str]
                      "(local: eval.at_start=true; Ray: --eval.dataset FILE)")
 
 
+def _val(v: Any) -> str:
+    """A setting's value as the report prints it (JSON for dicts and lists)."""
+    if isinstance(v, (dict, list)):
+        return json.dumps(v, sort_keys=True, default=str)
+    return "unset" if v is _UNSET else str(v)
+
+
+_UNSET = object()
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is _UNSET or b is _UNSET:
+        return a is b
+    return json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
+
+
+def _differing(dicts: Sequence[Optional[Mapping[str, Any]]], keys: Optional[Iterable[str]] = None) -> List[str]:
+    """The keys on which the known (non-None) ``dicts`` disagree (a key one of them lacks counts)."""
+    known = [d for d in dicts if d is not None]
+    if len(known) < 2:
+        return []
+    allk = list(dict.fromkeys(k for d in known for k in d)) if keys is None else list(keys)
+    return [k for k in allk if any(not _same(known[0].get(k, _UNSET), d.get(k, _UNSET)) for d in known[1:])]
+
+
+def _eval_key(settings: Mapping[str, Any]) -> Dict[str, Any]:
+    from .results import COMPARED_SETTINGS, _setting
+
+    return {f"eval {k}": _setting(settings, k) for k in COMPARED_SETTINGS}
+
+
+def group_runs(evals: Sequence[Mapping[str, Any]]) -> "OrderedDict[str, Dict[str, Any]]":
+    """Runs grouped by what they ran: (method name, engine, training settings except the seed,
+    evaluation settings). Returns ``{row label: {"method", "engine", "settings", "eval",
+    "runs": [eval dicts]}}`` in first-seen order. A method whose runs fall into several groups gets
+    one row per group, labelled by the keys that differ, e.g. ``dph_js [method.anchor_eta=0.3]``
+    (``[settings unknown]`` for runs whose run folder does not record them). Raises
+    ``ValueError`` for a repeated (method, settings, seed): a repeat is not a second seed."""
+    groups: "OrderedDict[str, Dict[str, Any]]" = OrderedDict()
+    for e in evals:
+        prov = e["_provenance"]
+        ev = _eval_key(e["settings"])
+        key = json.dumps([e["name"], prov["engine"], prov["settings"], ev], sort_keys=True, default=str)
+        g = groups.setdefault(key, {"method": e["name"], "engine": prov["engine"], "settings": prov["settings"],
+                                    "eval": ev, "runs": []})
+        g["runs"].append(e)
+    for g in groups.values():
+        seen: Dict[int, str] = {}
+        for e in g["runs"]:
+            seed, where = e["_provenance"]["seed"], os.path.dirname(e["_path"])
+            if seed is None:
+                continue
+            if seed in seen:
+                what = "the same settings" if g["settings"] is not None else "unknown settings"
+                raise ValueError(f"compare: {seen[seed]} and {where} are both {g['method']} seed {seed} with {what} "
+                                 f"on engine {g['engine']}: a repeat is not a second seed; pass one of them"
+                                 + ("" if g["settings"] is not None else
+                                    ", or name them apart (NAME=DIR) if they ran different settings"))
+            seen[seed] = where
+    by_method: "OrderedDict[str, List[Dict[str, Any]]]" = OrderedDict()
+    for g in groups.values():
+        by_method.setdefault(g["method"], []).append(g)
+    out: "OrderedDict[str, Dict[str, Any]]" = OrderedDict()
+    for name, gs in by_method.items():
+        skeys = _differing([g["settings"] for g in gs])
+        ekeys = _differing([g["eval"] for g in gs])
+        engines = len({g["engine"] for g in gs}) > 1
+        for g in gs:
+            parts = [f"engine={g['engine']}"] if engines else []
+            if g["settings"] is None:
+                parts.append("settings unknown")
+            else:
+                parts += [f"{k}={_val(g['settings'].get(k, _UNSET))}" for k in skeys]
+            parts += [f"{k}={_val(g['eval'].get(k))}" for k in ekeys]
+            label = f"{name} [{', '.join(parts)}]" if parts and len(gs) > 1 else name
+            base_label, i = label, 2
+            while label in out:
+                label, i = f"{base_label} #{i}", i + 1
+            out[label] = g
+    return out
+
+
+def comparability_flags(groups: Mapping[str, Mapping[str, Any]]) -> List[str]:
+    """One line per thing that makes the rows not comparable: a training setting every row has,
+    other than the method's own (``method.*``), that differs between rows (prompts, grading, data,
+    evaluation, budget, model), runs whose settings are unknown, runs of unknown seed."""
+    flags: List[str] = []
+    known = [(label, g) for label, g in groups.items() if g["settings"] is not None]
+    # a key only some rows have belongs to their method (DPH's anchor.* / presample.*): not a flag
+    shared = [k for k in (known[0][1]["settings"] if known else {}) if all(k in g["settings"] for _, g in known)]
+    for k in _differing([g["settings"] for _, g in known], shared):
+        if k.startswith("method."):
+            continue
+        flags.append(f"`{k}` differs between rows: " + ", ".join(
+            f"{label}={_val(g['settings'].get(k, _UNSET))}" for label, g in known))
+    unknown = [label for label, g in groups.items() if g["settings"] is None]
+    if unknown:
+        flags.append("settings unknown for " + ", ".join(unknown) + ": their run folders record no resolved "
+                     "settings (run_info.json without \"settings\": written before it was recorded, or not a run "
+                     "folder), so compare cannot tell whether they ran the same setup; their runs are grouped by "
+                     "method and engine only")
+    for label, g in groups.items():
+        n_unknown = sum(e["_provenance"]["seed"] is None for e in g["runs"])
+        if n_unknown:
+            flags.append(f"{label}: {n_unknown} run(s) of unknown seed (no seed in run_info.json or eval.json)"
+                         + (": they may repeat one seed" if len(g["runs"]) > 1 else ""))
+        for e in g["runs"]:
+            for note in e["_provenance"]["notes"]:
+                flags.append(f"{label} ({os.path.dirname(e['_path'])}): {note}")
+    return flags
+
+
+def _provenance_of(g: Mapping[str, Any], seeds: Sequence[Any]) -> Dict[str, Any]:
+    return {"method": g["method"], "engine": g["engine"],
+            "experiment": sorted({str(e["_provenance"]["experiment"]) for e in g["runs"]
+                                  if e["_provenance"]["experiment"] is not None}) or None,
+            "seeds": list(seeds), "settings": g["settings"],
+            "settings_known": g["settings"] is not None,
+            "runs": [{"path": os.path.dirname(e["_path"]), "seed": e["_provenance"]["seed"],
+                      "run_dir": e["_provenance"]["run_dir"]} for e in g["runs"]]}
+
+
+def provenance_markdown(metrics: Mapping[str, Any]) -> List[str]:
+    """The report's "What produced each row" section: per row its engine, experiment, seeds and run
+    folders; the training settings every row shares once, then each row's own."""
+    rows = [(label, M["provenance"]) for label, M in (metrics.get("methods") or {}).items()
+            if isinstance(M, Mapping) and M.get("provenance")]
+    if not rows:
+        return []
+    md = ["## What produced each row", "",
+          "| row | engine | experiment | seeds | run folders |", "|---|---|---|---|---|"]
+    for label, p in rows:
+        seeds = ", ".join(str(s) for s in p["seeds"])
+        md.append(f"| {label} | {p['engine']} | {', '.join(p['experiment'] or ['-'])} | {seeds} | "
+                  + "<br>".join(f"`{r['path']}`" for r in p["runs"]) + " |")
+    ev = metrics.get("evaluation") or {}
+    if ev:
+        md += ["", "Evaluation (the base's; every row's agrees unless --allow-mismatch says otherwise above): "
+               + ", ".join(f"`{k}={_val(v)}`" for k, v in ev.items())]
+    known = [p["settings"] for _, p in rows if p["settings"] is not None]
+    differ = set(_differing(known))
+    common = {k: v for k, v in (known[0] if known else {}).items() if k not in differ}
+    md.append("")
+    if common:
+        md += ["Training settings of every row (seed aside)" + (" with known settings" if len(known) < len(rows)
+                                                                 else "") + ": "
+               + ", ".join(f"`{k}={_val(v)}`" for k, v in sorted(common.items())), ""]
+    for label, p in rows:
+        if p["settings"] is None:
+            md.append(f"- **{label}**: settings unknown")
+        elif differ:
+            md.append(f"- **{label}**: " + ", ".join(f"`{k}={_val(p['settings'].get(k, _UNSET))}`"
+                                                    for k in sorted(differ)))
+    return md + [""]
+
+
 def compare_runs(run_dirs: Iterable[str], out_dir: str, *, base_dir: Optional[str] = None,
                  style_split: Optional[str] = "auto", allow_mismatch: bool = False,
                  evaluate_missing: Optional[Callable[[str], Any]] = None) -> Dict[str, str]:
@@ -459,11 +629,15 @@ def compare_runs(run_dirs: Iterable[str], out_dir: str, *, base_dir: Optional[st
     ``evaluate_missing``).
 
     The base is ``base_dir``, the one run with ``role == "base"``, or else the step-0
-    evaluation a run holds (:func:`step0_base`); the report and stderr say which. Methods are grouped by
-    ``name``; runs of one name with different seeds are aggregated. Keep / explore rates are
-    recomputed against this base (at the runs' ``keep_k``). Runs evaluated with different
-    settings (:func:`~.results.settings_differences`) are an error listing the differences,
-    unless ``allow_mismatch``: then the report says so at the top.
+    evaluation a run holds (:func:`step0_base`); the report and stderr say which. Runs are grouped
+    by what they ran (:func:`group_runs`: method, engine, training settings except the seed,
+    evaluation settings); a group's runs are its seeds (mean +- sd), a repeated seed is an error,
+    a method whose runs differ in a setting gets one row per setting. What makes rows not
+    comparable is flagged at the top of the report (:func:`comparability_flags`), and every row
+    carries its engine, seeds, settings and run folders (``metrics.json``: ``provenance``).
+    Keep / explore rates are recomputed against this base (at the runs' ``keep_k``). Runs
+    evaluated with different settings (:func:`~.results.settings_differences`) are an error
+    listing the differences, unless ``allow_mismatch``: then the report says so at the top.
     """
     evals = [load_run(d, evaluate_missing=evaluate_missing) for d in run_dirs]
     base_note = ""
@@ -490,28 +664,47 @@ def compare_runs(run_dirs: Iterable[str], out_dir: str, *, base_dir: Optional[st
     mismatch = check_settings(list(zip(labels, [e["settings"] for e in everyone])), allow_mismatch)
     keep_k = int(base_eval["settings"].get("keep_k") or 8)
     base_M = dict(base_eval["metrics"])
-    methods: Dict[str, Dict[Any, Dict[str, Any]]] = OrderedDict()
-    settings: Dict[str, Any] = {}
     base_problems = base_eval.get("problems")
-    for e in evals:
-        if e["_path"] == base_eval["_path"] or e["role"] == "base":
-            continue
-        M = dict(e["metrics"])
-        if base_problems and e.get("problems"):
-            ids = {p["id"] for p in base_problems}
-            if ids != {p["id"] for p in e["problems"]}:
-                raise ValueError(f"compare: run {e['name']!r} (seed {e.get('seed')}) was evaluated on other "
-                                 f"problems than the base; evaluate both on the same set")
-            redo = model_metrics(e["problems"], base=base_problems, keep_k=keep_k)
-            M["keep_rate"], M["explore_rate"] = redo["keep_rate"], redo["explore_rate"]
-        per_seed = methods.setdefault(e["name"], OrderedDict())
-        seed = e.get("seed")
-        key = seed if seed is not None and seed not in per_seed else len(per_seed)
-        per_seed[key] = M
-        settings[e["name"]] = {k: v for k, v in e["settings"].items() if not isinstance(v, (dict, list))}
-    metrics = build_metrics(next(iter(tasks)), base_M, methods, settings_mismatch=mismatch)
+    trained = [e for e in evals if not (e["_path"] == base_eval["_path"] or e["role"] == "base")]
+    groups = group_runs(trained)
+    methods: Dict[str, Dict[Any, Dict[str, Any]]] = OrderedDict()
+    seeds_of: Dict[str, List[Any]] = {}
+    for label, g in groups.items():
+        per_seed = methods.setdefault(label, OrderedDict())
+        for e in g["runs"]:
+            M = dict(e["metrics"])
+            if base_problems and e.get("problems"):
+                ids = {p["id"] for p in base_problems}
+                if ids != {p["id"] for p in e["problems"]}:
+                    raise ValueError(f"compare: run {e['name']!r} ({os.path.dirname(e['_path'])}) was evaluated on "
+                                     f"other problems than the base; evaluate both on the same set")
+                redo = model_metrics(e["problems"], base=base_problems, keep_k=keep_k)
+                M["keep_rate"], M["explore_rate"] = redo["keep_rate"], redo["explore_rate"]
+            seed = e["_provenance"]["seed"]
+            key: Any = seed
+            if seed is None:
+                key, i = "unknown", 2
+                while key in per_seed:
+                    key, i = f"unknown#{i}", i + 1
+            per_seed[key] = M
+        seeds_of[label] = ["unknown" if s is None else s for s in (e["_provenance"]["seed"] for e in g["runs"])]
+    flags = comparability_flags(groups)
+    metrics = build_metrics(next(iter(tasks)), base_M, methods, settings_mismatch=mismatch, flags=flags)
+    for label, g in groups.items():
+        metrics["methods"][label]["seeds"] = seeds_of[label]
+        metrics["methods"][label]["provenance"] = _provenance_of(g, seeds_of[label])
+    metrics["base_provenance"] = {"path": os.path.dirname(base_eval["_path"]), "note": base_note}
+    metrics["evaluation"] = {**{k: v for k, v in base_eval["settings"].items()
+                                if not isinstance(v, (dict, list)) or k == "ks"},
+                             "data_hash": (base_eval["settings"].get("data") or {}).get("hash")}
     intro = f"**Base.** {base_note[len('base: '):]}." if base_note else ""
     if mismatch:
         intro += ("\n\n" if intro else "") + ("**Warning: these runs were evaluated with different settings (compared with --allow-mismatch); "
                  "their numbers are not directly comparable:**\n\n" + "\n".join(f"- {d}" for d in mismatch))
-    return write_report(out_dir, metrics, settings=settings, style_split=style_split, intro=intro)
+    if flags:
+        intro += ("\n\n" if intro else "") + ("**Warning: the rows did not all run the same setup** (rows are never "
+                                              "averaged across settings; read these before comparing):\n\n"
+                                              + "\n".join(f"- {f}" for f in flags))
+    for f in flags:
+        print(f"compare: warning: {f}", file=sys.stderr)
+    return write_report(out_dir, metrics, style_split=style_split, intro=intro, keep_k=keep_k)

@@ -38,14 +38,18 @@ The one results file of every evaluation (``openrlhf-div eval``, the demo, the l
 in-training evaluation, the OpenRLHF driver's vLLM evaluation) is ``eval.json``
 (:func:`write_eval`), written next to ``samples.jsonl`` (texts) and ``results.md`` (a table)::
 
-    {"format": "openrlhf-div.eval/2", "task": "demo", "name": "grpo", "role": "method", "seed": 0,
+    {"format": "openrlhf-div.eval/2", "task": "demo", "name": "grpo", "role": "trained", "seed": 0,
      "settings": {"n", "ks", "temperature", "top_p", "max_new_tokens", "greedy", "keep_k",
                   "grading", "data": {"hash", "problems", "paths"}, "model", "engine", ...},
      "metrics": M, "by_source": {source: {pass@k, mean@n, greedy, mean_reward, dist-m, ...}},
      "info": {caller's provenance: training step, demo settings, timing, ...},
      "problems": [per-problem records: id, source, correct, styles, rewards, reasons, ...]}
 
-``role`` is ``"base"`` or ``"method"``; ``problems`` carries no texts, so ``openrlhf-div
+``role`` is ``"base"`` (the model before RL) or ``"trained"`` (a trained model; ``"method"``, the
+older spelling, is read as ``"trained"``). ``seed`` is the seed of the *training* run the model
+came from (``None`` when unknown, and for a base model); ``openrlhf-div eval`` keeps its own
+sampling seed in ``info["eval_seed"]`` and, for a model of a run folder, that folder in
+``info["run_dir"]``. ``problems`` carries no texts, so ``openrlhf-div
 compare`` can recompute keep / explore rates against any base. ``settings`` is what makes two
 evaluations comparable: :func:`settings_differences` lists where two runs differ
 (``compare`` and ``eval --base-results`` refuse such runs unless told to allow them).
@@ -55,7 +59,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -196,12 +199,24 @@ def data_hash(examples: Sequence[Mapping[str, Any]]) -> str:
     return hashlib.sha256("\n".join(rows).encode()).hexdigest()[:16]
 
 
+#: the roles an eval.json may carry; "method" is the older spelling of "trained"
+ROLES = ("base", "trained")
+
+
+def normalize_role(role: Any) -> str:
+    """``"base"`` or ``"trained"`` (``"method"`` read as ``"trained"``); anything else is an error."""
+    if role == "method":
+        return "trained"
+    if role not in ROLES:
+        raise ValueError(f"eval.json role must be 'base' or 'trained', got {role!r}")
+    return role
+
+
 def write_eval_json(run_dir: str, *, task: str, name: str, role: str, metrics: Mapping[str, Any],
                     problems: Sequence[Mapping[str, Any]], settings: Mapping[str, Any], seed: Optional[int] = None,
                     by_source: Optional[Mapping[str, Any]] = None, info: Optional[Mapping[str, Any]] = None) -> str:
     """Write ``run_dir/eval.json`` (the format in the module docstring); returns its path."""
-    if role not in ("base", "method"):
-        raise ValueError(f"eval.json role must be 'base' or 'method', got {role!r}")
+    role = normalize_role(role)
     path = os.path.join(run_dir, EVAL_FILE)
     atomic_write_json(path, {
         "format": EVAL_FORMAT, "task": task, "name": name, "role": role, "seed": seed,
@@ -242,7 +257,7 @@ def results_markdown(result: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_eval(out_dir: str, result: Mapping[str, Any], *, name: str, role: str = "method",
+def write_eval(out_dir: str, result: Mapping[str, Any], *, name: str, role: str = "trained",
                seed: Optional[int] = None, info: Optional[Mapping[str, Any]] = None,
                **settings: Any) -> Dict[str, str]:
     """Write an :func:`openrlhf_div.eval.evaluate.evaluate` result into ``out_dir``:
@@ -292,6 +307,10 @@ def read_eval_json(path: str) -> Dict[str, Any]:
     for key in ("task", "name", "role", "metrics", "settings"):
         if key not in d:
             raise ValueError(f"{path}: eval.json lacks the {key!r} field")
+    try:
+        d["role"] = normalize_role(d["role"])
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
     return d
 
 
@@ -334,7 +353,68 @@ def check_settings(runs: Sequence[Tuple[str, Mapping[str, Any]]], allow_mismatch
     return diffs
 
 
-_SEED_DIR = re.compile(r"seed[_-]?(\d+)$")
+RUN_INFO_FILE = "run_info.json"
+#: settings keys that name the seed (never part of what a group of seeds shares)
+SEED_KEYS = ("seed", "train.seed")
+
+
+def _int_seed(v: Any) -> Optional[int]:
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def run_provenance(d: Mapping[str, Any]) -> Dict[str, Any]:
+    """What produced one evaluated run (``d``: an :func:`load_run` dict), for ``compare``.
+
+    Read from the run folder's ``run_info.json`` (next to the ``eval.json``, or the folder
+    ``info["run_dir"]`` that ``openrlhf-div eval`` records for a model of a run folder):
+
+    - ``seed``: ``run_info.json``'s ``seed`` (the seed training used), else ``eval.json``'s ``seed``
+      (the training seed its writer knew), else ``None`` (unknown; never guessed from a folder name).
+      An ``eval.json`` of an older ``openrlhf-div eval`` (no ``info["eval_seed"]``) held the
+      sampling seed there, not a training seed: unknown;
+    - ``engine``: ``run_info.json``'s (``openrlhf(megatron)`` for the Megatron actor), else the
+      engine of an in-training evaluation, else ``"unknown"``;
+    - ``experiment``; ``settings``: ``run_info.json``'s flat ``{dotted key: value}`` of everything
+      that reached training except the seed, or ``None`` for a folder written before it was
+      recorded (``compare`` flags "settings unknown").
+    """
+    info = d.get("info") or {}
+    here = os.path.dirname(d["_path"])
+    folder = None
+    for cand in (here, info.get("run_dir")):
+        if cand and os.path.isfile(os.path.join(cand, RUN_INFO_FILE)):
+            folder = cand
+            break
+    run_info: Dict[str, Any] = {}
+    notes: List[str] = []
+    if folder is not None:
+        try:
+            with open(os.path.join(folder, RUN_INFO_FILE)) as f:
+                run_info = json.load(f)
+        except (OSError, ValueError) as exc:
+            notes.append(f"{os.path.join(folder, RUN_INFO_FILE)} unreadable ({type(exc).__name__})")
+        if not isinstance(run_info, dict):
+            run_info = {}
+    eval_seed = _int_seed(d.get("seed"))
+    if info.get("source") == "eval" and "eval_seed" not in info:
+        eval_seed = None  # an older `openrlhf-div eval` wrote its sampling seed there
+    seed = _int_seed(run_info.get("seed"))
+    if seed is not None and eval_seed is not None and seed != eval_seed:
+        notes.append(f"eval.json says seed {eval_seed}, run_info.json says {seed}: run_info.json's is used")
+    if seed is None:
+        seed = eval_seed
+    engine = run_info.get("engine")
+    if engine == "openrlhf" and run_info.get("actor_backend") == "megatron":
+        engine = "openrlhf(megatron)"
+    if not engine and info.get("source") == "train":
+        engine = (d.get("settings") or {}).get("engine") or info.get("engine")
+    settings = run_info.get("settings")
+    if isinstance(settings, dict):
+        settings = {k: v for k, v in settings.items() if k not in SEED_KEYS}
+    else:
+        settings = None
+    return {"run_dir": os.path.abspath(folder) if folder else None, "seed": seed, "engine": engine or "unknown",
+            "experiment": run_info.get("experiment"), "settings": settings, "notes": notes}
 
 
 def load_run(spec: str, role: Optional[str] = None, *,
@@ -346,8 +426,8 @@ def load_run(spec: str, role: Optional[str] = None, *,
     evaluation), or a ``train`` run directory without one: ``evaluate_missing(run_dir)`` then
     writes its ``eval.json`` (the command line passes the engine's
     :func:`openrlhf_div.engines.local.evaluation.evaluate_run_dir`, which owns the models; this
-    layer only reads results). ``NAME`` overrides the name; ``.../grpo/seed1`` without a seed in
-    the file gives seed 1.
+    layer only reads results). ``NAME`` overrides the name. The run's seed, engine and settings
+    are :func:`run_provenance`'s (``_provenance``).
     """
     name = None
     if "=" in spec and not os.path.exists(spec):
@@ -358,17 +438,14 @@ def load_run(spec: str, role: Optional[str] = None, *,
         if evaluate_missing is None:
             raise FileNotFoundError(f"{path}: a train run directory without {EVAL_FILE}; evaluate it first "
                                     "(`openrlhf-div compare` does, or `openrlhf-div eval --model "
-                                    f"{os.path.join(path, 'final_model')} ... --out {path}`)")
+                                    f"{os.path.join(path, 'final_model')} ... --role trained --out {path}`)")
         evaluate_missing(path)
     d = read_eval_json(path)
     d["_path"] = os.path.abspath(path if os.path.isfile(path) else os.path.join(path, EVAL_FILE))
-    run_dir = os.path.dirname(d["_path"])
-    if d.get("seed") is None:
-        m = _SEED_DIR.search(os.path.basename(run_dir))
-        if m:
-            d["seed"] = int(m.group(1))
+    d["_provenance"] = prov = run_provenance(d)
+    d["seed"] = prov["seed"]
     if name:
         d["name"] = name
     if role:
-        d["role"] = role
+        d["role"] = normalize_role(role)
     return d

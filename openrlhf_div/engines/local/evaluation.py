@@ -78,7 +78,7 @@ def evaluate_run_dir(run_dir: str) -> str:
     if not cfg.data.eval:
         raise ValueError(f"{run_dir}: a train run without evaluation data (data.eval is unset in {cfg_path}) and "
                          f"no eval.json; evaluate its model with `openrlhf-div eval --model "
-                         f"{os.path.join(run_dir, 'final_model')} ... --out {run_dir}`")
+                         f"{os.path.join(run_dir, 'final_model')} ... --role trained --out {run_dir}`")
     final = os.path.join(run_dir, "final_model")
     step = None
     if os.path.isdir(final):

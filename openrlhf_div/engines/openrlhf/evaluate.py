@@ -3,7 +3,7 @@ them, and ``RUN_DIR/eval.json`` is written for ``openrlhf-div compare``.
 
     python -m openrlhf_div.engines.openrlhf.evaluate --model RUN_DIR/model --task sql \\
         --data data/bird/dev.jsonl --n 16 --temperature 1.0 --top-p 0.95 --max-new-tokens 4096 \\
-        --tp 1 --name dph_js --role method --seed 1 --out RUN_DIR
+        --tp 1 --name dph_js --role trained --seed 1 --out RUN_DIR
 
 This is the project's one evaluation (:func:`openrlhf_div.eval.evaluate.evaluate`) with vLLM as
 the generate function (:func:`openrlhf_div.engines.local.samplers.generate_vllm`) and OpenRLHF's prompt
@@ -120,7 +120,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--data", default=None, help="evaluation JSONL")
     ap.add_argument("--out", required=True, help="run directory to write eval.json into")
     ap.add_argument("--name", required=True, help="method name shown in the report")
-    ap.add_argument("--role", default="method", choices=["base", "method"])
+    ap.add_argument("--role", default="trained", choices=["base", "trained", "method"],
+                    help="base (the model before RL) or trained (method: the older spelling)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n", type=int, default=16, help="samples per problem")
     ap.add_argument("--temperature", type=float, default=1.0)

@@ -39,6 +39,50 @@ def online_view(experiences: List) -> List[SimpleNamespace]:
     return out
 
 
+#: per-row ``info`` keys that describe a row, not a rollout's outcome: never averaged as an outcome
+_ROW_FLAGS = (ANCHOR_FLAG,)
+
+
+def online_step_metrics(experiences: List) -> Dict[str, float]:
+    """The step's per-row figures over the **online rollout rows only**, under OpenRLHF's names
+    (``reward``, ``correct``, ``div_correct``, ``return``, ``no_answer``, ...: every per-row number
+    in ``Experience.info``), plus the ``D_pef`` anchor rows' own keys: ``anchor/num_samples`` and
+    ``anchor/response_length``.
+
+    OpenRLHF's policy actor logs every per-row ``info`` value as a mean over *all* rows of the
+    micro-batches it trained on, so anchor rows (no reward: 0; correct by construction:
+    ``div_correct`` 1) pulled ``reward`` / ``correct`` down and ``div_correct`` up. The controller
+    merges these figures over the actor's (:meth:`_DivPPOTrainer._compute_rollout_stats`), so
+    ``metrics.jsonl`` and TensorBoard's ``train/<key>`` mean the online rollouts on every method."""
+    sums: Dict[str, float] = {}
+    counts: Dict[str, int] = {}
+    n_on = n_an = 0
+    an_len = 0.0
+    for e in experiences:
+        n = int(e.sequences.shape[0])
+        anchor = row_values(e.info, ANCHOR_FLAG, n) > 0.5
+        on = ~anchor
+        n_on += int(on.sum())
+        n_an += int(anchor.sum())
+        if e.response_length is not None and bool(anchor.any()):
+            an_len += float(e.response_length.reshape(-1).float()[anchor].sum())
+        for k, v in (e.info or {}).items():
+            if k in _ROW_FLAGS:
+                continue
+            try:
+                t = row_values(e.info, k, n)
+            except (ValueError, TypeError, RuntimeError):
+                continue  # not one number per row (a scalar, a string): not a per-row figure
+            if bool(on.any()):
+                sums[k] = sums.get(k, 0.0) + float(t[on].sum())
+                counts[k] = counts.get(k, 0) + int(on.sum())
+    out = {k: sums[k] / counts[k] for k in sums if counts.get(k)}
+    if n_an:
+        out["anchor/num_samples"] = float(n_an)
+        out["anchor/response_length"] = an_len / n_an
+    return out
+
+
 def _check_prompts(trainer, args) -> None:
     """No silent truncation: count the training and evaluation prompts over the prompt budget
     (:mod:`openrlhf_div.engines.prompt_budget`); with ``div.drop_long_prompts`` drop them (the
@@ -187,7 +231,10 @@ class _DivPPOTrainer(PPOTrainer.__ray_actor_class__):
         return states
 
     def _compute_rollout_stats(self, experiences) -> Dict:
-        stats = super()._compute_rollout_stats(online_view(experiences))
+        # OpenRLHF's train_step merges these over the actor's status (status.update(rollout_stats)):
+        # the per-row figures below replace the actor's means over online + anchor rows
+        stats = online_step_metrics(experiences)
+        stats.update(super()._compute_rollout_stats(online_view(experiences)))
         stats["rollout/num_anchor_samples"] = float(getattr(self.experience_maker, "last_num_anchors", 0))
         return stats
 

@@ -1,0 +1,127 @@
+"""`compare` groups runs by what they ran (issue 39, defect 1): method, engine and the resolved
+settings a run folder's run_info.json records (seed aside); real seeds only; a repeated seed is
+refused; what makes rows not comparable is flagged; every row says what produced it."""
+import json
+import os
+
+import pytest
+
+from openrlhf_div.cli.main import main
+from openrlhf_div.eval.report import compare_runs
+from openrlhf_div.eval.results import model_metrics, write_eval_json
+
+SETTINGS = {"n": 4, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 8, "keep_k": 4, "grading": "math",
+            "data": {"hash": "h1"}}
+TRAIN = {"method.name": "dph_js", "method.anchor_eta": 0.1, "model.path": "/m", "train.steps": 2,
+         "rollout.prompts_per_step": 8, "rollout.n_samples_per_prompt": 4, "rollout.max_new_tokens": 8,
+         "rollout.temperature": 1.0, "optim.lr": 1e-5, "data.train": "/d/train.jsonl", "data.prompt_field": "prompt",
+         "data.template": "raw", "task.name": "math", "task.options": {"extract": "strict"},
+         "eval.data": "/d/eval.jsonl", "eval.every": 0, "eval.n_samples": 4, "eval.max_new_tokens": 8}
+
+
+def problems(acc_pattern):
+    return [{"id": f"p{i}", "source": "s", "correct": [int(c) for c in pat]} for i, pat in enumerate(acc_pattern)]
+
+
+BASE = problems(["0000", "1000", "0000"])
+
+
+def run_folder(path, name, *, seed, settings=TRAIN, engine="openrlhf", pattern=("1100", "1000", "0000"),
+               eval_seed="same", run_info=True):
+    probs = problems(pattern)
+    write_eval_json(str(path), task="math", name=name, role="trained", metrics=model_metrics(probs), problems=probs,
+                    settings=SETTINGS, seed=seed if eval_seed == "same" else eval_seed,
+                    info={"source": "train", "step": 2})
+    if run_info:
+        info = {"seed": seed, "engine": engine, "experiment": f"tiny_cpu_{name}", "actor_backend": "deepspeed"}
+        if settings is not None:
+            info["settings"] = {**settings, "method.name": name}
+        (path / "run_info.json").write_text(json.dumps(info))
+    return str(path)
+
+
+@pytest.fixture
+def base(tmp_path):
+    write_eval_json(str(tmp_path / "base"), task="math", name="base", role="base",
+                    metrics=model_metrics(BASE, is_base=True), problems=BASE, settings=SETTINGS)
+    return str(tmp_path / "base")
+
+
+def test_a_differing_setting_is_its_own_row_and_seeds_are_the_runs_own(tmp_path, base):
+    """The issue's repro: two tiny_cpu_dph_js runs, one with method.anchor_eta=0.3, both seed 0,
+    were `dph_js 0.172 +- 0.022` over 2 seeds with `seeds: [0, 1]`."""
+    a = run_folder(tmp_path / "a", "dph_js", seed=0)
+    b = run_folder(tmp_path / "b", "dph_js", seed=0, settings={**TRAIN, "method.anchor_eta": 0.3},
+                   pattern=("1111", "1100", "0000"))
+    paths = compare_runs([base, a, b], str(tmp_path / "out"))
+    m = json.load(open(paths["metrics"]))
+    assert list(m["methods"]) == ["dph_js [method.anchor_eta=0.1]", "dph_js [method.anchor_eta=0.3]"]
+    for label, M in m["methods"].items():
+        assert M["n_seeds"] == 1 and M["seeds"] == [0] and "sd" not in M
+        p = M["provenance"]
+        assert p["engine"] == "openrlhf" and p["seeds"] == [0] and p["settings_known"]
+        assert p["settings"]["method.anchor_eta"] == (0.1 if "0.1" in label else 0.3)
+        assert p["experiment"] == ["tiny_cpu_dph_js"] and len(p["runs"]) == 1
+    assert m["methods"]["dph_js [method.anchor_eta=0.3]"]["pass@1"] == pytest.approx(
+        model_metrics(problems(("1111", "1100", "0000")))["pass@1"])
+    md = open(paths["report"]).read()
+    assert "±" not in md.split("## Comparison")[1].split("##")[0]  # one seed each: no spread
+    assert "| dph_js [method.anchor_eta=0.3] | openrlhf | 0 |" in md
+    assert "## What produced each row" in md and "`method.anchor_eta=0.3`" in md and "`data.template=raw`" in md
+    assert m["flags"] == []
+
+
+def test_two_seeds_average_and_a_repeated_seed_is_refused(tmp_path, base, capsys):
+    s3 = run_folder(tmp_path / "s3", "grpo", seed=3)
+    s7 = run_folder(tmp_path / "s7", "grpo", seed=7, pattern=("1111", "0000", "0000"))
+    m = json.load(open(compare_runs([base, s3, s7], str(tmp_path / "out"))["metrics"]))
+    assert list(m["methods"]) == ["grpo"] and m["methods"]["grpo"]["seeds"] == [3, 7]
+    assert m["methods"]["grpo"]["n_seeds"] == 2 and set(m["methods"]["grpo"]["per_seed"]) == {"3", "7"}
+    # two identical seed-0 runs are one run twice, not "+- 0.000 over 2 seeds": refused, naming both
+    r1 = run_folder(tmp_path / "r1", "grpo", seed=0)
+    r2 = run_folder(tmp_path / "r2", "grpo", seed=0)
+    with pytest.raises(ValueError, match=r"both grpo seed 0 with the same settings .*a repeat is not a second seed"):
+        compare_runs([base, r1, r2], str(tmp_path / "o2"))
+    capsys.readouterr()
+    assert main(["compare", base, r1, r2, "--out", str(tmp_path / "o3")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and str(tmp_path / "r1") in err[-1] and str(tmp_path / "r2") in err[-1]  # base line + 1
+
+
+def test_no_seed_is_invented(tmp_path, base):
+    """A folder named seed1 without a seed in run_info.json / eval.json is seed `unknown`, and an
+    older `eval` output's seed (its sampling seed) is not a training seed."""
+    d = tmp_path / "grpo" / "seed1"
+    run_folder(d, "grpo", seed=None, run_info=False)
+    m = json.load(open(compare_runs([base, str(d)], str(tmp_path / "out"))["metrics"]))
+    assert m["methods"]["grpo"]["seeds"] == ["unknown"] and m["methods"]["grpo"]["provenance"]["engine"] == "unknown"
+    assert any("unknown seed" in f for f in m["flags"]) and any("settings unknown" in f for f in m["flags"])
+    old = tmp_path / "old_eval"
+    probs = problems(("1100", "1000", "0000"))
+    write_eval_json(str(old), task="math", name="grpo", role="method", metrics=model_metrics(probs), problems=probs,
+                    settings=SETTINGS, seed=0, info={"source": "eval"})
+    m = json.load(open(compare_runs([base, str(old)], str(tmp_path / "out2"))["metrics"]))
+    assert m["methods"]["grpo"]["seeds"] == ["unknown"]
+
+
+def test_runs_that_ran_something_else_are_flagged_not_averaged(tmp_path, base, capsys):
+    """Another prompt template for one method, another engine, and a run folder without settings:
+    rows of their own, each difference flagged at the top of the report."""
+    g = run_folder(tmp_path / "g", "grpo", seed=1)
+    d = run_folder(tmp_path / "d", "dph_js", seed=1, settings={**TRAIN, "data.template": "math",
+                                                               "presample.tau": 8})  # a DPH-only key
+    loc = run_folder(tmp_path / "loc", "grpo", seed=1, engine="local")
+    old = run_folder(tmp_path / "old", "grpo", seed=2, settings=None)
+    paths = compare_runs([base, g, d, loc, old], str(tmp_path / "out"))
+    m = json.load(open(paths["metrics"]))
+    assert set(m["methods"]) == {"grpo [engine=openrlhf]", "grpo [engine=local]",
+                                 "grpo [engine=openrlhf, settings unknown]", "dph_js"}
+    flags = "\n".join(m["flags"])
+    assert "`data.template` differs between rows" in flags and "dph_js=math" in flags
+    assert "settings unknown for grpo [engine=openrlhf, settings unknown]" in flags
+    assert "method.name" not in flags  # methods differ by their own settings by design
+    assert "presample.tau" not in flags  # nor by the keys only their method has
+    md = open(paths["report"]).read()
+    assert "the rows did not all run the same setup" in md and "`data.template` differs" in md
+    assert "- **grpo [engine=openrlhf, settings unknown]**: settings unknown" in md
+    assert "data.template" in capsys.readouterr().err
