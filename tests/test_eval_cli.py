@@ -150,7 +150,7 @@ def test_eval_command_errors(model_dir, tmp_path, capsys):
     assert main(["eval", "--model", str(tmp_path / "nope"), "--task", "math", "--data", data]) == 2
     assert "does not exist" in capsys.readouterr().err
     # sql without db_root: a clear error before any generation
-    assert main(["eval", "--model", model_dir, "--task", "sql", "--data", os.path.join(FIX, "sql", "spider_dev.json"),
+    assert main(["eval", "--model", model_dir, "--task", "sql", "--data", os.path.join(os.path.dirname(os.path.dirname(FIX)), "examples", "data", "toy_sql", "spider_dev.json"),
                  "--engine", "hf", "--n", "1", "--k", "1", "--no-progress", "--role", "base"]) == 2
     assert "db_root" in capsys.readouterr().err
 
