@@ -1320,6 +1320,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--case-out", help=argparse.SUPPRESS)
     p.add_argument("--gemm-tflops", type=float, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if not a.report:   # DeepSpeed's FusedAdam JIT build cannot parse '9.0a' (the image's value): the cases inherit it
+        from openrlhf_div.compat.cuda_arch import fix_arch_env
+
+        fix_arch_env(who="gpu_bench")
     if a.case:
         return run_case(a.case.split(","), a.dry_run, a.case_out, a.peak_tflops, a.gemm_tflops)
     if a.report:
