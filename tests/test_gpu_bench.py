@@ -135,6 +135,46 @@ def test_gpu_plan_is_the_issues_measurements(bench):
     assert gpu["methods"]["steps"] >= 3 and gpu["actor_step"]["steps"] >= 3 and gpu["megatron"]["steps"] >= 3
 
 
+def _proportions(name, p):
+    """The ratios a toy-size rehearsal must keep from the real shapes (issue 41: a hard-coded 256-token
+    log-prob batch was all prompt at prompt 256, never at the dry run's toy sizes)."""
+    if name == "actor_step":
+        return {"prompt/seq": p["prompt"] / p["seq"], "micro-batches": p["batch"] // p["micro"]}
+    if name == "megatron":
+        return {"prompt/seq": p["prompt"] / p["seq"], "lp_seq/seq": p["lp_seq"] / p["seq"],
+                "n_micro/micro": p["n_micro"] / p["micro"]}
+    if name in ("methods", "largest"):
+        return {"prompt/new": p["prompt_len"] / p["new_tokens"],
+                "micro-batches": p["prompts"] * p["group"] // p["micro"]}
+    return {}
+
+
+@pytest.mark.parametrize("name", ["actor_step", "megatron", "methods", "largest"])
+def test_dry_run_keeps_the_real_shapes_proportions(bench, name):
+    gpu, dry = bench.plan(False)[name], bench.plan(True)[name]
+    assert _proportions(name, dry) == _proportions(name, gpu)
+    if name == "megatron":   # the log-prob comparison has responses to compare, in both
+        for p in (gpu, dry):
+            assert p["prompt"] < p["lp_seq"] <= p["seq"]
+
+
+def test_masked_reductions_refuse_an_empty_mask():
+    import torch
+
+    from openrlhf_div.algorithms._utils import masked_agreement, masked_max
+
+    x = torch.randn(2, 5)
+    empty = torch.zeros(2, 5)
+    with pytest.raises(ValueError, match="log-probs vs HF: the mask selects none of its 10 positions"):
+        masked_agreement(x, x + 1, empty, "log-probs vs HF")
+    with pytest.raises(ValueError, match="selects none"):
+        masked_max(x, empty, "x")
+    m = torch.zeros(2, 5)
+    m[:, 3:] = 1
+    got = masked_agreement(x, x + torch.arange(5.0), m, "d")
+    assert got == {"mean_abs": pytest.approx(3.5), "max_abs": pytest.approx(4.0), "n": 4}
+
+
 def test_measured_case_times_replace_the_guesses(bench, tmp_path):
     assert bench.estimates(str(tmp_path / "none.json"))["methods"]["source"].startswith("guess")
     (tmp_path / "m.json").write_text(json.dumps({"device": "NVIDIA H100", "date": "2026-11-27",
