@@ -1002,12 +1002,16 @@ def environment() -> Dict[str, Any]:
         info["transformers"] = transformers.__version__
     except ImportError:
         pass
-    try:
-        info["commit"] = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                        text=True).stdout.strip() or None
-    except OSError:
-        pass
+    info["commit"] = checkout_commit()
     return info
+
+
+def checkout_commit(root: str = ROOT) -> str:
+    """The commit of this checkout's own repository (its own ``.git``), else "unknown": a plain copy
+    inside another repository must not report that one's commit (the first GPU run did)."""
+    from openrlhf_div.engines.local.runlog import own_commit
+
+    return own_commit(root, short=True) or "unknown"
 
 
 def _run_child(cmd: List[str], timeout: float) -> str:

@@ -175,6 +175,31 @@ def test_masked_reductions_refuse_an_empty_mask():
     assert got == {"mean_abs": pytest.approx(3.5), "max_abs": pytest.approx(4.0), "n": 4}
 
 
+def test_commit_is_the_checkouts_own_or_unknown(tmp_path):
+    """A plain copy of the checkout (no .git) inside another repository reports "unknown", not the
+    enclosing repository's commit (the first GPU run's report named the wrong one)."""
+    from openrlhf_div.engines.local.runlog import own_commit
+
+    outer = tmp_path / "outer"
+    copy = outer / "copy"
+    (copy / "benchmarks").mkdir(parents=True)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run([*git, "init", "-q", str(outer)], check=True)
+    (outer / "f").write_text("x")
+    subprocess.run([*git, "-C", str(outer), "add", "f"], check=True)
+    subprocess.run([*git, "-C", str(outer), "commit", "-qm", "outer"], check=True)
+    outer_head = subprocess.run(["git", "-C", str(outer), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+    shutil.copy(os.path.join(SCRIPTS, "gpu_bench.py"), copy / "benchmarks" / "gpu_bench.py")
+    code = "import sys; sys.argv=['x']; import gpu_bench; print(gpu_bench.environment()['commit'])"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=copy / "benchmarks", env=dict(os.environ, PYTHONPATH=f"{copy / 'benchmarks'}:{ROOT}"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-1] == "unknown" != outer_head
+    assert own_commit(str(copy)) is None and own_commit(str(outer), short=True) == outer_head
+    assert own_commit(ROOT) or not os.path.exists(os.path.join(ROOT, ".git"))   # this checkout: its own
+
+
 def test_measured_case_times_replace_the_guesses(bench, tmp_path):
     assert bench.estimates(str(tmp_path / "none.json"))["methods"]["source"].startswith("guess")
     (tmp_path / "m.json").write_text(json.dumps({"device": "NVIDIA H100", "date": "2026-11-27",
