@@ -40,8 +40,9 @@ Cases, in the default order (the ones only a GPU can prove first; ``--cases`` se
     "correct"), so groups are mixed as in real training; DPH's D_pef: synthetic anchor rows of the
     same lengths (a random model has no correct samples to pre-sample).
 ``largest``
-    The largest of the 3B / 1.5B / 0.5B shapes that trains a local-engine GRPO step (bf16 + master
-    weights) on this GPU after a warm-up step, largest first, stopping at the first that fits.
+    The largest of the 7B / 3B / 1.5B / 0.5B shapes that trains a local-engine GRPO step (bf16 + master
+    weights) on this GPU after a warm-up step, largest first, stopping at the first that fits; a shape
+    out of memory is tried once more with gradient checkpointing (the row says whether it was on).
 
 Every timed figure is given as n, min, median and max over the measured repeats (after warm-up,
 the device synchronised before each clock read); peak memory is reset before and read after
@@ -96,6 +97,8 @@ SHAPES: Dict[str, Dict[str, Any]] = {
                          num_attention_heads=12, num_key_value_heads=2),
     "qwen2.5-3b": dict(QWEN25, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
                        num_attention_heads=16, num_key_value_heads=2),
+    "qwen2.5-7b": dict(QWEN25, vocab_size=152064, tie_word_embeddings=False, hidden_size=3584,
+                       intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4),
     # dry-run shapes (CPU)
     "toy": dict(vocab_size=512, max_position_embeddings=512, rope_theta=1e4, rms_norm_eps=1e-6,
                 tie_word_embeddings=True, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -171,7 +174,8 @@ def plan(dry_run: bool) -> Dict[str, Dict[str, Any]]:
                            prompt=256, warmup=1, steps=5, zero_stage=2),
         "megatron": dict(shape="qwen2.5-1.5b", micro=4, n_micro=4, seq=1024, prompt=256, lp_rows=2, lp_seq=512,
                          warmup=1, steps=5),
-        "largest": dict(shapes=["qwen2.5-3b", "qwen2.5-1.5b", "qwen2.5-0.5b"], prompts=8, group=8, prompt_len=128,
+        "largest": dict(shapes=["qwen2.5-7b", "qwen2.5-3b", "qwen2.5-1.5b", "qwen2.5-0.5b"], prompts=8, group=8,
+                        prompt_len=128,
                         new_tokens=128, micro=16, warmup=1, steps=1),
     }
 
@@ -398,7 +402,7 @@ def _local_data(ctx: Ctx, shape_name: str, n_prompts: int, prompt_len: int, resp
     return {"train": os.path.join(d, "train.jsonl"), "anchor": os.path.join(d, "pef", "d_pef.jsonl")}
 
 
-def _local_trainer(ctx: Ctx, p: Dict[str, Any], shape_name: str, method: str, hooks=()):
+def _local_trainer(ctx: Ctx, p: Dict[str, Any], shape_name: str, method: str, hooks=(), checkpointing=False):
     from openrlhf_div.engines.local.config import load_config
     from openrlhf_div.engines.local.trainer import Trainer
 
@@ -411,7 +415,8 @@ def _local_trainer(ctx: Ctx, p: Dict[str, Any], shape_name: str, method: str, ho
             f"rollout.prompts_per_step={p['prompts']}", f"rollout.group_size={p['group']}",
             f"rollout.max_new_tokens={p['new_tokens']}", f"optim.micro_batch_size={p['micro']}",
             "optim.steps=100", "eval.at_start=false", "logging.tensorboard=false", "logging.progress=false",
-            "checkpoint.every=0", f"method.name={method}", "seed=1"]
+            "checkpoint.every=0", f"method.name={method}", "seed=1",
+            f"model.gradient_checkpointing={'true' if checkpointing else 'false'}"]
     if not ctx.cuda:
         over.append("num_threads=1")
     return Trainer(load_config(None, over), hooks=hooks)
@@ -517,21 +522,28 @@ def case_methods(ctx: Ctx, p: Dict[str, Any], res: Dict[str, Any]) -> None:
 def case_largest(ctx: Ctx, p: Dict[str, Any], res: Dict[str, Any]) -> None:
     res["largest"] = None
     for i, name in enumerate(p["shapes"]):
-        ctx.free()
-        ctx.reset_peak()
         row: Dict[str, Any] = {"shape": name, "params": n_params(SHAPES[name])}
-        tr = None
-        try:
-            tr = _local_trainer(ctx, p, name, "grpo")
-            s = _timed_steps(ctx, tr, SHAPES[name], p["warmup"], p["steps"])
-            row.update(trains=True, step_s=s["step_s"], mfu=s["mfu"], mfu_gemm=s["mfu_gemm"], peak_gib=s["peak_gib"])
-        except Exception as exc:  # noqa: BLE001
-            row.update(trains=False, oom=ctx.is_oom(exc), error=f"{type(exc).__name__}: {exc}"[:1000],
-                       peak_gib=ctx.peak_gib())
-        finally:
-            del tr
+        # without gradient checkpointing first; out of memory: once more with it (the row says which)
+        for ckpt in (False, True):
             ctx.free()
-            shutil.rmtree(os.path.join(ctx.work, f"model_{name}"), ignore_errors=True)
+            ctx.reset_peak()
+            tr = None
+            try:
+                tr = _local_trainer(ctx, p, name, "grpo", checkpointing=ckpt)
+                s = _timed_steps(ctx, tr, SHAPES[name], p["warmup"], p["steps"])
+                row.update(trains=True, gradient_checkpointing=ckpt, step_s=s["step_s"], mfu=s["mfu"],
+                           mfu_gemm=s["mfu_gemm"], peak_gib=s["peak_gib"])
+                row.pop("error", None)
+                row.pop("oom", None)
+            except Exception as exc:  # noqa: BLE001
+                row.update(trains=False, gradient_checkpointing=ckpt, oom=ctx.is_oom(exc),
+                           error=f"{type(exc).__name__}: {exc}"[:1000], peak_gib=ctx.peak_gib())
+            finally:
+                del tr
+                ctx.free()
+            if row["trains"] or not row.get("oom"):
+                break
+        shutil.rmtree(os.path.join(ctx.work, f"model_{name}"), ignore_errors=True)
         if row["trains"]:
             res["largest"] = name
             for smaller in p["shapes"][i + 1:]:
@@ -1365,13 +1377,17 @@ def render(results: List[Dict[str, Any]]) -> str:
     lg = cases.get("largest")
     if lg:
         L += ["**Largest model that trains a local-engine GRPO step** (bf16 + fp32 master weights and AdamW "
-              f"moments, after a warm-up step): **{lg.get('largest') or 'none of those tried'}**", "",
-              "| shape | parameters | trains | step s | peak GiB |", "|---|---:|---|---|---:|"]
+              f"moments, after a warm-up step; largest first, gradient checkpointing only after an out-of-memory "
+              f"error): **{lg.get('largest') or 'none of those tried'}**", "",
+              "| shape | parameters | trains | gradient checkpointing | step s | peak GiB |",
+              "|---|---:|---|---|---|---:|"]
         for name, r in lg.get("rows", {}).items():
             if "not_needed" in r:
                 continue
             what = ("yes" if r.get("trains") else (_unmeasured(r) or "no"))
+            gc_used = r.get("gradient_checkpointing")
             L.append(f"| {name} | {_f((r.get('params') or n_params(SHAPES[name])) / 1e9)}B | {what} | "
+                     f"{'-' if gc_used is None else ('yes' if gc_used else 'no')} | "
                      f"{_fs(r.get('step_s'))} | {_f(r.get('peak_gib'))} |")
         L.append("")
     bad = {n: (c.get("ended") or c.get("error") or c.get("not_run") or "a row failed")
