@@ -368,7 +368,7 @@ LAYOUTS = [  # (label, MegatronConfig kwargs, dp, precision_aware) of the docs' 
     ("1 node: TP8 DP1, SP, full recompute, Adam on GPU", dict(tp=8, sp=True, recompute="full"), 1, True),
     ("2 nodes: TP8 DP2, SP, full recompute, dist. optimizer", dict(tp=8, sp=True, recompute="full"), 2, True),
     ("2 nodes: same without SP", dict(tp=8, sp=False, recompute="full"), 2, True),
-    ("2 nodes: SP, no recompute (flash attention)", dict(tp=8, sp=True, recompute="none"), 2, True),
+    ("2 nodes: SP, no recompute (TE attention)", dict(tp=8, sp=True, recompute="none"), 2, True),
     ("2 nodes: TP4 PP2 DP2, SP, full recompute", dict(tp=4, pp=2, sp=True, recompute="full"), 2, True),
 ]
 
@@ -392,8 +392,8 @@ def load_config(path: str) -> dict:
 
 
 def config_markdown(paths) -> str:
-    rows = ["| config | GPU: fit | GPU: generation | GPU: weight sync | host / node | of which pinned |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| config | GPU: fit (TE) | GPU: fit, local spec (no TE) | GPU: generation | GPU: weight sync | host / node "
+            "| of which pinned |", "|---|---|---|---|---|---|---|"]
     seen = set()
     for path in paths:
         cfg = load_config(path)
@@ -403,7 +403,8 @@ def config_markdown(paths) -> str:
         if (layout, key) in seen:
             continue
         seen.add((layout, key))
-        rows.append(f"| `*_megatron_{layout}.yaml` | {p['gpu_fit_gib']:.1f} | {p['gpu_generate_gib']:.1f} | "
+        local = config_plan(cfg, attention="local")["gpu_fit_gib"]
+        rows.append(f"| `*_megatron_{layout}.yaml` | {p['gpu_fit_gib']:.1f} | {local:.1f} | {p['gpu_generate_gib']:.1f} | "
                     f"{p['gpu_weight_sync_gib']:.1f} | {p['host_per_node_gib']:.0f} | "
                     f"{p['pinned_host_per_node_gib']:.0f} |")
     return "\n".join(rows)
