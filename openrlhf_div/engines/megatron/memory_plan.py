@@ -149,7 +149,7 @@ MEASURED = [("docs/benchmarks.md, GPU figures: gpu_bench megatron case, NVIDIA H
 def attention_impl(m: MegatronConfig) -> str:
     """The attention a config runs: ``local`` with ``--megatron.transformer_impl local``, else ``te``
     (``auto`` picks Transformer Engine, which the project's docker image installs; on an image
-    without it, ``auto`` falls back to the local spec: plan that with ``--transformer_impl local``)."""
+    without it, ``auto`` falls back to the local spec: plan that with ``plan-memory --attention local``)."""
     return "local" if m.transformer_impl == "local" else "te"
 
 
