@@ -22,8 +22,11 @@ Cases, in the default order (the ones only a GPU can prove first; ``--cases`` se
     ``benchmarks/ray_import_stub.py``; vLLM: ``openrlhf_div.compat``'s import stub).
 ``megatron``
     ``MegatronEngine`` at TP=1 (megatron-core's local layer spec: no Transformer Engine on the
-    target): log-probs vs the HF model (bf16), optimizer-step time, tokens/s, MFU, measured peak
-    memory vs ``openrlhf-div plan-memory``'s plan of the same layout, offload / reload bit-exact.
+    target): the log-prob noise floor (the HF model in bf16 vs the same weights in float32, same
+    tokens), log-probs vs the HF model (bf16; tolerance 2 x that floor), optimizer-step time,
+    tokens/s, MFU, measured peak memory vs ``openrlhf-div plan-memory``'s plan of the same layout
+    (with the attention the engine runs), offload / reload bit-exact, then the planner against the
+    card at three more layouts (recompute none / full x micro-batch 1 / the plan's).
 ``logprobs``
     ``log_probs_from_hidden`` vs full ``[tokens, V]`` logits + ``log_softmax`` at V = 151,936,
     H = 1,536, bf16 inputs (TF32 on for the fp32 matmuls that remain), with entropy, training
