@@ -277,7 +277,9 @@ def time_backend(work, which, backend, steps, warmup, extra=()):
                           generator=torch.Generator().manual_seed(0))
             with torch.no_grad():
                 ref = sequence_log_probs(tr.model, g.input_ids, g.attention_mask, g.response_mask)
-            lp_diff = float((g.log_probs - ref).abs().max())
+            from openrlhf_div.algorithms._utils import masked_agreement
+
+            lp_diff = masked_agreement(g.log_probs, ref, g.response_mask, "vLLM log-probs vs the trainer's")["max_abs"]
     finally:
         tr.close_sampler()
     keys = ("time_step", "cpu_time_step", "time_generate", "cpu_time_generate", "time_experience", "time_train",

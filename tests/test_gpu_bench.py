@@ -87,7 +87,8 @@ def test_gpu_run_refuses_without_cuda(tmp_path, bench):
 
 
 # ------------------------------------------------------------------ shapes and FLOPs
-@pytest.mark.parametrize("name,billions", [("qwen2.5-0.5b", 0.494), ("qwen2.5-1.5b", 1.544), ("qwen2.5-3b", 3.086)])
+@pytest.mark.parametrize("name,billions", [("qwen2.5-0.5b", 0.494), ("qwen2.5-1.5b", 1.544), ("qwen2.5-3b", 3.086),
+                                           ("qwen2.5-7b", 7.616)])
 def test_shapes_are_the_released_models(bench, name, billions):
     """The config-built models have the released models' parameter counts (meta device: no memory)."""
     import torch
@@ -98,7 +99,7 @@ def test_shapes_are_the_released_models(bench, name, billions):
     n = sum(p.numel() for p in model.parameters())   # tied embedding counted once
     assert n == bench.n_params(bench.SHAPES[name])
     assert n / 1e9 == pytest.approx(billions, rel=0.01)
-    assert bench.SHAPES[name]["vocab_size"] == 151936
+    assert bench.SHAPES[name]["vocab_size"] == (152064 if name == "qwen2.5-7b" else 151936)
 
 
 def test_flops_are_verls_count(bench):
@@ -121,7 +122,7 @@ def test_gpu_plan_is_the_issues_measurements(bench):
     assert gpu["methods"]["shape"] == gpu["actor_step"]["shape"] == gpu["megatron"]["shape"] == "qwen2.5-1.5b"
     assert gpu["methods"]["warmup"] >= 1 and gpu["actor_step"]["warmup"] >= 1 and gpu["megatron"]["warmup"] >= 1
     assert gpu["logprobs"]["vocab"] == 151936
-    assert gpu["largest"]["shapes"] == ["qwen2.5-3b", "qwen2.5-1.5b", "qwen2.5-0.5b"]
+    assert gpu["largest"]["shapes"] == ["qwen2.5-7b", "qwen2.5-3b", "qwen2.5-1.5b", "qwen2.5-0.5b"]   # 7B first
     # by its (unmeasured) estimates, the default run fits the default budget of one 10-minute command
     # with 10% to spare
     assert sum(bench.GUESS_S[n] for n in bench.CASES) <= (1 - bench.SLACK) * bench.DEFAULT_BUDGET_S
@@ -133,6 +134,71 @@ def test_gpu_plan_is_the_issues_measurements(bench):
         if "steps" in gpu[name]:
             assert gpu[name]["warmup"] >= 1, name
     assert gpu["methods"]["steps"] >= 3 and gpu["actor_step"]["steps"] >= 3 and gpu["megatron"]["steps"] >= 3
+
+
+def _proportions(name, p):
+    """The ratios a toy-size rehearsal must keep from the real shapes (issue 41: a hard-coded 256-token
+    log-prob batch was all prompt at prompt 256, never at the dry run's toy sizes)."""
+    if name == "actor_step":
+        return {"prompt/seq": p["prompt"] / p["seq"], "micro-batches": p["batch"] // p["micro"]}
+    if name == "megatron":
+        return {"prompt/seq": p["prompt"] / p["seq"], "lp_seq/seq": p["lp_seq"] / p["seq"],
+                "n_micro/micro": p["n_micro"] / p["micro"]}
+    if name in ("methods", "largest"):
+        return {"prompt/new": p["prompt_len"] / p["new_tokens"],
+                "micro-batches": p["prompts"] * p["group"] // p["micro"]}
+    return {}
+
+
+@pytest.mark.parametrize("name", ["actor_step", "megatron", "methods", "largest"])
+def test_dry_run_keeps_the_real_shapes_proportions(bench, name):
+    gpu, dry = bench.plan(False)[name], bench.plan(True)[name]
+    assert _proportions(name, dry) == _proportions(name, gpu)
+    if name == "megatron":   # the log-prob comparison has responses to compare, in both
+        for p in (gpu, dry):
+            assert p["prompt"] < p["lp_seq"] <= p["seq"]
+
+
+def test_masked_reductions_refuse_an_empty_mask():
+    import torch
+
+    from openrlhf_div.algorithms._utils import masked_agreement, masked_max
+
+    x = torch.randn(2, 5)
+    empty = torch.zeros(2, 5)
+    with pytest.raises(ValueError, match="log-probs vs HF: the mask selects none of its 10 positions"):
+        masked_agreement(x, x + 1, empty, "log-probs vs HF")
+    with pytest.raises(ValueError, match="selects none"):
+        masked_max(x, empty, "x")
+    m = torch.zeros(2, 5)
+    m[:, 3:] = 1
+    got = masked_agreement(x, x + torch.arange(5.0), m, "d")
+    assert got == {"mean_abs": pytest.approx(3.5), "max_abs": pytest.approx(4.0), "n": 4}
+
+
+def test_commit_is_the_checkouts_own_or_unknown(tmp_path):
+    """A plain copy of the checkout (no .git) inside another repository reports "unknown", not the
+    enclosing repository's commit (the first GPU run's report named the wrong one)."""
+    from openrlhf_div.engines.local.runlog import own_commit
+
+    outer = tmp_path / "outer"
+    copy = outer / "copy"
+    (copy / "benchmarks").mkdir(parents=True)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run([*git, "init", "-q", str(outer)], check=True)
+    (outer / "f").write_text("x")
+    subprocess.run([*git, "-C", str(outer), "add", "f"], check=True)
+    subprocess.run([*git, "-C", str(outer), "commit", "-qm", "outer"], check=True)
+    outer_head = subprocess.run(["git", "-C", str(outer), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+    shutil.copy(os.path.join(SCRIPTS, "gpu_bench.py"), copy / "benchmarks" / "gpu_bench.py")
+    code = "import sys; sys.argv=['x']; import gpu_bench; print(gpu_bench.environment()['commit'])"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=copy / "benchmarks", env=dict(os.environ, PYTHONPATH=f"{copy / 'benchmarks'}:{ROOT}"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-1] == "unknown" != outer_head
+    assert own_commit(str(copy)) is None and own_commit(str(outer), short=True) == outer_head
+    assert own_commit(ROOT) or not os.path.exists(os.path.join(ROOT, ".git"))   # this checkout: its own
 
 
 def test_measured_case_times_replace_the_guesses(bench, tmp_path):

@@ -128,6 +128,8 @@ NOT_OPTIONS = {
     "--flag": "engines/flags.py: the placeholder of a message template ('--flag is not supported')",
     "--make-vocab-size-divisible-by": "engines/megatron/weights.py: Megatron-LM's own argument, named to "
                                       "explain the padded vocabulary (megatron-core has no CLI of ours)",
+    "--show-toplevel": "engines/local/runlog.py: git rev-parse's own option (own_commit)",
+    "--short": "engines/local/runlog.py: git rev-parse's own option (own_commit)",
 }
 
 

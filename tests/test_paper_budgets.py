@@ -211,15 +211,17 @@ def test_megatron_memory_plan_fits_at_the_authors_gpu_count(rel):
 
 
 def test_megatron_memory_plan_mutation():
-    """Mutation: the planner is not a constant -- rows of 6x the authors' length at micro-batches of
-    2 rows (forward_kl.sh) no longer fit at 32 GPUs, and a world size the model-parallel size does not divide is
-    refused."""
+    """Mutation: the planner is not a constant -- rows of 8x the authors' length at micro-batches of
+    2 rows (forward_kl.sh) no longer fit at 32 GPUs, nor the authors' rows with megatron-core's local
+    (unfused) attention instead of Transformer Engine's, and a world size the model-parallel size does
+    not divide is refused."""
     cfg = MM.load_config(os.path.join(ROOT, "configs", "megatron", "omnisql32b_bird_dph_f_megatron_2node_authors.yaml"))
     at32, own = MM.config_plan(cfg, 32), MM.config_plan(cfg)
     assert at32["gpu_fit_gib"] < GPU_GIB - 10
     # 32 GPUs at TP 8 are 4 data-parallel replicas (2 on the config's two nodes): a smaller optimizer shard
     assert at32["gpu_fit_gib"] == pytest.approx(own["gpu_fit_gib"] - 12 * at32["params_per_gpu_B"] * 1e9 / 4 / (1 << 30))
-    cfg["openrlhf"]["data.max_len"] = 6 * 20096
+    assert MM.config_plan(cfg, 32, attention="local")["gpu_fit_gib"] > GPU_GIB - 10   # s^2 score matrices
+    cfg["openrlhf"]["data.max_len"] = 8 * 20096
     assert MM.config_plan(cfg, 32)["gpu_fit_gib"] > GPU_GIB - 10
     with pytest.raises(ValueError, match="--world_size 12: not a multiple"):
         MM.config_plan(cfg, 12)

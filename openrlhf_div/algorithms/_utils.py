@@ -72,6 +72,33 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     return xm.sum(dim=dim) / m.sum(dim=dim).clamp(min=1.0)
 
 
+def masked_values(x: torch.Tensor, mask: torch.Tensor, what: str) -> torch.Tensor:
+    """The elements of ``x`` the mask selects, refusing an empty selection: a mean or max over
+    nothing is undefined (torch's ``max()`` raises an unexplained error, a clamped mean says 0).
+    For measurements and comparisons; the losses' :func:`masked_mean` keeps its convention (an
+    all-masked micro-batch contributes 0)."""
+    check_same_shape(what, x, mask=mask)
+    sel = x[mask.bool()]
+    if sel.numel() == 0:
+        raise ValueError(f"{what}: the mask selects none of its {mask.numel()} positions (shape "
+                         f"{tuple(mask.shape)}), so its mean / max is undefined; make the sequences longer "
+                         "than their prompts (the response mask starts after the prompt)")
+    return sel
+
+
+def masked_max(x: torch.Tensor, mask: torch.Tensor, what: str) -> torch.Tensor:
+    """``max`` over the masked elements (an empty mask refused: :func:`masked_values`)."""
+    return masked_values(x, mask, what).max()
+
+
+def masked_agreement(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor, what: str) -> dict:
+    """``{"mean_abs", "max_abs", "n"}`` of ``|a - b|`` over the masked positions (float64; an
+    empty mask refused: :func:`masked_values`)."""
+    check_same_shape(what, a, b=b)
+    d = masked_values((a.double() - b.double()).abs(), mask, what)
+    return {"mean_abs": float(d.mean()), "max_abs": float(d.max()), "n": int(d.numel())}
+
+
 def zero_masked(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Zero where the mask is 0, also where ``loss`` is inf/nan there (no NaN leak via 0*inf)."""
     return torch.where(mask.bool(), loss, torch.zeros_like(loss))

@@ -77,9 +77,22 @@ def test_logprobs_match_hf_bf16(setup):
     ref = (logp.gather(-1, seq[:, 1:, None].cuda())[..., 0]).cpu() * act
     ref_h = (-(logp.exp() * logp).sum(-1)).cpu() * act
     diff = (lp - ref).abs()[act.bool()]
+    # the noise floor: the same HF weights in float32 on the same tokens; two bf16 implementations each
+    # within the floor of the float32 answer differ by at most twice it (benchmarks/gpu_bench.py,
+    # LOGPROB_TOL_FACTOR; docs/benchmarks.md, "GPU figures" item 4)
+    import copy
+
+    from openrlhf_div.algorithms._utils import masked_agreement
+
+    with torch.no_grad():
+        hi = copy.deepcopy(hf).float()(seq.cuda(), attention_mask=am.cuda(),
+                                       position_ids=(am.cumsum(-1) - 1).clamp(min=0).cuda()).logits.float()
+    ref_hi = torch.log_softmax(hi[:, :-1] / TEMP, -1).gather(-1, seq[:, 1:, None].cuda())[..., 0].cpu() * act
+    floor = masked_agreement(ref, ref_hi, act, "HF bf16 vs float32 log-probs")
     print(f"\n[megatron-gpu] weights via {eng.weights_path}; log-prob |diff| mean {diff.mean():.2e} max {diff.max():.2e}; "
+          f"noise floor mean {floor['mean_abs']:.2e} max {floor['max_abs']:.2e}; "
           f"entropy |diff| max {(h - ref_h).abs().max():.2e}")
-    assert diff.mean() < 2e-2 and diff.max() < 2e-1          # bf16 weights and activations
+    assert diff.max() <= 2 * floor["max_abs"] and diff.mean() <= 2 * floor["mean_abs"], (diff.max(), floor)
     assert (h - ref_h).abs().max() < 2e-1
     exported = eng.hf_state_dict()
     for k, v in hf.state_dict().items():

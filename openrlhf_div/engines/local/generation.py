@@ -184,7 +184,7 @@ def check_sampling_args(n_samples: int, max_new_tokens: int, top_p: float) -> No
 def generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]], *, n_samples: int = 1,
              max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0,
              generator: Optional[torch.Generator] = None, batch_size: Optional[int] = None,
-             fast: Optional[bool] = None) -> GenerationOutput:
+             fast: Optional[bool] = None, stop_check_every: Optional[int] = None) -> GenerationOutput:
     """Sample ``n_samples`` responses per prompt with a KV cache.
 
     A hand-written loop: one prefill of the left-padded prompts, then one single-token
@@ -195,18 +195,26 @@ def generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]], *, 
     Finished rows keep feeding ``<pad>`` with attention 0, exactly as the training forward
     sees them. Randomness comes only from ``generator`` (``torch.multinomial``), so a seeded
     generator reproduces the samples. ``batch_size`` splits very large requests into chunks.
+
+    ``stop_check_every`` (default: 8 on CUDA, 1 elsewhere): whether every row has stopped is read
+    on the host only every that many steps (reading it is a device synchronisation each step on a
+    GPU); the steps run past the last stop are dropped and the generator is set back to its state
+    after the last kept step, so the samples, their log-probs and the generator's state afterwards
+    are those of a check every step, bit for bit.
     """
     check_sampling_args(n_samples, max_new_tokens, top_p)
     enc = encode_prompts(tokenizer, prompts)
     rows = [p for p in enc for _ in range(n_samples)]
     if batch_size is not None and len(rows) > batch_size:
         parts = [_generate_rows(model, tokenizer, rows[i:i + batch_size], max_new_tokens, temperature, top_p,
-                                generator, fast) for i in range(0, len(rows), batch_size)]
+                                generator, fast, stop_check_every) for i in range(0, len(rows), batch_size)]
         return _concat(parts, tokenizer.pad_token_id)
-    return _generate_rows(model, tokenizer, rows, max_new_tokens, temperature, top_p, generator, fast)
+    return _generate_rows(model, tokenizer, rows, max_new_tokens, temperature, top_p, generator, fast,
+                          stop_check_every)
 
 
-def _generate_rows(model, tokenizer, rows, max_new_tokens, temperature, top_p, generator, fast=None) -> GenerationOutput:
+def _generate_rows(model, tokenizer, rows, max_new_tokens, temperature, top_p, generator, fast=None,
+                   stop_check_every=None) -> GenerationOutput:
     from .fastgen import make_decoder
 
     from .tokens import ensure_pad_token, stop_token_ids
@@ -228,6 +236,13 @@ def _generate_rows(model, tokenizer, rows, max_new_tokens, temperature, top_p, g
     next_pos = pos[:, -1] + 1
     done = torch.zeros(n, dtype=torch.bool, device=device)
     toks, lps, alive = [], [], []
+    every = int(stop_check_every) if stop_check_every is not None else (8 if device.type == "cuda" else 1)
+    if every < 1:
+        raise ValueError(f"stop_check_every={stop_check_every}: a number of steps >= 1")
+    if generator is None and not greedy:
+        every = 1   # the global generator's extra draws could not be taken back
+    dones: List[torch.Tensor] = []   # per step since the last check: every row stopped after it?
+    states: List[torch.Tensor] = []  # the generator's state after each of those steps
     for step in range(max_new_tokens):
         logits = logits.float()
         if T != 1.0:
@@ -244,8 +259,26 @@ def _generate_rows(model, tokenizer, rows, max_new_tokens, temperature, top_p, g
         lps.append(logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1) * live)
         alive.append(live)
         done = done | torch.isin(tok, stop_ids)
-        if bool(done.all()) or step == max_new_tokens - 1:
-            break
+        if every > 1:
+            dones.append(done.all())
+            if generator is not None and not greedy:
+                states.append(generator.get_state())
+        if every == 1:
+            if bool(done.all()) or step == max_new_tokens - 1:
+                break
+        elif (step + 1) % every == 0 or step == max_new_tokens - 1:
+            flags = torch.stack(dones).tolist()   # one host read per `every` steps
+            if True in flags:   # every row stopped after step `first`: the later steps were not needed
+                k = flags.index(True)
+                drop = len(flags) - 1 - k
+                if drop:
+                    del toks[-drop:], lps[-drop:], alive[-drop:]
+                if states:
+                    generator.set_state(states[k])
+                break
+            if step == max_new_tokens - 1:
+                break
+            dones, states = [], []
         attn = torch.cat([attn, live.long().unsqueeze(-1)], dim=-1)
         logits = decoder.step(tok, attn, next_pos)
         next_pos = next_pos + 1

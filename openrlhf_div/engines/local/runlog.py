@@ -27,13 +27,27 @@ class WandbMissingError(RuntimeError):
     """``OPENRLHF_DIV_WANDB`` asks for Weights & Biases but ``wandb`` is not installed."""
 
 
-def git_commit() -> Optional[str]:
-    here = os.path.dirname(os.path.abspath(__file__))
+def own_commit(root: str, short: bool = False) -> Optional[str]:
+    """The commit checked out in ``root``'s own repository, or ``None`` when ``root`` is not the top of
+    a git checkout (a plain copy, an installed package): never the commit of a repository that merely
+    encloses it, which ``git -C root rev-parse HEAD`` alone would answer."""
+    root = os.path.realpath(root)
+    if not os.path.exists(os.path.join(root, ".git")):   # a folder (clone) or a file (worktree, submodule)
+        return None
     try:
-        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or None if out.returncode == 0 else None
+        out = subprocess.run(["git", "-C", root, "rev-parse", "--show-toplevel", *(["--short"] if short else []),
+                              "HEAD"], capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
         return None
+    lines = out.stdout.split()
+    if out.returncode != 0 or len(lines) != 2 or os.path.realpath(lines[0]) != root:
+        return None
+    return lines[1]
+
+
+def git_commit() -> Optional[str]:
+    """The commit of the checkout this package runs from (:func:`own_commit`), ``None`` if none."""
+    return own_commit(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
 
 def scalars(values: Mapping[str, Any]) -> Dict[str, float]:

@@ -148,8 +148,10 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, resume_dir: Optional[str] = None,
                  hooks: Sequence[Callable[[Dict[str, Any]], None]] = ()):
+        from openrlhf_div.compat.cuda_arch import fix_arch_env
         from openrlhf_div.tasks import get_task
 
+        fix_arch_env(who="openrlhf-div")  # a DeepSpeed op JIT-built in this process must parse it
         self.cfg = cfg
         self.hooks = list(hooks)
         self.phase_hooks: List[Callable[[str, bool, Dict[str, Any]], None]] = []

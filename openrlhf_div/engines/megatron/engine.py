@@ -188,6 +188,9 @@ class MegatronEngine:
                  method: Optional[Method] = None, temperature: float = 1.0):
         from megatron.core import parallel_state as ps
 
+        from openrlhf_div.compat.cuda_arch import fix_arch_env
+
+        fix_arch_env(who="openrlhf-div")  # a DeepSpeed op JIT-built in this process must parse it
         self.mcfg = mcfg
         self.train_mode = train
         self.method = method

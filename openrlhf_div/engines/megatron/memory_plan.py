@@ -19,10 +19,19 @@ GPU, actor during ``fit`` (:func:`estimate_memory`)
   as megatron-core expects it, with ``use_precision_aware_optimizer``; without that flag the
   distributed optimiser would still keep fp32 main-param shards on the GPU, ``+4 f P_s``
   (``precision_aware=False`` shows that variant);
-* activations with full recomputation: each layer's input ``2 s b h`` (/ tp with sequence
-  parallelism) x layers of the stage (x ``pp`` micro-batches in flight), plus one layer's working
-  set ``2 x 2 s b (6h + 2gd + 3f_ffn) / tp``; with selective or no recomputation, Korthikanti et
-  al.'s ``s b h (34 + ...) / tp`` per layer without the attention-score term (flash attention);
+* activations: what one layer keeps for backward (:func:`layer_activation_bytes`), which depends
+  on the attention implementation the config runs (:func:`attention_impl`): megatron-core's
+  *local* layer spec (no Transformer Engine: unfused ``DotProductAttention``, torch norms) keeps
+  the ``[b, a/tp, s, s]`` score matrices (the fp32 softmax output and its bf16 copy), the causal
+  mask and q/k/v expanded to every head; the *TE* spec (flash / cuDNN attention, norms fused into
+  the linears) keeps no ``s^2`` term. The local figures were counted on this CPU from the tensors
+  autograd saves in one layer of the real local spec (``tests/test_memory_plan_measured.py``);
+  the TE figures are derived, not yet measured. No recomputation: every layer of the stage
+  (x ``pp`` micro-batches in flight); full recomputation: each layer's input ``2 s b h`` (/ tp
+  with sequence parallelism) per layer, plus one layer recomputed in backward; selective
+  (core attention): the local spec's ``s^2`` terms are recomputed. Plus the backward's transient
+  gradient of the score matrices (local: two fp32 ``[b, a/tp, s, s]``) and the final norm / fp32
+  output of the last stage;
 * log-probs from hidden states: the vocabulary-parallel kernel works on token chunks of at most
   ``2^26`` fp32 logits (256 MiB), so no ``[s, V/tp]`` logits exist; counted as three chunk-sized
   buffers (logits, their exponentials, the gradient in backward);
@@ -45,6 +54,11 @@ Host (:func:`node_plan`), per GPU then times GPUs per node:
   engine on the node.
 
 Not counted: the Ray object store, dataloaders, the HF export's 4 GiB shard buffer (rank 0 only).
+
+Measured against the card (docs/benchmarks.md, "GPU figures"): Qwen2.5-1.5B at TP = 1, local spec,
+no recomputation, 4 micro-batches of 4 x 1024 tokens, no overhead: 47.59 GiB measured
+(``max_memory_allocated``, one NVIDIA H200, 2026-11-28); this model: :data:`MEASURED` (the
+figures before this model of the attention: 35.34 GiB, 26% low).
 
 Model FLOPs per trained token (the MFU numerator; recomputation not counted):
 ``6 (L (h (h + 2gd) + h^2 + 3 h f) + V h) + 6 L h s_bar`` with ``s_bar = s / 2``;
@@ -121,9 +135,58 @@ class Memory:
         return out
 
 
+#: attention implementations the planner models: Transformer Engine's spec (flash / cuDNN fused
+#: attention) and megatron-core's local spec (unfused attention, torch norms)
+ATTENTION = ("te", "local")
+
+#: the planner against the card: (source, layout, measured GiB); tests/test_megatron_configs.py pins it
+MEASURED = [("docs/benchmarks.md, GPU figures: gpu_bench megatron case, NVIDIA H200, 2026-11-28 "
+             "(../shared/gpu_runs/2026-11-28/rerun_megatron_fusedadam)",
+             dict(shape="qwen2.5-1.5b", tp=1, recompute="none", attention="local", micro_batch=4, n_micro=4,
+                  seq_len=1024), 47.59)]
+
+
+def attention_impl(m: MegatronConfig) -> str:
+    """The attention a config runs: ``local`` with ``--megatron.transformer_impl local``, else ``te``
+    (``auto`` picks Transformer Engine, which the project's docker image installs; on an image
+    without it, ``auto`` falls back to the local spec: plan that with ``plan-memory --attention local``)."""
+    return "local" if m.transformer_impl == "local" else "te"
+
+
+def layer_activation_bytes(L: GPTLayout, s: int, b: float, tp: int, sp: int, impl: str,
+                           recompute: str = "none") -> float:
+    """Bytes one transformer layer keeps for backward (bf16 training), per GPU.
+
+    ``local`` (counted on the CPU from autograd's saved tensors of megatron-core 0.16's local spec,
+    tests/test_memory_plan_measured.py): two torch RMSNorms ``20 s b h`` (fp32 copies + bf16
+    outputs), attention ``8 s b a d`` (q, k, v expanded to all heads, the projection's input) +
+    ``6 s^2 b a`` (fp32 softmax output and its bf16 copy) + the ``s^2`` bool causal mask, SwiGLU MLP
+    ``10 s b f``. ``te`` (derived): norms fused into the linears ``8 s b h`` (inputs + normalised
+    outputs), flash attention q, k, v at their own head counts + its output ``2 s b (2a + 2g) d``,
+    MLP ``6 s b f`` (fc1 output + activation). Selective recomputation (core attention) drops the
+    ``s^2`` terms and the expanded copies (the checkpoint keeps q, k, v)."""
+    if impl not in ATTENTION:
+        raise ValueError(f"attention {impl!r}: one of {', '.join(ATTENTION)}")
+    h, a, g, d, f = L.hidden_size, L.num_heads, L.num_kv_heads, L.head_dim, L.ffn_hidden_size
+    sb = s * b
+    if impl == "local":
+        norms = 20 * sb * h / sp
+        attn = 8 * sb * a * d / tp + 6.0 * s * s * b * a / tp + s * s
+        mlp = 10 * sb * f / tp
+        if recompute == "selective":
+            attn = 2 * sb * (2 * a + 2 * g) * d / tp
+    else:
+        norms = 8 * sb * h / sp
+        attn = 2 * sb * (2 * a + 2 * g) * d / tp
+        mlp = 6 * sb * f / tp
+    return norms + attn + mlp
+
+
 def estimate_memory(L: GPTLayout, m: MegatronConfig, dp: int, seq_len: int, micro_batch: int = 1,
-                    overhead_gib: float = OVERHEAD_GIB, precision_aware: bool = True) -> Memory:
-    """The actor's per-GPU bytes during ``fit`` on the busiest pipeline stage (module docstring)."""
+                    overhead_gib: float = OVERHEAD_GIB, precision_aware: bool = True,
+                    attention: Optional[str] = None) -> Memory:
+    """The actor's per-GPU bytes during ``fit`` on the busiest pipeline stage (module docstring);
+    ``attention``: ``te`` | ``local`` (default: the config's, :func:`attention_impl`)."""
     L = with_tp(L, m.tp, m.vocab_divisor)
     tp, pp = m.tp, m.pp
     h, s, b = L.hidden_size, seq_len, micro_batch
@@ -139,15 +202,16 @@ def estimate_memory(L: GPTLayout, m: MegatronConfig, dp: int, seq_len: int, micr
     optimizer = 12 * (1 - f) * shard + main_gpu
     sp = tp if m.sp else 1
     in_flight = pp                                    # 1F1B: the first stage holds pp micro-batches
-    g, d, ffn = L.num_kv_heads, L.head_dim, L.ffn_hidden_size
-    layer_work = 2 * 2 * s * b * (6 * h + 2 * g * d + 3 * ffn) / tp
+    impl = attention_impl(m) if attention is None else attention
+    kept = layer_activation_bytes(L, s, b, tp, sp, impl, m.recompute)
+    transient = layer_activation_bytes(L, s, b, tp, sp, impl, "none") if m.recompute == "full" else 0.0
+    transient += 8.0 * s * s * b * L.num_heads / tp if impl == "local" else 0.0   # d(scores), fp32, twice
+    last = (22 if impl == "local" else 14) * s * b * h / sp    # final norm + the fp32 hidden states handed back
     if m.recompute == "full":
         ckpt = 2 * s * b * h / sp * layers * in_flight
-        act_layer = layer_work
     else:
-        per_layer = s * b * h * (34 + (3 * ffn - 8 * h) * 2 / h) / sp     # SwiGLU-adjusted, flash attention
-        ckpt = per_layer * layers * in_flight
-        act_layer = 0.0
+        ckpt = kept * layers * in_flight
+    act_layer = transient + last
     logits = 3 * 4 * min(s * b * L.padded_vocab_size / tp, LOGPROB_CHUNK_FLOATS)
     return Memory(P, weights, grads, optimizer, main_gpu, ckpt, act_layer, logits, overhead_gib * GiB,
                   host_optimizer=12 * f * shard, host_pinned_grads=4 * f * shard,
@@ -166,9 +230,11 @@ def largest_tensor_bytes(L: GPTLayout, tp: int, divisor: int = 128) -> float:
 
 
 def node_plan(L: GPTLayout, m: MegatronConfig, *, dp: int, seq_len: int, gpus_per_node: int, gpu_gib: float,
-              vllm_tp: int, vllm_util: float, precision_aware: bool = True, micro_batch: float = 1) -> Dict[str, float]:
+              vllm_tp: int, vllm_util: float, precision_aware: bool = True, micro_batch: float = 1,
+              attention: Optional[str] = None) -> Dict[str, float]:
     """Per-GPU GiB in each phase of a colocated step and per-node host GiB (module docstring)."""
-    mem = estimate_memory(L, m, dp, seq_len, micro_batch=micro_batch, precision_aware=precision_aware)
+    mem = estimate_memory(L, m, dp, seq_len, micro_batch=micro_batch, precision_aware=precision_aware,
+                          attention=attention)
     engines_per_node = gpus_per_node / vllm_tp
     fit = mem.total
     generate = vllm_util * gpu_gib * GiB + mem.weights + ACTOR_CONTEXT_GIB * GiB
@@ -218,10 +284,11 @@ def method_key(cfg: dict, key: str, default=None):
     return default
 
 
-def config_plan(cfg: dict, world_size: Optional[int] = None) -> Dict[str, float]:
+def config_plan(cfg: dict, world_size: Optional[int] = None, attention: Optional[str] = None) -> Dict[str, float]:
     """:func:`node_plan` of a parsed ``configs/megatron/*.yaml``; ``world_size``: plan the actor
     on that many GPUs (e.g. the authors' count, ``engine.authors_world_size``: data parallel
-    ``world_size / (tp x pp)``, the same per-GPU micro-batch) instead of the config's own."""
+    ``world_size / (tp x pp)``, the same per-GPU micro-batch) instead of the config's own;
+    ``attention``: ``te`` | ``local`` instead of the config's (:func:`attention_impl`)."""
     flags, cluster = cfg["openrlhf"], cfg["cluster"]
     mcfg = MegatronConfig(**{k.split(".", 1)[1]: v for k, v in flags.items() if k.startswith("megatron.")})
     gpus = int(flags["actor.num_nodes"]) * int(flags["actor.num_gpus_per_node"])
@@ -233,7 +300,8 @@ def config_plan(cfg: dict, world_size: Optional[int] = None) -> Dict[str, float]
     return node_plan(QWEN25_32B, mcfg, dp=gpus // mcfg.model_parallel_size, seq_len=int(flags["data.max_len"]),
                      gpus_per_node=int(flags["actor.num_gpus_per_node"]), gpu_gib=float(cluster["gpu_mem_gb"]) * 1e9 / GiB,
                      vllm_tp=int(flags["vllm.tensor_parallel_size"]),
-                     vllm_util=float(flags["vllm.gpu_memory_utilization"]), micro_batch=config_micro_batch(cfg))
+                     vllm_util=float(flags["vllm.gpu_memory_utilization"]), micro_batch=config_micro_batch(cfg),
+                     attention=attention)
 
 
 def world_size_of(cfg: dict, value) -> int:
@@ -300,7 +368,7 @@ LAYOUTS = [  # (label, MegatronConfig kwargs, dp, precision_aware) of the docs' 
     ("1 node: TP8 DP1, SP, full recompute, Adam on GPU", dict(tp=8, sp=True, recompute="full"), 1, True),
     ("2 nodes: TP8 DP2, SP, full recompute, dist. optimizer", dict(tp=8, sp=True, recompute="full"), 2, True),
     ("2 nodes: same without SP", dict(tp=8, sp=False, recompute="full"), 2, True),
-    ("2 nodes: SP, no recompute (flash attention)", dict(tp=8, sp=True, recompute="none"), 2, True),
+    ("2 nodes: SP, no recompute (TE attention)", dict(tp=8, sp=True, recompute="none"), 2, True),
     ("2 nodes: TP4 PP2 DP2, SP, full recompute", dict(tp=4, pp=2, sp=True, recompute="full"), 2, True),
 ]
 
@@ -324,8 +392,8 @@ def load_config(path: str) -> dict:
 
 
 def config_markdown(paths) -> str:
-    rows = ["| config | GPU: fit | GPU: generation | GPU: weight sync | host / node | of which pinned |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| config | GPU: fit (TE) | GPU: fit, local spec (no TE) | GPU: generation | GPU: weight sync | host / node "
+            "| of which pinned |", "|---|---|---|---|---|---|---|"]
     seen = set()
     for path in paths:
         cfg = load_config(path)
@@ -335,7 +403,8 @@ def config_markdown(paths) -> str:
         if (layout, key) in seen:
             continue
         seen.add((layout, key))
-        rows.append(f"| `*_megatron_{layout}.yaml` | {p['gpu_fit_gib']:.1f} | {p['gpu_generate_gib']:.1f} | "
+        local = config_plan(cfg, attention="local")["gpu_fit_gib"]
+        rows.append(f"| `*_megatron_{layout}.yaml` | {p['gpu_fit_gib']:.1f} | {local:.1f} | {p['gpu_generate_gib']:.1f} | "
                     f"{p['gpu_weight_sync_gib']:.1f} | {p['host_per_node_gib']:.0f} | "
                     f"{p['pinned_host_per_node_gib']:.0f} |")
     return "\n".join(rows)
@@ -355,6 +424,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no_sp", action="store_true")
     p.add_argument("--recompute", default="full", choices=("none", "selective", "full"))
     p.add_argument("--cpu_offload", action="store_true")
+    p.add_argument("--attention", choices=ATTENTION, default=None,
+                   help="the attention to plan for: te (Transformer Engine's flash / fused attention) or local "
+                        "(megatron-core's unfused attention, kept s^2 score matrices); default: the config's "
+                        "(te unless megatron.transformer_impl is local)")
 
 
 def run(a) -> int:
@@ -378,18 +451,19 @@ def run(a) -> int:
         if world is not None:
             world = world_size_of(cfg, world)
             print(f"  plan at {world} GPUs (--world_size), token budgets: {budget_line(cfg)}")
-            for k, v in config_plan(cfg, world).items():
+            for k, v in config_plan(cfg, world, getattr(a, "attention", None)).items():
                 print(f"  {k:<28} {v:8.1f}")
             return 0
-        for k, v in config_plan(cfg).items():
+        for k, v in config_plan(cfg, attention=getattr(a, "attention", None)).items():
             print(f"  {k:<28} {v:8.1f}")
         print("  cluster section:          " + ", ".join(f"{k}: {v}" for k, v in config_figures(cfg).items()))
         return 0
     mcfg = MegatronConfig(tp=a.tp, pp=a.pp, sp=not a.no_sp and a.tp > 1, recompute=a.recompute,
                           optimizer_cpu_offload=a.cpu_offload)
-    mem = estimate_memory(QWEN25_32B, mcfg, a.dp, a.seq, a.micro_batch).as_gib()
+    mem = estimate_memory(QWEN25_32B, mcfg, a.dp, a.seq, a.micro_batch, attention=getattr(a, "attention", None)).as_gib()
     print(f"Qwen2.5-32B ({total_params(QWEN25_32B) / 1e9:.2f}B params), tp={mcfg.tp} pp={mcfg.pp} dp={a.dp} "
           f"sp={mcfg.sp} recompute={mcfg.recompute} cpu_offload={mcfg.optimizer_cpu_offload}, "
+          f"attention={getattr(a, 'attention', None) or attention_impl(mcfg)}, "
           f"micro-batch {a.micro_batch} x {a.seq} tokens")
     for k, v in mem.items():
         print(f"  {k:<24} {v:8.2f}")

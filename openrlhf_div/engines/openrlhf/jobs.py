@@ -56,9 +56,18 @@ WORKER_SETUP_HOOK = "openrlhf_div.engines.openrlhf.nodes.setup_worker"
 
 
 def task_env(environ: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
-    """The variables every Ray worker of a run needs: ``OPENRLHF_DIV_*`` and :data:`CONFIG_VARS`."""
+    """The variables every Ray worker of a run needs: ``OPENRLHF_DIV_*``, :data:`CONFIG_VARS`, and
+    ``TORCH_CUDA_ARCH_LIST`` in a form DeepSpeed's JIT builder parses (``9.0a`` -> ``9.0``,
+    :mod:`openrlhf_div.compat.cuda_arch`): the actors build FusedAdam, and a worker would otherwise
+    inherit the raylet's unparseable value."""
+    from openrlhf_div.compat.cuda_arch import VAR as ARCH_VAR, parseable_arch_value
+
     environ = os.environ if environ is None else environ
-    return {k: v for k, v in environ.items() if k.startswith(TASK_PREFIX) or k in CONFIG_VARS}
+    out = {k: v for k, v in environ.items() if k.startswith(TASK_PREFIX) or k in CONFIG_VARS}
+    arch = parseable_arch_value(environ)
+    if arch:
+        out[ARCH_VAR] = arch
+    return out
 
 
 def job_runtime_env_vars(environ: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
