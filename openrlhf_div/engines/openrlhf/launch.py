@@ -132,7 +132,23 @@ def build_parser() -> argparse.ArgumentParser:
     ours.add_argument("--plugin", action="append", default=None, metavar="MODULE",
                       help="import a module (or .py file) that registers methods / components / tasks, here and "
                            "in every Ray worker (repeatable; also OPENRLHF_DIV_PLUGINS=a,b); see openrlhf_div.plugins")
+    parser.error = _one_line_error(parser)
     return parser
+
+
+def _one_line_error(parser: argparse.ArgumentParser):
+    """argparse's error without its ~250-line usage: one line, the closest flag for a typo."""
+    def error(message: str):
+        import difflib
+
+        hint = ""
+        if message.startswith("unrecognized arguments: "):
+            bad = message.split(": ", 1)[1].split()[0]
+            flags = [s for s in parser._option_string_actions if s.startswith("--")]
+            close = difflib.get_close_matches(bad.split("=", 1)[0], flags, n=3)
+            hint = f". Did you mean {', '.join(close)}?" if close else ""
+        parser.exit(2, f"{parser.prog}: error: {message}{hint} (--help lists every flag)\n")
+    return error
 
 
 def finalize(parsed: argparse.Namespace):
