@@ -375,7 +375,7 @@ def plot_styles(metrics: Mapping[str, Any], path: str, split: Optional[str] = No
 # ------------------------------------------------------------------ the report
 def write_report(out_dir: str, metrics: Mapping[str, Any], *, settings: Optional[Mapping[str, Any]] = None,
                  notes: Sequence[str] = (), style_split: Optional[str] = "auto",
-                 title: Optional[str] = None, intro: str = "") -> Dict[str, str]:
+                 title: Optional[str] = None, intro: str = "", keep_k: int = 8) -> Dict[str, str]:
     """Write ``metrics.json``, ``report.md``, ``passk.png`` and ``styles.png`` into ``out_dir``.
 
     ``settings``: ``{model name: {setting: value}}`` printed per method; ``notes``: markdown
@@ -402,7 +402,8 @@ def write_report(out_dir: str, metrics: Mapping[str, Any], *, settings: Optional
     base = metrics["base"]
     md += [f"{base.get('n_problems', '?')} evaluation problems x {base.get('n_samples', '?')} samples each; "
            f"methods: mean ± sd over {'/'.join(map(str, seeds))} seed(s). pass@k is the unbiased estimator; "
-           "keep / explore use the first 8 samples of each problem (one pass@8 draw) against the base.", ""]
+           f"keep / explore use the first {keep_k} samples of each problem (one pass@{keep_k} draw) against the base.",
+           ""]
     md += ["## Comparison", "", _table(rows, _columns(metrics, style_split)), ""]
     if has_styles:
         md += [f"## Style mix{f' (split {style_split})' if style_split else ''}", "",
@@ -514,4 +515,4 @@ def compare_runs(run_dirs: Iterable[str], out_dir: str, *, base_dir: Optional[st
     if mismatch:
         intro += ("\n\n" if intro else "") + ("**Warning: these runs were evaluated with different settings (compared with --allow-mismatch); "
                  "their numbers are not directly comparable:**\n\n" + "\n".join(f"- {d}" for d in mismatch))
-    return write_report(out_dir, metrics, settings=settings, style_split=style_split, intro=intro)
+    return write_report(out_dir, metrics, settings=settings, style_split=style_split, intro=intro, keep_k=keep_k)

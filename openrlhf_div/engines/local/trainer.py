@@ -46,6 +46,7 @@ Design choices (documented here, see also :mod:`.generation`):
 from __future__ import annotations
 
 import contextlib
+import glob
 import math
 import os
 import random
@@ -262,6 +263,12 @@ class Trainer:
         d = self.cfg.data
         train, anchor = d.train, d.anchor
         if self.needs.anchor_batch:
+            if d.presample_dir and not os.path.isfile(os.path.join(d.presample_dir, "d_pef.jsonl")):
+                below = sorted(os.path.relpath(os.path.dirname(p), d.presample_dir) for p in
+                               glob.glob(os.path.join(d.presample_dir, "*", "d_pef.jsonl")))
+                raise ValueError(f"data.presample_dir={d.presample_dir}: no d_pef.jsonl there (the folder "
+                                 "`openrlhf-div presample` wrote, which holds d_pef.jsonl and d_exp.jsonl)"
+                                 + (f"; did you mean {os.path.join(d.presample_dir, below[0])}?" if below else ""))
             if anchor is None and d.presample_dir:
                 anchor = os.path.join(d.presample_dir, "d_pef.jsonl")
             if anchor is None:
