@@ -209,4 +209,12 @@ def _run_ray(path, cfg, engine, backend, run_dir, args, overrides, passthrough) 
     cmd = ["bash", script, path] + (["--submit"] if args.submit else []) + flags
     env = dict(os.environ, RUN_DIR=os.environ.get("RUN_DIR", run_dir), PYTHON=os.environ.get("PYTHON", sys.executable))
     print("openrlhf-div run: " + " ".join(cmd), file=sys.stderr)
-    return subprocess.call(cmd, env=env)
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:  # Ctrl-C reached the launcher too: it ends with its own line (no traceback here)
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:  # a second Ctrl-C: stop waiting
+            proc.terminate()
+            return 130
