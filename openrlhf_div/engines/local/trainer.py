@@ -263,12 +263,13 @@ class Trainer:
         d = self.cfg.data
         train, anchor = d.train, d.anchor
         if self.needs.anchor_batch:
-            if d.presample_dir and not os.path.isfile(os.path.join(d.presample_dir, "d_pef.jsonl")):
-                below = sorted(os.path.relpath(os.path.dirname(p), d.presample_dir) for p in
-                               glob.glob(os.path.join(d.presample_dir, "*", "d_pef.jsonl")))
-                raise ValueError(f"data.presample_dir={d.presample_dir}: no d_pef.jsonl there (the folder "
-                                 "`openrlhf-div presample` wrote, which holds d_pef.jsonl and d_exp.jsonl)"
-                                 + (f"; did you mean {os.path.join(d.presample_dir, below[0])}?" if below else ""))
+            wanted = ([] if anchor is not None else ["d_pef.jsonl"]) + (["d_exp.jsonl"] if d.train_on_exp else [])
+            missing = [f for f in wanted if d.presample_dir and not os.path.isfile(os.path.join(d.presample_dir, f))]
+            if missing:  # name the setting (a folder one level off gave "dataset not found: .../d_exp.jsonl")
+                below = sorted(os.path.dirname(p) for p in glob.glob(os.path.join(d.presample_dir, "*", missing[0])))
+                raise ValueError(f"data.presample_dir={d.presample_dir}: no {missing[0]} there (it is the folder "
+                                 "`openrlhf-div presample` wrote, holding d_pef.jsonl and d_exp.jsonl)"
+                                 + (f"; did you mean data.presample_dir={below[0]}?" if below else ""))
             if anchor is None and d.presample_dir:
                 anchor = os.path.join(d.presample_dir, "d_pef.jsonl")
             if anchor is None:
