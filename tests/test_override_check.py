@@ -92,3 +92,13 @@ def test_the_ray_launcher_refuses_before_anything_starts(submit, tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stdout == "" and len(_err_lines(r.stderr)) == 1, r.stderr
     assert "unknown method 'grpoo'. Did you mean 'grpo'" in r.stderr
+
+
+def test_an_invalid_choice_on_the_ray_driver_is_one_line_with_the_closest(capsys):
+    from openrlhf_div.engines.openrlhf import launch as L
+
+    with pytest.raises(SystemExit) as e:
+        L.main(["--config", CFG, "--div.method", "grpoo", "--dry-run"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(_err_lines(err)) == 1, err
+    assert "invalid choice: 'grpoo'" in err and "Did you mean grpo" in err

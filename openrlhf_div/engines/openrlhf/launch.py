@@ -30,6 +30,7 @@ import copy
 import datetime
 import importlib.util
 import os
+import re
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -146,6 +147,11 @@ def _one_line_error(parser: argparse.ArgumentParser):
             bad = message.split(": ", 1)[1].split()[0]
             flags = [s for s in parser._option_string_actions if s.startswith("--")]
             close = difflib.get_close_matches(bad.split("=", 1)[0], flags, n=3)
+            hint = f". Did you mean {', '.join(close)}?" if close else ""
+        m = re.match(r"argument (\S+): invalid choice: '([^']*)'", message)
+        if m and m.group(1) in parser._option_string_actions:  # --div.method grpoo
+            choices = [str(c) for c in parser._option_string_actions[m.group(1)].choices or ()]
+            close = difflib.get_close_matches(m.group(2), choices, n=3)
             hint = f". Did you mean {', '.join(close)}?" if close else ""
         parser.exit(2, f"{parser.prog}: error: {message}{hint} (--help lists every flag)\n")
     return error
