@@ -80,3 +80,19 @@ def test_a_resumed_run_clears_the_mark(tmp_path, monkeypatch):
     write_driver_files(p, p.experiment)  # the same folder again (a resume)
     assert not (tmp_path / "run" / "INCOMPLETE").exists()
 
+
+
+def test_a_stopped_submit_names_the_run_folder_and_marks_it(tmp_path):
+    """The launcher's INT / TERM trap under --submit (examples/scripts/_common.sh stopped_job): the
+    same line as the driver's, the folder marked; tests/e2e/test_laptop_path.py sends the real SIGTERM."""
+    run = tmp_path / "run"
+    (run / "ckpt" / "_actor").mkdir(parents=True)
+    (run / "ckpt" / "_actor" / "latest").write_text("global_step2\n")
+    script = f'source {ROOT}/examples/scripts/_common.sh; RUN_DIR={run}; stopped_job Ctrl-C'
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHON=sys.executable))
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip() == (f"[openrlhf-div] stopped (Ctrl-C): the job and its Ray head; run folder {run} (marked "
+                                f"incomplete: INCOMPLETE); resume from its last checkpoint {run}/ckpt/_actor/global_step2: "
+                                f"the same command with RUN_DIR={run} and --ckpt.load_enable"), r.stderr
+    assert (run / "INCOMPLETE").read_text().startswith("stopped by Ctrl-C")
