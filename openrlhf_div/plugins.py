@@ -98,6 +98,22 @@ def load_plugins(specs: Iterable[str] = (), *, env: bool = True, export: bool = 
     return list(_loaded)
 
 
+def in_effect(specs: Iterable[str] = ()) -> List[str]:
+    """The plug-ins a run depends on, to record in its run folder so that a resume loads them:
+    ``specs`` (a config's ``plugins:``) then those of ``OPENRLHF_DIV_PLUGINS`` (where the
+    ``--plugin`` ones of the command line are), each once; a file as an absolute path."""
+    out: List[str] = []
+    for spec in [specs] if isinstance(specs, str) else list(specs or ()):
+        key = os.path.abspath(os.path.expanduser(spec)) if _is_file(spec) else spec
+        if key not in out:
+            out.append(key)
+    for spec in from_env():
+        key = os.path.abspath(os.path.expanduser(spec)) if _is_file(spec) else spec
+        if key not in out:
+            out.append(key)
+    return out
+
+
 def config_plugins(value, config_path: str) -> List[str]:
     """The ``plugins:`` entry of an experiment file as plug-in specs: a list of module names or
     ``.py`` paths (one string is a list of one); a relative path is taken from the file's folder

@@ -114,15 +114,27 @@ def test_each_forced_branch_is_one_vllms_dispatch_chooses():
 
 
 def _update(worker, named, per_tensor):
-    from openrlhf_div.compat.vllm_weights import update_vllm_weights
+    """The update; returns how many "Failed to load weights" warnings vLLM's reload logged (issue 43
+    item 3: expected at every per-tensor session, silenced at their source in update_vllm_weights)."""
+    import logging
 
-    model = worker.model_runner.model
-    if not per_tensor:
-        update_vllm_weights(model, named)
-        return True
-    for name, tensor in named:
-        update_vllm_weights(model, [(name, tensor)])
-    return True
+    from openrlhf_div.compat.vllm_weights import NO_TENSOR_WARNING, RELOAD_LOGGER, update_vllm_weights
+
+    seen = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: seen.append(record) if record.msg == NO_TENSOR_WARNING else None
+    log = logging.getLogger(RELOAD_LOGGER)
+    log.addHandler(handler)
+    try:
+        model = worker.model_runner.model
+        if not per_tensor:
+            update_vllm_weights(model, named)
+        else:
+            for name, tensor in named:
+                update_vllm_weights(model, [(name, tensor)])
+    finally:
+        log.removeHandler(handler)
+    return {"no_tensor_warnings": len(seen)}
 
 
 def _half_update(worker, named):
@@ -175,7 +187,7 @@ def _check_update(llm, branch, seed, per_tensor, before):
     tol = TOL_BF16 if dtype == "bfloat16" else TOL
     new = _hf_model(seed, dtype)
     named = [(n, p.detach().clone()) for n, p in new.named_parameters()]
-    assert llm.collective_rpc(_update, args=(named, per_tensor))[0]
+    assert llm.collective_rpc(_update, args=(named, per_tensor))[0] == {"no_tensor_warnings": 0}
     layers = llm.collective_rpc(_branches)[0]
     assert set(layers.values()) == {branch}, (branch, layers)  # the branch is re-taken by the update
     after = _vllm_logprobs(llm)

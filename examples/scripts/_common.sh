@@ -151,12 +151,28 @@ ensure_ray_head() {
   if [[ "$(nproc)" -lt 8 ]]; then cpus=(--num-cpus 8); fi  # one logical CPU per placement bundle
   say "no Ray cluster at ${JOB_ADDRESS}: starting a Ray head for this job (${gpus} GPU(s); logical ones where there is no GPU)"
   trap 'stop_job_head' EXIT
-  trap 'say "interrupted: stopping the job and its Ray head"; stop_job_head; exit 130' INT
-  trap 'say "terminated: stopping the job and its Ray head"; stop_job_head; exit 143' TERM
+  trap 'stopped_job Ctrl-C; stop_job_head; exit 130' INT
+  trap 'stopped_job SIGTERM; stop_job_head; exit 143' TERM
   JOB_HEAD_OUT="$("$PYTHON" -m openrlhf_div.engines.openrlhf.head start --num-gpus "$gpus" "${cpus[@]}")" || exit 2
   eval "$JOB_HEAD_OUT"
   JOB_ADDRESS="$JOB_HEAD_ADDRESS"
   say "Ray head for this job: dashboard ${JOB_HEAD_ADDRESS}, GCS 127.0.0.1:${JOB_HEAD_GCS}, temp dir ${JOB_HEAD_DIR} (free ports; it stops when the job ends; a head of your own: ray start --head, then RAY_ADDRESS=http://127.0.0.1:8265)"
+}
+
+# The one line of a job stopped by Ctrl-C / SIGTERM: its run folder (marked incomplete, as the driver marks
+# its own: engines/openrlhf/launch.py stopped) and how to resume from its last checkpoint, if any.
+stopped_job() {
+  local how="$1" tag="" resume="no checkpoint was saved yet: the same command starts it again"
+  if [[ -n "${RUN_DIR:-}" && -d "$RUN_DIR" ]]; then
+    tag="$(cat "$RUN_DIR/ckpt/_actor/latest" 2>/dev/null || true)"
+    if [[ -n "$tag" ]]; then
+      resume="resume from its last checkpoint $RUN_DIR/ckpt/_actor/$tag: the same command with RUN_DIR=$RUN_DIR and --ckpt.load_enable"
+    fi
+    printf 'stopped by %s; %s\n' "$how" "$resume" > "$RUN_DIR/INCOMPLETE" 2>/dev/null || true
+    say "stopped (${how}): the job and its Ray head; run folder ${RUN_DIR} (marked incomplete: INCOMPLETE); ${resume}"
+  else
+    say "stopped (${how}): the job and its Ray head, before the job wrote its run folder"
+  fi
 }
 
 # Stop the head ensure_ray_head started (and the submitting client), once. Its temp dir is removed,

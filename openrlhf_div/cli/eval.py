@@ -61,7 +61,10 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--greedy", action="store_true", help="also decode greedily and report greedy accuracy")
-    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="longest response in tokens (default: the task's: 1024 for math, sql and countdown, 16 for "
+                        "demo). On a CPU long responses are slow: the progress lines give tokens/s and the ETA; "
+                        "--limit and a lower value shorten a trial run")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call")
     p.add_argument("--out", default=None, help="output folder (default runs/eval/<model>-<task>)")
     p.add_argument("--base-results", default=None,
@@ -203,6 +206,8 @@ def run(args) -> int:
     except (ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.max_new_tokens is None:
+        args.max_new_tokens = int(getattr(task, "eval_max_new_tokens", 1024))
 
     examples, summaries = [], []
     for path in args.data:
@@ -243,6 +248,8 @@ def run(args) -> int:
         print(f"error: --base-results: {exc}", file=sys.stderr)
         return 2
 
+    print(f"eval: {len(examples)} problem(s) x {args.n} sample(s){' + greedy' if args.greedy else ''}, up to "
+          f"{args.max_new_tokens} new tokens each (--max-new-tokens), engine {args.engine}", file=sys.stderr)
     t0 = time.time()
     try:
         gen_fn, tokenizer, engine = make_generate_fn(args.model, engine=args.engine, device=args.device,

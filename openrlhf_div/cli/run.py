@@ -34,12 +34,18 @@ def _options():
     return p
 
 
+def _options_help() -> str:
+    """The options' help without their usage lines (which wrap to a second line on narrow terminals)."""
+    text = _options().format_help()
+    return "run options:" + text[text.index("\noptions:") + len("\noptions:"):] if "\noptions:" in text else text
+
+
 def add_parser(sub):
     import argparse
 
     p = sub.add_parser("run", help="run one experiment file on any engine (local, openrlhf, megatron)",
                        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog=_options().format_help().split("\n", 2)[-1]
+                       epilog=_options_help()
                        + "\nsection.key=value overrides follow; after `--`, OpenRLHF flags pass through to the Ray engines.")
     p.add_argument("experiment", help="an experiment's name (configs/openrlhf|megatron/NAME.yaml) or a path")
     p.add_argument("rest", nargs=argparse.REMAINDER, metavar="[options] [key=value ...] [-- flags]")
@@ -93,6 +99,7 @@ def _run_local(cfg, name, run_dir, args, passthrough) -> int:
     if passthrough:
         raise ValueError(f"{passthrough[0]}: an OpenRLHF flag, which the local engine does not read (use "
                          "section.key=value overrides, or --engine openrlhf)")
+    _tiny_paths(cfg, build=not args.dry_run and not args.toy)
     data, notes = E.to_local(cfg, run_dir=run_dir, toy=args.toy)
     scripts = data.pop("toy_sql_scripts", None)
     tc = config_from_dict(data)
@@ -118,13 +125,28 @@ def _run_local(cfg, name, run_dir, args, passthrough) -> int:
     if method.needs.anchor_batch and not (tc.data.presample_dir or tc.data.anchor):
         pre_dir = os.path.join(run_dir, "presample")
         print(f"openrlhf-div run: pre-sampling D_pef / D_exp into {pre_dir}", file=sys.stderr)
-        summary = presample(tc, pre_dir, overwrite=False, progress=False)
+        summary = presample(tc, pre_dir, overwrite=False, progress=False,
+                            hint=f"remove {pre_dir}, or give another --run-dir")
         print(format_summary(summary), file=sys.stderr)
         data.setdefault("data", {})["presample_dir"] = pre_dir
         tc = config_from_dict(data)
     result = train(cfg=tc)
     print(f"done: {result['run_dir']}")
     return 0
+
+
+def _tiny_paths(cfg, build: bool) -> None:
+    """As the Ray launcher's prepare step does: the path variables a config uses with a relative default
+    (``${TINY_MODEL:-runs/tiny_cpu/model}``) are the repository's, whatever the working directory, and a
+    ``tiny:`` section's model and data are built on first use (``build``)."""
+    from openrlhf_div.engines import experiment as E
+    from openrlhf_div.engines.openrlhf.prepare import ensure_tiny, relative_defaults
+
+    for var, default in relative_defaults(cfg).items():
+        if var != "RUN_DIR" and var not in os.environ:
+            os.environ[var] = os.path.join(E.ROOT, default)
+    if build and cfg.get("tiny"):
+        ensure_tiny(cfg, dict(os.environ), E.ROOT, say=lambda m: print(f"openrlhf-div run: {m}", file=sys.stderr))
 
 
 def toy_on_ray_refusal(name: str, cfg, engine: str) -> str:
@@ -146,9 +168,25 @@ def toy_on_ray_refusal(name: str, cfg, engine: str) -> str:
     method = (E.method_section(cfg).get("name") or "METHOD")
     toys = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(E.ROOT, "configs", "openrlhf", "tiny_cpu_*.yaml")))
     alt = f"tiny_cpu_{method}" if f"tiny_cpu_{method}" in toys else "tiny_cpu_<method> (" + ", ".join(toys) + ")"
+    local = f"`openrlhf-div run {name} --engine local --toy` for {name}'s toy"
+    if _sql_anchor_toy(cfg, method):  # refused on the local engine too (_run_local): propose a math experiment's
+        math = [os.path.basename(p)[:-5] for p in sorted(glob.glob(os.path.join(E.ROOT, "configs", "openrlhf", f"[!_]*_{method}.yaml")))
+                if not _sql_anchor_toy(E.load(p, toy=True), method)]
+        local = (f"`openrlhf-div run {math[0]} --engine local --toy` for {method}'s toy on a math task ({name}'s SQL toy "
+                 "has no correct samples to anchor on)" if math else f"the local engine's toy of a math experiment")
     return (f"--toy on the {engine} engine: the toy overlay is the local engine's (an in-process tiny model and sampler); "
-            f"run `openrlhf-div run {name} --engine local --toy` for {name}'s toy, or the Ray engines' toy "
-            f"`openrlhf-div run {alt} --engine {engine}`")
+            f"run {local}, or the Ray engines' toy `openrlhf-div run {alt} --engine {engine}`")
+
+
+def _sql_anchor_toy(cfg, method: str) -> bool:
+    """The local engine refuses this toy: an anchor method on the SQL toy (its tiny model writes no correct SQL)."""
+    from openrlhf_div.algorithms import get_method
+
+    try:
+        anchors = get_method(method).needs.anchor_batch
+    except ValueError:
+        return False
+    return bool(anchors and (cfg.get("local") or {}).get("toy_sql_scripts"))
 
 
 def _run_ray(path, cfg, engine, backend, run_dir, args, overrides, passthrough) -> int:
@@ -171,4 +209,12 @@ def _run_ray(path, cfg, engine, backend, run_dir, args, overrides, passthrough) 
     cmd = ["bash", script, path] + (["--submit"] if args.submit else []) + flags
     env = dict(os.environ, RUN_DIR=os.environ.get("RUN_DIR", run_dir), PYTHON=os.environ.get("PYTHON", sys.executable))
     print("openrlhf-div run: " + " ".join(cmd), file=sys.stderr)
-    return subprocess.call(cmd, env=env)
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:  # Ctrl-C reached the launcher too: it ends with its own line (no traceback here)
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:  # a second Ctrl-C: stop waiting
+            proc.terminate()
+            return 130

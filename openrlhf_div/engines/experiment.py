@@ -101,6 +101,9 @@ def load(path: str, overrides: Sequence[str] = (), toy: bool = False) -> Dict[st
             if isinstance(over.get(section), dict):
                 over[section] = _flatten(over[section])
         cfg = deep_merge(cfg, over)
+        from openrlhf_div.engines.overrides import check_overrides
+
+        check_overrides(cfg, overrides, path)  # a typo: one line, the same on every engine
     return cfg
 
 

@@ -26,7 +26,10 @@ result with :func:`openrlhf_div.eval.results.write_eval` (``eval.json``, ``sampl
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
+import time
 from collections import Counter, defaultdict
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
@@ -56,8 +59,14 @@ def evaluate(task, examples: Sequence[Mapping[str, Any]], generate_fn: Callable[
              batch_size: int = 16, progress: bool = True, keep_responses: bool = True,
              prompt_template: Optional[str] = None, system_prompt: Optional[str] = None,
              styles: Optional[Sequence[str]] = None, is_base: bool = False,
-             render: Optional[Callable[[Mapping[str, Any]], str]] = None) -> Dict[str, Any]:
+             render: Optional[Callable[[Mapping[str, Any]], str]] = None,
+             heartbeat_s: float = 30.0) -> Dict[str, Any]:
     """Generate ``n`` samples per example, score them with ``task``, and summarise.
+
+    With ``progress``: a line per 10% of the samples (or 30 s) with samples done, samples/s,
+    generated tokens/s and the ETA, and, while one generate call runs longer than ``heartbeat_s``,
+    a line every ``heartbeat_s`` saying which samples are being generated and for how long (a
+    CPU run of long responses would otherwise print nothing for minutes; issue 43 item 4).
 
     ``examples``: normalised ``{"prompt", "label", "source", "id"}`` dicts (see
     :func:`openrlhf_div.tasks.datasets.load_examples`). ``ks`` must lie in ``[1, n]``.
@@ -92,16 +101,20 @@ def evaluate(task, examples: Sequence[Mapping[str, Any]], generate_fn: Callable[
             raise ValueError(f"cannot build the prompt of example {ex.get('id')!r} ({ex.get('source')}): "
                              f"{type(exc).__name__}: {exc}") from exc
 
-    bar = progress_bar(total=len(examples) * (2 if greedy else 1), desc=f"eval {task.name}", unit="prob",
-                       disable=not progress)
+    total = len(examples) * (n + (1 if greedy else 0))
+    bar = progress_bar(total=total, desc=f"eval {task.name}", unit="sample", disable=not progress)
+    pace = _Pace(f"eval {task.name}", total, tokenizer, heartbeat_s if progress else 0.0)
     problems: List[Dict[str, Any]] = []
     try:
         for start in range(0, len(examples), batch_size):
             chunk = examples[start:start + batch_size]
             cprompts = prompts[start:start + batch_size]
-            outs = generate_fn(cprompts, n=n, temperature=temperature, top_p=top_p,
-                               max_new_tokens=max_new_tokens, greedy=False)
+            with pace.call(len(chunk), n, max_new_tokens):
+                outs = generate_fn(cprompts, n=n, temperature=temperature, top_p=top_p,
+                                   max_new_tokens=max_new_tokens, greedy=False)
             _check_outputs(outs, cprompts, n, "sampling")
+            pace.done(outs)
+            bar.set_postfix_str(pace.postfix())
             flat = [r for g in outs for r in g]
             labels = [ex["label"] for ex in chunk for _ in range(n)]
             results = task.reward_results(flat, labels)
@@ -123,14 +136,17 @@ def evaluate(task, examples: Sequence[Mapping[str, Any]], generate_fn: Callable[
                     rec["answers"] = [extracted_answer(r) for r in rs]
                     rec["truncated"] = [getattr(x, "truncated", None) for x in resps]
                 problems.append(rec)
-            bar.update(len(chunk))
+            bar.update(len(chunk) * n)
         if greedy:
             for start in range(0, len(examples), batch_size):
                 chunk = examples[start:start + batch_size]
                 cprompts = prompts[start:start + batch_size]
-                outs = generate_fn(cprompts, n=1, temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens,
-                                   greedy=True)
+                with pace.call(len(chunk), 1, max_new_tokens):
+                    outs = generate_fn(cprompts, n=1, temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens,
+                                       greedy=True)
                 _check_outputs(outs, cprompts, 1, "greedy")
+                pace.done(outs)
+                bar.set_postfix_str(pace.postfix())
                 results = task.reward_results([g[0] for g in outs], [ex["label"] for ex in chunk])
                 for j, r in enumerate(results):
                     rec = problems[start + j]
@@ -140,6 +156,7 @@ def evaluate(task, examples: Sequence[Mapping[str, Any]], generate_fn: Callable[
                         rec["greedy_response"] = outs[j][0]
                 bar.update(len(chunk))
     finally:
+        pace.stop()
         bar.close()
 
     by_source = summarize(problems, n, ks, base_results=base_results, keep_k=keep_k, dist_ns=dist_ns)
@@ -155,6 +172,80 @@ def evaluate(task, examples: Sequence[Mapping[str, Any]], generate_fn: Callable[
                 "prompt_template": prompt_template, "system_prompt": system_prompt}
     return {"format": EVAL_FORMAT, "task": task.name, "settings": settings, "metrics": metrics,
             "by_source": by_source, "problems": problems}
+
+
+class _Pace:
+    """Generated tokens per second of an evaluation, and the heartbeat line while one generate
+    call runs (a thread that prints every ``heartbeat_s`` until the call returns; 0: none)."""
+
+    def __init__(self, desc: str, total: int, tokenizer, heartbeat_s: float):
+        self.desc, self.total, self.tokenizer, self.heartbeat_s = desc, total, tokenizer, float(heartbeat_s)
+        self.samples = self.tokens = 0
+        self.t0 = time.monotonic()
+        self._stop = None
+
+    def _count(self, text: str) -> int:
+        if self.tokenizer is not None:
+            try:
+                return len(self.tokenizer.encode(str(text), add_special_tokens=False))
+            except Exception:  # noqa: BLE001 - a tokenizer without that signature: words instead
+                pass
+        return len(str(text).split())
+
+    def done(self, outs) -> None:
+        for group in outs:
+            self.samples += len(group)
+            self.tokens += sum(self._count(x) for x in group)
+
+    def rate(self) -> Optional[float]:
+        el = time.monotonic() - self.t0
+        return self.tokens / el if el > 0 and self.samples else None
+
+    def postfix(self) -> str:
+        r = self.rate()
+        return f"{r:.1f} tokens/s" if r is not None else ""
+
+    @contextlib.contextmanager
+    def call(self, prompts: int, n: int, max_new_tokens: int):
+        if self.heartbeat_s <= 0:
+            yield
+            return
+        import threading
+
+        stop, start = threading.Event(), time.monotonic()
+        first, last = self.samples + 1, min(self.total, self.samples + prompts * n)
+
+        def beat():
+            while not stop.wait(self.heartbeat_s):
+                el = time.monotonic() - self.t0
+                line = (f"{self.desc}: {self.samples}/{self.total} samples done; generating samples {first}-{last} "
+                        f"({prompts} prompt(s) x {n}, up to {max_new_tokens} new tokens each) for "
+                        f"{_duration(time.monotonic() - start)}")
+                if self.samples and el > 0:
+                    eta = (self.total - self.samples) * el / self.samples
+                    line += f"; {self.tokens / el:.1f} tokens/s so far, ETA {_duration(eta)}"
+                else:
+                    line += "; no sample finished yet (a lower --max-new-tokens or --limit shortens a slow run)"
+                print(line, file=sys.stderr, flush=True)
+        thread = threading.Thread(target=beat, name="eval-heartbeat", daemon=True)
+        self._stop = stop
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+            self._stop = None
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+
+
+def _duration(seconds: float) -> str:
+    from openrlhf_div.progress import _duration as d
+
+    return d(seconds)
 
 
 def extracted_answer(result) -> Optional[str]:

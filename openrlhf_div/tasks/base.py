@@ -37,6 +37,8 @@ class Task:
     """Base class. Subclasses set ``name`` and implement ``prompt`` and ``score``."""
 
     name: str = "task"
+    #: ``openrlhf-div eval``'s default ``--max-new-tokens`` for this task: long enough for its answers
+    eval_max_new_tokens: int = 1024
 
     def prompt(self, example: Dict[str, Any]) -> Union[str, List[Dict[str, str]]]:
         """The prompt text (or chat messages) for one normalised example

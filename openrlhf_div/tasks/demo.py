@@ -165,6 +165,7 @@ class DemoTask(Task):
     """Score a response against a demo label; ``info["style"]`` is the response's style."""
 
     name = "demo"
+    eval_max_new_tokens = 16  # a style prefix and a number (the demo's own evaluation uses 10)
 
     def prompt(self, example: Dict[str, Any]) -> str:
         if example.get("prompt"):

@@ -253,7 +253,7 @@ def test_a_stopped_submit_stops_the_jobs_head(fresh_user):
         rest, _ = proc.communicate(timeout=120)
         out = "".join(lines) + rest
         assert proc.returncode == 143, out[-3000:]
-        assert "terminated: stopping the job and its Ray head" in out, out[-3000:]
+        assert "stopped (SIGTERM): the job and its Ray head" in out, out[-3000:]
         assert not os.path.exists(head.group(2)) and not own_pids(head.group(2), int(head.group(1))), out[-2000:]
     finally:
         if proc.poll() is None:

@@ -41,6 +41,8 @@ class ModelConfig:
     tiny_layers: int = _f(2, "Transformer layers of the tiny model.")
     tiny_heads: int = _f(4, "Attention heads of the tiny model.")
     tiny_kv_heads: int = _f(2, "Key/value heads of the tiny model (grouped-query attention).")
+    tiny_max_positions: int = _f(512, "Context length of the tiny model (max_position_embeddings: prompt + response "
+                                      "tokens; rotary positions, so the weights do not depend on it).")
     init_seed: Optional[int] = _f(None, "Seed of the tiny model's initial weights (null: the run's seed).")
     dtype: str = _f("auto", "Parameter dtype: auto, float32, bfloat16 or float16 (checkpoints are saved in it). "
                             "auto: a short timed matmul probe of the model's own shapes picks bfloat16 with float32 "

@@ -188,7 +188,8 @@ def build_policy(cfg, device: torch.device, path: Optional[str] = None,
         m = cfg.model
         model, tok = build_tiny_model(m.tiny_vocab, seed=cfg.seed if m.init_seed is None else m.init_seed,
                                       hidden_size=m.tiny_hidden_size, num_layers=m.tiny_layers,
-                                      num_heads=m.tiny_heads, num_kv_heads=m.tiny_kv_heads, dtype=dtype)
+                                      num_heads=m.tiny_heads, num_kv_heads=m.tiny_kv_heads,
+                                      max_position_embeddings=m.tiny_max_positions, dtype=dtype)
         model.to(device)
     return model, tok
 

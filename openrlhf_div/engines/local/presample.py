@@ -62,7 +62,9 @@ def _settings(cfg: TrainConfig, train_path: str, n_examples: int) -> Dict[str, A
             "task_options": cfg.task_options, "model": cfg.model.path or {
                 "tiny_vocab": cfg.model.tiny_vocab, "hidden": cfg.model.tiny_hidden_size,
                 "layers": cfg.model.tiny_layers, "heads": cfg.model.tiny_heads, "kv_heads": cfg.model.tiny_kv_heads,
-                "init_seed": cfg.seed if cfg.model.init_seed is None else cfg.model.init_seed},
+                "init_seed": cfg.seed if cfg.model.init_seed is None else cfg.model.init_seed,
+                # only when not the default, so runs started before the option existed still resume
+                **({"max_positions": cfg.model.tiny_max_positions} if cfg.model.tiny_max_positions != 512 else {})},
             "data": os.path.abspath(train_path), "data_sha256_16": data_sha, "n_examples": n_examples,
             # only when on, so runs started before the option existed still resume
             **({"resample_anchor_responses": True} if p.resample_anchor_responses else {})}
@@ -117,9 +119,11 @@ def _resample_anchors(model, tokenizer, task, examples, prompt_ids, hot: List[in
 
 
 def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: bool = False,
-              max_new_chunks: Optional[int] = None, progress: bool = True) -> Dict[str, Any]:
+              max_new_chunks: Optional[int] = None, progress: bool = True,
+              hint: str = "use another output directory or --overwrite") -> Dict[str, Any]:
     """Run (or resume) the pre-sampling stage; returns the summary (``{"complete": False,
-    ...}`` when ``max_new_chunks`` stopped it early; run again to continue)."""
+    ...}`` when ``max_new_chunks`` stopped it early; run again to continue). ``hint``: the caller's
+    way out of a folder written with other settings (``openrlhf-div run`` has no ``--overwrite``)."""
     from openrlhf_div.progress import progress_bar
     from openrlhf_div.tasks import get_task
 
@@ -150,7 +154,7 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
     if backend != "hf":  # recorded only when not hf, so runs started before the option existed still resume
         s["sampler"] = backend
     store = ShardStore(out_dir, s, len(examples), overwrite=overwrite, engine="local",
-                       hint="use another output directory or --overwrite")
+                       hint=hint)
     task = get_task(cfg.task, **(cfg.task_options or {}))
     prompt_texts: Dict[Any, str] = {}
     prompts = prepare_prompts(task, tokenizer, examples, data_summary, cfg.data,

@@ -92,4 +92,7 @@ def absolute_paths(cfg):
     out.output_dir = os.path.abspath(out.output_dir)
     if out.model.path and os.path.exists(os.path.expanduser(out.model.path)):
         out.model.path = os.path.abspath(os.path.expanduser(out.model.path))
+    from openrlhf_div.plugins import in_effect
+
+    out.plugins = in_effect(out.plugins)  # --plugin ones too: `train --resume` loads them (issue 43 item 2)
     return out

@@ -46,6 +46,7 @@ Design choices (documented here, see also :mod:`.generation`):
 from __future__ import annotations
 
 import contextlib
+import glob
 import math
 import os
 import random
@@ -264,6 +265,13 @@ class Trainer:
         d = self.cfg.data
         train, anchor = d.train, d.anchor
         if self.needs.anchor_batch:
+            wanted = ([] if anchor is not None else ["d_pef.jsonl"]) + (["d_exp.jsonl"] if d.train_on_exp else [])
+            missing = [f for f in wanted if d.presample_dir and not os.path.isfile(os.path.join(d.presample_dir, f))]
+            if missing:  # name the setting (a folder one level off gave "dataset not found: .../d_exp.jsonl")
+                below = sorted(os.path.dirname(p) for p in glob.glob(os.path.join(d.presample_dir, "*", missing[0])))
+                raise ValueError(f"data.presample_dir={d.presample_dir}: no {missing[0]} there (it is the folder "
+                                 "`openrlhf-div presample` wrote, holding d_pef.jsonl and d_exp.jsonl)"
+                                 + (f"; did you mean data.presample_dir={below[0]}?" if below else ""))
             if anchor is None and d.presample_dir:
                 anchor = os.path.join(d.presample_dir, "d_pef.jsonl")
             if anchor is None:
@@ -647,7 +655,9 @@ class Trainer:
                 "on_policy_shortcut": self.on_policy_shortcut, "length_buckets": self.length_buckets,
                 "dtype": self.cfg.model.dtype, "master_weights": self.cfg.model.master_weights,
                 "dtype_choice": self.dtype_choice}
-        self.log.write_run_info(dump_config(absolute_paths(self.cfg)), info, self.step if resumed else None)
+        recorded = absolute_paths(self.cfg)
+        info["plugins"] = list(recorded.plugins)
+        self.log.write_run_info(dump_config(recorded), info, self.step if resumed else None)
 
     # ------------------------------------------------------------------ the loop
     def train(self, steps: Optional[int] = None) -> Dict[str, Any]:
@@ -719,6 +729,28 @@ def passk_line(row: Dict[str, Any]) -> str:
 
 
 # =============================================================================== entry point
+def _load_recorded_plugins(cfg_path: str, run_dir: str, overrides: Sequence[str] = ()) -> None:
+    """The plug-ins a run recorded (its config.yaml's ``plugins:``), loaded before its method is
+    resolved; one that cannot be loaded here is named in one line, and so is a method no plug-in
+    registered (a run from before plug-ins were recorded) (issue 43 item 2)."""
+    from openrlhf_div.algorithms import list_methods
+    from openrlhf_div.config import ConfigError, load
+    from openrlhf_div.plugins import PluginError, config_plugins, load_plugins
+
+    data = load(cfg_path, overrides)
+    for spec in config_plugins(data.get("plugins"), cfg_path):
+        try:
+            load_plugins([spec])
+        except (PluginError, ImportError) as exc:
+            raise PluginError(f"--resume {run_dir}: the run was trained with the plug-in {spec!r} (its config.yaml's "
+                              f"plugins:), which cannot be loaded here: {exc}") from None
+    method = data.get("method")
+    name = str(method.get("name") if isinstance(method, dict) else method or "")
+    if name and name not in list_methods():
+        raise ConfigError(f"--resume {run_dir}: unknown method {name!r} (its config.yaml); if a plug-in registered it, "
+                          f"load it again: openrlhf-div --plugin MODULE_OR_FILE train --resume {run_dir}")
+
+
 def train(config: Optional[str] = None, overrides: Sequence[str] = (), resume: Optional[str] = None,
           hooks: Sequence[Callable] = (), cfg: Optional[TrainConfig] = None) -> Dict[str, Any]:
     """Train from a YAML ``config`` (+ ``key=value`` overrides), or continue ``resume``
@@ -727,6 +759,7 @@ def train(config: Optional[str] = None, overrides: Sequence[str] = (), resume: O
         cfg_path = os.path.join(resume, "config.yaml")
         if not os.path.exists(cfg_path):
             raise FileNotFoundError(f"--resume {resume}: no config.yaml there (is it a run directory?)")
+        _load_recorded_plugins(cfg_path, resume, overrides)
         cfg = load_config(cfg_path, overrides)
     elif cfg is None:
         cfg = load_config(config, overrides)

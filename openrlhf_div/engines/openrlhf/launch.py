@@ -30,6 +30,7 @@ import copy
 import datetime
 import importlib.util
 import os
+import re
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -132,7 +133,28 @@ def build_parser() -> argparse.ArgumentParser:
     ours.add_argument("--plugin", action="append", default=None, metavar="MODULE",
                       help="import a module (or .py file) that registers methods / components / tasks, here and "
                            "in every Ray worker (repeatable; also OPENRLHF_DIV_PLUGINS=a,b); see openrlhf_div.plugins")
+    parser.error = _one_line_error(parser)
     return parser
+
+
+def _one_line_error(parser: argparse.ArgumentParser):
+    """argparse's error without its ~250-line usage: one line, the closest flag for a typo."""
+    def error(message: str):
+        import difflib
+
+        hint = ""
+        if message.startswith("unrecognized arguments: "):
+            bad = message.split(": ", 1)[1].split()[0]
+            flags = [s for s in parser._option_string_actions if s.startswith("--")]
+            close = difflib.get_close_matches(bad.split("=", 1)[0], flags, n=3)
+            hint = f". Did you mean {', '.join(close)}?" if close else ""
+        m = re.match(r"argument (\S+): invalid choice: '([^']*)'", message)
+        if m and m.group(1) in parser._option_string_actions:  # --div.method grpoo
+            choices = [str(c) for c in parser._option_string_actions[m.group(1)].choices or ()]
+            close = difflib.get_close_matches(m.group(2), choices, n=3)
+            hint = f". Did you mean {', '.join(close)}?" if close else ""
+        parser.exit(2, f"{parser.prog}: error: {message}{hint} (--help lists every flag)\n")
+    return error
 
 
 def finalize(parsed: argparse.Namespace):
@@ -640,6 +662,53 @@ def _exit_naming(exc: BaseException, args=None) -> None:
     raise SystemExit(code)
 
 
+#: a run folder whose run was stopped before its end holds this file (its one line: what, when, how to resume)
+INCOMPLETE_FILE = "INCOMPLETE"
+#: the exit status of a run stopped by Ctrl-C / SIGTERM (the shell's 128 + SIGINT)
+STOPPED_EXIT = 130
+
+
+def stopped(args, how: str, what: str = "the run") -> int:
+    """A run stopped by the user (Ctrl-C, SIGTERM): its run folder marked incomplete
+    (:data:`INCOMPLETE_FILE`), Ray shut down, and one line, the driver's last: what was stopped,
+    the run folder, and how to resume from the last checkpoint (if one was saved). Returns
+    :data:`STOPPED_EXIT`."""
+    import time
+
+    from .checkpoints import read_latest
+    from .runfolder import run_dir_of
+
+    try:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()  # before the line, so that the actors' shutdown chatter does not follow it
+    except BaseException:  # noqa: BLE001 - a second Ctrl-C during the shutdown: the line still comes
+        pass
+    ckpt = getattr(getattr(args, "ckpt", None), "path", None)
+    save_dir = os.path.join(ckpt, "_actor") if isinstance(ckpt, str) and ckpt else None
+    tag = read_latest(save_dir) if save_dir else None
+    run_dir = run_dir_of(args)
+    if tag:
+        resume = (f"resume from its last checkpoint {save_dir}/{tag}: the same command with RUN_DIR={run_dir} "
+                  "and --ckpt.load_enable")
+    else:
+        resume = "no checkpoint was saved yet: the same command starts it again"
+    if os.path.isdir(run_dir):
+        where = f"run folder {run_dir} (marked incomplete: {INCOMPLETE_FILE})"
+        try:
+            from openrlhf_div.io import atomic_write_text
+
+            atomic_write_text(os.path.join(run_dir, INCOMPLETE_FILE),
+                              f"stopped by {how} at {time.strftime('%Y-%m-%d %H:%M:%S')}; {resume}\n")
+        except OSError:
+            pass
+    else:
+        where = f"before its run folder {run_dir} was written"
+    print(f"stopped ({how}): {what}, {where}; {resume}", file=sys.stderr, flush=True)
+    return STOPPED_EXIT
+
+
 def load_argv_plugins(argv: Sequence[str]) -> None:
     """Import the ``--plugin`` modules of ``argv``, the ``plugins:`` of its ``--config`` file (and
     ``OPENRLHF_DIV_PLUGINS``) before the parser is built (``--div.method`` / ``--div.task`` list
@@ -679,6 +748,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         run(p)
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback (issue 43 item 5)
+        return stopped(p.args, "Ctrl-C", what=f"training {p.method.name}")
+    except SystemExit as exc:  # SIGTERM under a private cluster (jobs._note_interrupts exits with its number)
+        from .jobs import _PRIVATE
+
+        if _PRIVATE.get("interrupted") == "SIGTERM":
+            return stopped(p.args, "SIGTERM", what=f"training {p.method.name}")
+        raise exc
     except (SharedPathError, PlacementError) as exc:  # a path some node cannot see; a plan the cluster cannot place
         private_cluster_done()  # the line says it all: no cluster logs to keep
         print(f"error: {exc}", file=sys.stderr)

@@ -354,6 +354,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     apply_config_env(cfg)
     try:
         print(format_summary(run(args)))
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback (issue 43 item 5); the shards written stay
+        try:
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()
+        except BaseException:  # noqa: BLE001
+            pass
+        out = getattr(parsed, "presample.out", None)
+        print(f"stopped (Ctrl-C): pre-sampling into {out}; its finished shards are kept and the same command "
+              "resumes from them", file=sys.stderr, flush=True)
+        return 130
     except (SharedPathError, PlacementError) as exc:
         private_cluster_done()  # the line says it all: no cluster logs to keep
         print(f"error: {exc}", file=sys.stderr)

@@ -52,10 +52,11 @@ def write_driver_files(p, cfg: Mapping[str, Any]) -> str:
 
     run_dir = run_dir_of(p.args)
     os.makedirs(run_dir, exist_ok=True)
-    try:  # an earlier attempt's cause (this run folder resumed) is not this run's
-        os.remove(os.path.join(run_dir, ERROR_FILE))
-    except FileNotFoundError:
-        pass
+    for stale in (ERROR_FILE, "INCOMPLETE"):  # an earlier attempt's cause / stop (this run folder resumed) is not this run's
+        try:
+            os.remove(os.path.join(run_dir, stale))
+        except FileNotFoundError:
+            pass
     resolved = {"config": p.config, "experiment": cfg.get("experiment"), "engine": "openrlhf",
                 **{k: v for k, v in expand_tree(dict(cfg)).items() if k != "experiment"}, "command": p.command}
     atomic_write_text(os.path.join(run_dir, CONFIG_FILE), yaml.safe_dump(resolved, sort_keys=False))
