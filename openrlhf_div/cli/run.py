@@ -29,7 +29,8 @@ def _options():
     p.add_argument("--toy", action="store_true",
                    help="the file's toy: overlay (tiny model, a handful of prompts, a few steps) on the local engine; "
                         "the Ray engines' toys are the tiny_cpu_* experiments (--toy there is refused, naming them)")
-    p.add_argument("--run-dir", default=None, help="the run folder (default runs/<experiment>[_toy])")
+    p.add_argument("--run-dir", default=None, help="the run folder (default: RUN_DIR, else a new "
+                                                   "runs/<experiment>[_toy]/<timestamp> on every engine)")
     p.add_argument("--dry-run", action="store_true", help="print what would run and exit")
     return p
 
@@ -78,13 +79,32 @@ def run(args) -> int:
     cfg = E.load(path, overrides, toy=args.toy)
     backend = str((cfg.get("div") or {}).get("actor_backend") or "deepspeed")
     engine = args.engine or ("megatron" if backend == "megatron" else "openrlhf")
-    run_dir = os.path.abspath(args.run_dir or os.path.join("runs", name + ("_toy" if args.toy else "")))
     if engine == "local":
-        return _run_local(cfg, name, run_dir, args, passthrough)
+        return _run_local(cfg, name, args, passthrough)
+    run_dir = os.path.abspath(args.run_dir) if args.run_dir else None  # None: the launcher's new folder
     return _run_ray(path, cfg, engine, backend, run_dir, args, overrides, passthrough)
 
 
-def _run_local(cfg, name, run_dir, args, passthrough) -> int:
+def local_environment(cfg, name: str, toy: bool, run_dir=None, environ=None):
+    """``(run folder, variables)`` of a local run, as the Ray launcher sets them up
+    (:func:`openrlhf_div.engines.openrlhf.prepare.exports`): a new ``runs/<experiment>/<timestamp>``
+    (``runs/<experiment>_toy/...`` with --toy) unless ``run_dir`` or ``RUN_DIR`` names one, the
+    config's path variables' relative defaults under the repository, its ``env:`` section."""
+    from openrlhf_div.engines import experiment as E
+    from openrlhf_div.engines.openrlhf.prepare import exports, run_dir_default
+
+    environ = dict(os.environ if environ is None else environ)
+    experiment = str(cfg.get("experiment") or name)
+    if run_dir:
+        environ["RUN_DIR"] = os.path.abspath(run_dir)
+    elif not environ.get("RUN_DIR"):
+        environ["RUN_DIR"] = run_dir_default(E.ROOT, experiment + ("_toy" if toy else ""))
+    out = exports(cfg, E.ROOT, experiment, environ)
+    out["RUN_DIR"] = os.path.abspath(environ["RUN_DIR"])
+    return out["RUN_DIR"], out
+
+
+def _run_local(cfg, name, args, passthrough) -> int:
     from openrlhf_div.engines import experiment as E
     from openrlhf_div.engines.local.config import config_from_dict, dump_config
 
@@ -93,9 +113,21 @@ def _run_local(cfg, name, run_dir, args, passthrough) -> int:
     if passthrough:
         raise ValueError(f"{passthrough[0]}: an OpenRLHF flag, which the local engine does not read (use "
                          "section.key=value overrides, or --engine openrlhf)")
+    run_dir, env = local_environment(cfg, name, args.toy, args.run_dir)
+    for k, v in env.items():  # the launcher's variables: ${DATA_DIR:-...} etc. expand as on Ray
+        if k != "RUN_DIR":
+            os.environ.setdefault(k, v)
+    if cfg.get("tiny") and not args.toy and not args.dry_run:  # the tiny model and data, built on first use
+        from openrlhf_div.engines.openrlhf.prepare import ensure_tiny
+
+        ensure_tiny(cfg, dict(os.environ), E.ROOT, say=lambda m: print(f"openrlhf-div run: {m}", file=sys.stderr))
     data, notes = E.to_local(cfg, run_dir=run_dir, toy=args.toy)
+    pending = data.pop(E.PENDING_STEPS, None)
     scripts = data.pop("toy_sql_scripts", None)
-    tc = config_from_dict(data)
+    if pending:  # steps counted over D_exp after pre-sampling; a placeholder validates the rest
+        tc = config_from_dict(E.apply_steps(__import__("copy").deepcopy(data), pending, pending["prompts_per_step"]))
+    else:
+        tc = config_from_dict(data)
     method = tc.build_method()
     if args.toy and method.needs.anchor_batch and scripts and not (tc.data.presample_dir or tc.data.anchor):
         raise ValueError(f"--toy: method {method.name} trains on D_pef anchors, and the tiny random model of the SQL "
@@ -103,15 +135,20 @@ def _run_local(cfg, name, run_dir, args, passthrough) -> int:
                          "experiment, or give local.data.presample_dir=DIR (a D_pef of your own)")
     if scripts and not args.dry_run:  # the toy SQL databases: {db_id}/{db_id}.sqlite from the fixtures' scripts
         data.setdefault("task_options", {})["db_root"] = E.build_sql_databases(scripts, os.path.join(run_dir, "dbs"))
-        tc = config_from_dict(data)
+        tc = config_from_dict(data) if not pending else tc
     for n in notes:
         print(f"openrlhf-div run: {n}", file=sys.stderr)
     print(f"openrlhf-div run: {name} on the local engine: method {method.name} ({method.estimator} advantages, "
           f"{method.aggregation}), hyperparameters set: "
           + (", ".join(f"{k}={v}" for k, v in sorted(tc.method.items()) if k != "name") or "none"), file=sys.stderr)
+    if pending:
+        print("openrlhf-div run: the number of rollout steps is counted over D_exp once pre-sampling has cut it "
+              f"(train.num_episodes {pending['episodes']} x its prompts / {pending['prompts_per_step']})",
+              file=sys.stderr)
     if args.dry_run:
         sys.stdout.write(dump_config(tc))
         return 0
+    print(f"openrlhf-div run: run folder {run_dir}", file=sys.stderr)
     from openrlhf_div.engines.local.presample import format_summary, presample
     from openrlhf_div.engines.local.trainer import train
 
@@ -121,6 +158,13 @@ def _run_local(cfg, name, run_dir, args, passthrough) -> int:
         summary = presample(tc, pre_dir, overwrite=False, progress=False)
         print(format_summary(summary), file=sys.stderr)
         data.setdefault("data", {})["presample_dir"] = pre_dir
+        if pending:
+            from openrlhf_div.engines.provenance import count_prompts
+
+            n = count_prompts(os.path.join(pre_dir, "d_exp.jsonl")) or 0
+            if n == 0:
+                raise ValueError(f"pre-sampling left D_exp empty ({pre_dir}/d_exp.jsonl): no prompt to train on")
+            E.apply_steps(data, pending, n)
         tc = config_from_dict(data)
     result = train(cfg=tc)
     print(f"done: {result['run_dir']}")
@@ -169,6 +213,8 @@ def _run_ray(path, cfg, engine, backend, run_dir, args, overrides, passthrough) 
     if not os.path.isfile(script):
         raise FileNotFoundError(f"{script}: the Ray launcher comes with the repository (run from a checkout)")
     cmd = ["bash", script, path] + (["--submit"] if args.submit else []) + flags
-    env = dict(os.environ, RUN_DIR=os.environ.get("RUN_DIR", run_dir), PYTHON=os.environ.get("PYTHON", sys.executable))
+    env = dict(os.environ, PYTHON=os.environ.get("PYTHON", sys.executable))
+    if run_dir:  # else RUN_DIR as set, or the launcher's new runs/<experiment>/<timestamp>
+        env["RUN_DIR"] = run_dir
     print("openrlhf-div run: " + " ".join(cmd), file=sys.stderr)
     return subprocess.call(cmd, env=env)

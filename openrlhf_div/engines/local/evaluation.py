@@ -18,6 +18,7 @@ import torch
 
 from openrlhf_div.eval.evaluate import evaluate
 from openrlhf_div.eval.results import write_eval
+from openrlhf_div.tasks.datasets import render_example
 
 from .sampler_registry import open_sampler
 from .samplers import local_generate_fn
@@ -32,7 +33,7 @@ def eval_settings(cfg) -> Dict[str, Any]:
     n = int(e.n_samples)
     return {"n": n, "ks": [k for k in e.k if 1 <= k <= n] or [1],
             "temperature": float(r.temperature if e.temperature is None else e.temperature),
-            "top_p": float(r.top_p), "max_new_tokens": int(e.max_new_tokens or r.max_new_tokens)}
+            "top_p": float(r.top_p if e.top_p is None else e.top_p), "max_new_tokens": int(e.max_new_tokens or r.max_new_tokens)}
 
 
 @torch.no_grad()
@@ -54,7 +55,10 @@ def evaluate_policy(model, tokenizer, task, examples: Sequence[Dict[str, Any]], 
         res = evaluate(task, examples, generate_fn, n=s["n"], ks=s["ks"], temperature=s["temperature"],
                        top_p=s["top_p"], max_new_tokens=s["max_new_tokens"], tokenizer=tokenizer,
                        keep_k=min(8, s["n"]), batch_size=max(1, len(examples)), progress=False,
-                       prompt_template=cfg.data.prompt_template, system_prompt=cfg.data.system_prompt)
+                       prompt_template=cfg.data.prompt_template, system_prompt=cfg.data.system_prompt,
+                       render=None if cfg.data.chat_template else (
+                           lambda ex: render_example(task, tokenizer, ex, cfg.data.prompt_template, None,
+                                                     chat_template=False)))
     finally:
         if was_training:
             model.train()
