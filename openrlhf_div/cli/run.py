@@ -31,6 +31,9 @@ def _options():
                         "the Ray engines' toys are the tiny_cpu_* experiments (--toy there is refused, naming them)")
     p.add_argument("--run-dir", default=None, help="the run folder (default: RUN_DIR, else a new "
                                                    "runs/<experiment>[_toy]/<timestamp> on every engine)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --run-dir (or RUN_DIR) from its latest checkpoint: the local engine's "
+                        "checkpoints/ (its saved config.yaml), on Ray --ckpt.load_enable")
     p.add_argument("--dry-run", action="store_true", help="print what would run and exit")
     return p
 
@@ -113,6 +116,8 @@ def _run_local(cfg, name, args, passthrough) -> int:
     if passthrough:
         raise ValueError(f"{passthrough[0]}: an OpenRLHF flag, which the local engine does not read (use "
                          "section.key=value overrides, or --engine openrlhf)")
+    if args.resume:
+        return _resume_local(args)
     run_dir, env = local_environment(cfg, name, args.toy, args.run_dir)
     for k, v in env.items():  # the launcher's variables: ${DATA_DIR:-...} etc. expand as on Ray
         if k != "RUN_DIR":
@@ -171,6 +176,28 @@ def _run_local(cfg, name, args, passthrough) -> int:
     return 0
 
 
+def _resume_dir(args) -> str:
+    d = args.run_dir or os.environ.get("RUN_DIR")
+    if not d:
+        raise ValueError("--resume: name the run folder to continue with --run-dir DIR (or RUN_DIR=DIR)")
+    return os.path.abspath(d)
+
+
+def _resume_local(args) -> int:
+    """The local run in ``--run-dir`` from its latest checkpoint, with the config it saved."""
+    run_dir = _resume_dir(args)
+    if not os.path.isfile(os.path.join(run_dir, "config.yaml")):
+        raise ValueError(f"--resume: {run_dir} holds no config.yaml (not a local run folder); start it without --resume")
+    print(f"openrlhf-div run: resuming {run_dir} from its latest checkpoint", file=sys.stderr)
+    if args.dry_run:
+        return 0
+    from openrlhf_div.engines.local.trainer import train
+
+    result = train(resume=run_dir)
+    print(f"done: {result['run_dir']}")
+    return 0
+
+
 def toy_on_ray_refusal(name: str, cfg, engine: str) -> str:
     """Why ``--toy`` is refused on the Ray engines, and what to run instead (one line).
 
@@ -207,6 +234,10 @@ def _run_ray(path, cfg, engine, backend, run_dir, args, overrides, passthrough) 
         flags += ["--div.actor_backend", "megatron"]
     if engine == "openrlhf" and backend == "megatron":
         flags += ["--div.actor_backend", "deepspeed"]
+    if args.resume:
+        run_dir = _resume_dir(args)
+        if "--ckpt.load_enable" not in flags:
+            flags.append("--ckpt.load_enable")
     if args.dry_run:
         flags.append("--dry-run")
     script = os.path.join(E.ROOT, "examples", "scripts", "run.sh")

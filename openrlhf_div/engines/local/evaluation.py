@@ -36,6 +36,22 @@ def eval_settings(cfg) -> Dict[str, Any]:
             "top_p": float(r.top_p if e.top_p is None else e.top_p), "max_new_tokens": int(e.max_new_tokens or r.max_new_tokens)}
 
 
+def openrlhf_rendering(task, tokenizer, data_cfg):
+    """``(prompt_template, system_prompt, render)`` for :func:`openrlhf_div.eval.evaluate.evaluate`:
+    OpenRLHF's two renderings (the raw prompt text; the prompt as the user message through the chat
+    template, no system message -- what ``openrlhf-div run --engine local`` sets from an experiment
+    file) go as a ``render`` function with no template recorded, as the Ray engine's evaluation
+    records them, so that the two engines' ``eval.json`` settings agree; any other rendering as
+    its template."""
+    pt, sp = data_cfg.prompt_template, data_cfg.system_prompt
+    if not data_cfg.chat_template:
+        return (None if pt in (None, "{prompt}") else pt), None, (
+            lambda ex: render_example(task, tokenizer, ex, pt, None, chat_template=False))
+    if pt == "{prompt}" and sp == "":
+        return None, None, lambda ex: render_example(task, tokenizer, ex, pt, sp)
+    return pt, sp, None
+
+
 @torch.no_grad()
 def evaluate_policy(model, tokenizer, task, examples: Sequence[Dict[str, Any]], cfg, *, run_dir: str,
                     name: str, step: int, sampler, model_path: Optional[str] = None) -> Dict[str, Any]:
@@ -49,16 +65,14 @@ def evaluate_policy(model, tokenizer, task, examples: Sequence[Dict[str, Any]], 
     gen = torch.Generator(device=device).manual_seed(int(cfg.seed) + EVAL_SEED_OFFSET)
     generate_fn = local_generate_fn(sampler, gen)
 
+    pt, sp, render = openrlhf_rendering(task, tokenizer, cfg.data)
     was_training = model.training
     model.eval()
     try:
         res = evaluate(task, examples, generate_fn, n=s["n"], ks=s["ks"], temperature=s["temperature"],
                        top_p=s["top_p"], max_new_tokens=s["max_new_tokens"], tokenizer=tokenizer,
                        keep_k=min(8, s["n"]), batch_size=max(1, len(examples)), progress=False,
-                       prompt_template=cfg.data.prompt_template, system_prompt=cfg.data.system_prompt,
-                       render=None if cfg.data.chat_template else (
-                           lambda ex: render_example(task, tokenizer, ex, cfg.data.prompt_template, None,
-                                                     chat_template=False)))
+                       prompt_template=pt, system_prompt=sp, render=render)
     finally:
         if was_training:
             model.train()
