@@ -166,3 +166,19 @@ def test_run_sh_passes_the_sweeps_seed_to_a_tiny_experiment():
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--train.seed 7" in out.stdout
+
+
+def test_the_ray_driver_records_seed_engine_experiment_and_settings(fixed_env, monkeypatch):
+    """The run-folder contract on the Ray engine: run_info.json carries the seed training uses, the
+    engine, the experiment and the settings, equal to the local engine's for the same file."""
+    import json
+
+    from openrlhf_div.engines.openrlhf import runfolder
+    from openrlhf_div.engines.provenance import differing, settings_of
+
+    plan, local = _both("tiny_cpu_dph_js")
+    run_dir = runfolder.write_driver_files(plan, plan.experiment)
+    info = json.load(open(os.path.join(run_dir, "run_info.json")))
+    assert (info["seed"], info["engine"], info["experiment"]) == (7, "openrlhf", "tiny_cpu_dph_js")
+    assert differing(info["settings"], settings_of(local)) == {}
+    assert info["settings"]["task.options"] == {"extract": "lenient"} and "seed" not in info["settings"]

@@ -1,6 +1,8 @@
 """``openrlhf-div run EXPERIMENT``: one experiment file on any engine.
 
     openrlhf-div run tiny_cpu_dph_js --engine local --toy                 # seconds, on a CPU
+    openrlhf-div run tiny_cpu_dph_js --engine local                       # the file itself, on the local engine
+    openrlhf-div run tiny_cpu_dph_js --engine local --run-dir DIR --resume   # continue from its checkpoint
     openrlhf-div run llama8b_bird_dph_js --engine local --toy method.anchor_eta=0.1
     openrlhf-div run tiny_cpu_dph_js --engine openrlhf                    # a local Ray head
     openrlhf-div run llama8b_bird_dph_js --submit -- --ckpt.load_enable   # ray job submit
@@ -9,7 +11,11 @@
 ``engine.step_layout=spread``, ``openrlhf.train.batch_size=64``): the Ray drivers get them as
 written and merge them with the one loader, and a method value is converted once
 (``coerce_hparam``); OpenRLHF's own flags pass through after ``--`` to the Ray engines. What an engine cannot honour is refused by name before
-anything starts (:mod:`openrlhf_div.engines.experiment`).
+anything starts (:mod:`openrlhf_div.engines.experiment`). Without ``--toy`` the local engine runs
+everything the file says that reaches training on Ray (grading options of its ``env:``, the
+rollout steps, the evaluation, the prompt rendering, the seed; :func:`~openrlhf_div.engines.experiment.to_local`)
+in a new ``runs/<experiment>/<timestamp>``, as the Ray launcher does, and every engine records
+the run's seed and ``settings`` in ``run_info.json`` (:mod:`openrlhf_div.engines.provenance`).
 """
 from __future__ import annotations
 
@@ -43,7 +49,7 @@ def add_parser(sub):
 
     p = sub.add_parser("run", help="run one experiment file on any engine (local, openrlhf, megatron)",
                        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog=_options().format_help().split("\n", 2)[-1]
+                       epilog=_options().format_help().split("\n\n", 1)[-1]
                        + "\nsection.key=value overrides follow; after `--`, OpenRLHF flags pass through to the Ray engines.")
     p.add_argument("experiment", help="an experiment's name (configs/openrlhf|megatron/NAME.yaml) or a path")
     p.add_argument("rest", nargs=argparse.REMAINDER, metavar="[options] [key=value ...] [-- flags]")
