@@ -290,6 +290,9 @@ def to_local(cfg: Dict[str, Any], *, run_dir: str, toy: bool,
         _set(out, "optim.anchor_ratio", online / float(div["anchor_batch_size"]))
     elif div.get("anchor_ratio"):
         _set(out, "optim.anchor_ratio", float(div["anchor_ratio"]))
+    save = (cfg.get("openrlhf") or {}).get("ckpt.save_steps")
+    if not toy and save is not None and int(save) > 0:  # checkpoints as often as on Ray: a killed run resumes there
+        _set(out, "checkpoint.every", int(save))
     pres = {k: v for k, v in pre.items() if k in SHARED_PRESAMPLE}
     if pres:
         out["presample"] = pres

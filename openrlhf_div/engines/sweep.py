@@ -225,7 +225,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"SEED={seed} " + " ".join(shlex.quote(c) for c in cmd))
             continue
         start = time.time()
-        rc = subprocess.call(cmd, env=env)
+        proc = subprocess.Popen(cmd, env=env)
+        try:
+            rc = proc.wait()
+        except KeyboardInterrupt:  # Ctrl-C reached the run too: it checkpoints and stops; wait for it
+            say("interrupted: waiting for the run to stop (the local engine checkpoints its current step)")
+            try:
+                proc.wait()
+            except KeyboardInterrupt:
+                proc.kill()
+                raise
+            say(f"interrupted during {method} seed {seed}; run the same sweep again to continue (finished runs "
+                "are kept, this one resumes from its latest checkpoint)")
+            return 130
         if rc != 0:
             say(f"error: run {method} seed {seed} failed (exit status {rc}); its folder: {run_dir}. Run the same "
                 "sweep again to continue (finished runs are kept, this one resumes)")
