@@ -19,7 +19,7 @@
   left); the engine prints its own per-step line with the run's ETA.
 * **Report.** The base model's evaluation (``OUT/runs/base/eval.json``, ``role: base``) is the first
   run's step-0 evaluation (the same settings, prompts and sampler as every run's; no second engine
-  start), and ``openrlhf-div compare OUT/runs/base OUT/runs/*/seed* --base OUT/runs/base --out
+  start), and ``openrlhf-div compare OUT/runs/*/seed* --base OUT/runs/base --out
   OUT/report`` writes the report.
 * **On a CPU.** Local engine: the vLLM sampler's KV cache is ``rollout.vllm_kv_cache_gb`` (1 GiB), not
   vLLM's 92% of memory; ``--sampler hf`` uses the in-process sampler (no engine start: faster for tiny
@@ -256,7 +256,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     dirs = [r[3] for r in runs]
     base = os.path.join(out, "runs", BASE)
     report = os.path.join(out, "report")
-    cmp_cmd = [sys.executable, "-m", "openrlhf_div.cli.main", "compare", base, *dirs, "--base", base, "--out", report]
+    cmp_cmd = [sys.executable, "-m", "openrlhf_div.cli.main", "compare", *dirs, "--base", base, "--out", report]
     if a.dry_run:
         print(f"# the base model's evaluation: {dirs[0]}/eval_step0.json -> {base}/eval.json (role base)")
         print(" ".join(shlex.quote(c) for c in cmp_cmd))
