@@ -238,6 +238,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             say(f"interrupted during {method} seed {seed}; run the same sweep again to continue (finished runs "
                 "are kept, this one resumes from its latest checkpoint)")
             return 130
+        if rc in (130, -2):  # the run got the Ctrl-C (SIGINT) and stopped after checkpointing
+            say(f"interrupted during {method} seed {seed} ({run_dir}); run the same sweep again to continue "
+                "(finished runs are kept, this one resumes from its latest checkpoint)")
+            return 130
         if rc != 0:
             say(f"error: run {method} seed {seed} failed (exit status {rc}); its folder: {run_dir}. Run the same "
                 "sweep again to continue (finished runs are kept, this one resumes)")
