@@ -182,3 +182,25 @@ def test_the_ray_driver_records_seed_engine_experiment_and_settings(fixed_env, m
     assert (info["seed"], info["engine"], info["experiment"]) == (7, "openrlhf", "tiny_cpu_dph_js")
     assert differing(info["settings"], settings_of(local)) == {}
     assert info["settings"]["task.options"] == {"extract": "lenient"} and "seed" not in info["settings"]
+
+
+def test_an_anchor_method_trained_on_d_exp_counts_its_steps_after_pre_sampling(fixed_env, tmp_path):
+    """On Ray an experiment whose prompts are the pre-sampling stage's D_exp runs num_episodes x
+    |D_exp| / rollout.batch_size steps; D_exp does not exist before the stage, so the local
+    translation leaves the count to after pre-sampling (never the tiny family's 8 prompts)."""
+    import yaml
+
+    from openrlhf_div.engines import experiment as E
+
+    path = tmp_path / "tiny_dexp.yaml"
+    path.write_text(yaml.safe_dump({
+        "extends": os.path.join(ROOT, "configs", "openrlhf", "tiny_cpu_dph_js.yaml"), "experiment": "tiny_dexp",
+        "openrlhf": {"data.prompt_dataset": "${PRESAMPLE_DIR}/d_exp.jsonl"},
+        "presample": {"data.prompt_dataset": "${DATA_DIR}/train.jsonl"}}))
+    data, _ = E.to_local(E.load(str(path)), run_dir=str(tmp_path / "run"), toy=False)
+    pending = data.pop(E.PENDING_STEPS)
+    assert data["data"]["train_on_exp"] is True
+    assert data["data"]["train"] == os.path.join(str(fixed_env), "data", "train.jsonl")  # D_exp is cut from it
+    assert "steps" not in data.get("optim", {})
+    assert E.apply_steps(data, pending, 5)["optim"]["steps"] == 1  # 5 D_exp prompts // 4 per step
+    assert E.apply_steps(data, pending, 9)["optim"]["steps"] == 2

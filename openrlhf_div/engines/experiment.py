@@ -312,11 +312,12 @@ def to_local(cfg: Dict[str, Any], *, run_dir: str, toy: bool,
         _set(out, "data.eval", None)
     if pending is not None:
         n = count_prompts(_abs(g("data.prompt_dataset")))
-        if n is None and cfg.get("tiny"):  # built on first use: tiny.n_prompts prompts
+        on_exp = anchors and (out.get("data") or {}).get("train_on_exp")
+        if n is None and cfg.get("tiny") and not on_exp:  # built on first use: tiny.n_prompts prompts
             n = int((cfg.get("tiny") or {}).get("n_prompts", 8))
         if n is not None:
             apply_steps(out, pending, n)
-        elif anchors and (out.get("data") or {}).get("train_on_exp"):
+        elif on_exp:
             out[PENDING_STEPS] = pending  # D_exp does not exist yet: counted after the pre-sampling stage
         else:
             raise ConfigError(f"the local engine cannot honour openrlhf.data.prompt_dataset={g('data.prompt_dataset')}: "

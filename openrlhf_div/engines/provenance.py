@@ -227,7 +227,9 @@ def ray_settings(args, method, experiment: Optional[Mapping[str, Any]] = None,
     div = div_namespace(args)
     a = args
     n = count_prompts(a.data.prompt_dataset)
-    if n is None and experiment.get("tiny"):  # built on first use: tiny.n_prompts prompts
+    on_exp = bool(div.anchor_data) and norm_path(a.data.prompt_dataset) == norm_path(
+        os.path.join(str(div.anchor_data), "d_exp.jsonl"))
+    if n is None and experiment.get("tiny") and not on_exp:  # built on first use: tiny.n_prompts prompts
         n = int((experiment.get("tiny") or {}).get("n_prompts", 8))
     if n is not None and getattr(a.data, "max_samples", None):
         n = min(n, int(a.data.max_samples))
