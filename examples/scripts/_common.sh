@@ -115,7 +115,7 @@ plugin_args() {
 override_args() {
   local a
   for a in "$@"; do
-    if [[ "$a" =~ ^(experiment|description|paper|plugins|task|method|div|engine|openrlhf|cluster|presample|env|tiny|toy|notes)(\.[^=]*)?= ]]; then
+    if [[ "$a" =~ ^(experiment|description|paper|plugins|task|method|div|engine|openrlhf|cluster|presample|env|tiny|toy|notes|local)(\.[^=]*)?= ]]; then
       printf '%s\n' "$a"
     fi
   done

@@ -1,6 +1,8 @@
 """``openrlhf-div run EXPERIMENT``: one experiment file on any engine.
 
     openrlhf-div run tiny_cpu_dph_js --engine local --toy                 # seconds, on a CPU
+    openrlhf-div run tiny_cpu_dph_js --engine local                       # the file itself, on the local engine
+    openrlhf-div run tiny_cpu_dph_js --engine local --run-dir DIR --resume   # continue from its checkpoint
     openrlhf-div run llama8b_bird_dph_js --engine local --toy method.anchor_eta=0.1
     openrlhf-div run tiny_cpu_dph_js --engine openrlhf                    # a local Ray head
     openrlhf-div run llama8b_bird_dph_js --submit -- --ckpt.load_enable   # ray job submit
@@ -9,7 +11,11 @@
 ``engine.step_layout=spread``, ``openrlhf.train.batch_size=64``): the Ray drivers get them as
 written and merge them with the one loader, and a method value is converted once
 (``coerce_hparam``); OpenRLHF's own flags pass through after ``--`` to the Ray engines. What an engine cannot honour is refused by name before
-anything starts (:mod:`openrlhf_div.engines.experiment`).
+anything starts (:mod:`openrlhf_div.engines.experiment`). Without ``--toy`` the local engine runs
+everything the file says that reaches training on Ray (grading options of its ``env:``, the
+rollout steps, the evaluation, the prompt rendering, the seed; :func:`~openrlhf_div.engines.experiment.to_local`)
+in a new ``runs/<experiment>/<timestamp>``, as the Ray launcher does, and every engine records
+the run's seed and ``settings`` in ``run_info.json`` (:mod:`openrlhf_div.engines.provenance`).
 """
 from __future__ import annotations
 
@@ -29,7 +35,11 @@ def _options():
     p.add_argument("--toy", action="store_true",
                    help="the file's toy: overlay (tiny model, a handful of prompts, a few steps) on the local engine; "
                         "the Ray engines' toys are the tiny_cpu_* experiments (--toy there is refused, naming them)")
-    p.add_argument("--run-dir", default=None, help="the run folder (default runs/<experiment>[_toy])")
+    p.add_argument("--run-dir", default=None, help="the run folder (default: RUN_DIR, else a new "
+                                                   "runs/<experiment>[_toy]/<timestamp> on every engine)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --run-dir (or RUN_DIR) from its latest checkpoint: the local engine's "
+                        "checkpoints/ (its saved config.yaml), on Ray --ckpt.load_enable")
     p.add_argument("--dry-run", action="store_true", help="print what would run and exit")
     return p
 
@@ -84,13 +94,32 @@ def run(args) -> int:
     cfg = E.load(path, overrides, toy=args.toy)
     backend = str((cfg.get("div") or {}).get("actor_backend") or "deepspeed")
     engine = args.engine or ("megatron" if backend == "megatron" else "openrlhf")
-    run_dir = os.path.abspath(args.run_dir or os.path.join("runs", name + ("_toy" if args.toy else "")))
     if engine == "local":
-        return _run_local(cfg, name, run_dir, args, passthrough)
+        return _run_local(cfg, name, args, passthrough)
+    run_dir = os.path.abspath(args.run_dir) if args.run_dir else None  # None: the launcher's new folder
     return _run_ray(path, cfg, engine, backend, run_dir, args, overrides, passthrough)
 
 
-def _run_local(cfg, name, run_dir, args, passthrough) -> int:
+def local_environment(cfg, name: str, toy: bool, run_dir=None, environ=None):
+    """``(run folder, variables)`` of a local run, as the Ray launcher sets them up
+    (:func:`openrlhf_div.engines.openrlhf.prepare.exports`): a new ``runs/<experiment>/<timestamp>``
+    (``runs/<experiment>_toy/...`` with --toy) unless ``run_dir`` or ``RUN_DIR`` names one, the
+    config's path variables' relative defaults under the repository, its ``env:`` section."""
+    from openrlhf_div.engines import experiment as E
+    from openrlhf_div.engines.openrlhf.prepare import exports, run_dir_default
+
+    environ = dict(os.environ if environ is None else environ)
+    experiment = str(cfg.get("experiment") or name)
+    if run_dir:
+        environ["RUN_DIR"] = os.path.abspath(run_dir)
+    elif not environ.get("RUN_DIR"):
+        environ["RUN_DIR"] = run_dir_default(E.ROOT, experiment + ("_toy" if toy else ""))
+    out = exports(cfg, E.ROOT, experiment, environ)
+    out["RUN_DIR"] = os.path.abspath(environ["RUN_DIR"])
+    return out["RUN_DIR"], out
+
+
+def _run_local(cfg, name, args, passthrough) -> int:
     from openrlhf_div.engines import experiment as E
     from openrlhf_div.engines.local.config import config_from_dict, dump_config
 
@@ -99,10 +128,23 @@ def _run_local(cfg, name, run_dir, args, passthrough) -> int:
     if passthrough:
         raise ValueError(f"{passthrough[0]}: an OpenRLHF flag, which the local engine does not read (use "
                          "section.key=value overrides, or --engine openrlhf)")
-    _tiny_paths(cfg, build=not args.dry_run and not args.toy)
+    if args.resume:
+        return _resume_local(args)
+    run_dir, env = local_environment(cfg, name, args.toy, args.run_dir)
+    for k, v in env.items():  # the launcher's variables: ${DATA_DIR:-...} etc. expand as on Ray
+        if k != "RUN_DIR":
+            os.environ.setdefault(k, v)
+    if cfg.get("tiny") and not args.toy and not args.dry_run:  # the tiny model and data, built on first use
+        from openrlhf_div.engines.openrlhf.prepare import ensure_tiny
+
+        ensure_tiny(cfg, dict(os.environ), E.ROOT, say=lambda m: print(f"openrlhf-div run: {m}", file=sys.stderr))
     data, notes = E.to_local(cfg, run_dir=run_dir, toy=args.toy)
+    pending = data.pop(E.PENDING_STEPS, None)
     scripts = data.pop("toy_sql_scripts", None)
-    tc = config_from_dict(data)
+    if pending:  # steps counted over D_exp after pre-sampling; a placeholder validates the rest
+        tc = config_from_dict(E.apply_steps(__import__("copy").deepcopy(data), pending, pending["prompts_per_step"]))
+    else:
+        tc = config_from_dict(data)
     method = tc.build_method()
     if args.toy and method.needs.anchor_batch and scripts and not (tc.data.presample_dir or tc.data.anchor):
         raise ValueError(f"--toy: method {method.name} trains on D_pef anchors, and the tiny random model of the SQL "
@@ -110,15 +152,20 @@ def _run_local(cfg, name, run_dir, args, passthrough) -> int:
                          "experiment, or give local.data.presample_dir=DIR (a D_pef of your own)")
     if scripts and not args.dry_run:  # the toy SQL databases: {db_id}/{db_id}.sqlite from the fixtures' scripts
         data.setdefault("task_options", {})["db_root"] = E.build_sql_databases(scripts, os.path.join(run_dir, "dbs"))
-        tc = config_from_dict(data)
+        tc = config_from_dict(data) if not pending else tc
     for n in notes:
         print(f"openrlhf-div run: {n}", file=sys.stderr)
     print(f"openrlhf-div run: {name} on the local engine: method {method.name} ({method.estimator} advantages, "
           f"{method.aggregation}), hyperparameters set: "
           + (", ".join(f"{k}={v}" for k, v in sorted(tc.method.items()) if k != "name") or "none"), file=sys.stderr)
+    if pending:
+        print("openrlhf-div run: the number of rollout steps is counted over D_exp once pre-sampling has cut it "
+              f"(train.num_episodes {pending['episodes']} x its prompts / {pending['prompts_per_step']})",
+              file=sys.stderr)
     if args.dry_run:
         sys.stdout.write(dump_config(tc))
         return 0
+    print(f"openrlhf-div run: run folder {run_dir}", file=sys.stderr)
     from openrlhf_div.engines.local.presample import format_summary, presample
     from openrlhf_div.engines.local.trainer import train
 
@@ -129,24 +176,39 @@ def _run_local(cfg, name, run_dir, args, passthrough) -> int:
                             hint=f"remove {pre_dir}, or give another --run-dir")
         print(format_summary(summary), file=sys.stderr)
         data.setdefault("data", {})["presample_dir"] = pre_dir
+        if pending:
+            from openrlhf_div.engines.provenance import count_prompts
+
+            n = count_prompts(os.path.join(pre_dir, "d_exp.jsonl")) or 0
+            if n == 0:
+                raise ValueError(f"pre-sampling left D_exp empty ({pre_dir}/d_exp.jsonl): no prompt to train on")
+            E.apply_steps(data, pending, n)
         tc = config_from_dict(data)
     result = train(cfg=tc)
     print(f"done: {result['run_dir']}")
     return 0
 
 
-def _tiny_paths(cfg, build: bool) -> None:
-    """As the Ray launcher's prepare step does: the path variables a config uses with a relative default
-    (``${TINY_MODEL:-runs/tiny_cpu/model}``) are the repository's, whatever the working directory, and a
-    ``tiny:`` section's model and data are built on first use (``build``)."""
-    from openrlhf_div.engines import experiment as E
-    from openrlhf_div.engines.openrlhf.prepare import ensure_tiny, relative_defaults
+def _resume_dir(args) -> str:
+    d = args.run_dir or os.environ.get("RUN_DIR")
+    if not d:
+        raise ValueError("--resume: name the run folder to continue with --run-dir DIR (or RUN_DIR=DIR)")
+    return os.path.abspath(d)
 
-    for var, default in relative_defaults(cfg).items():
-        if var != "RUN_DIR" and var not in os.environ:
-            os.environ[var] = os.path.join(E.ROOT, default)
-    if build and cfg.get("tiny"):
-        ensure_tiny(cfg, dict(os.environ), E.ROOT, say=lambda m: print(f"openrlhf-div run: {m}", file=sys.stderr))
+
+def _resume_local(args) -> int:
+    """The local run in ``--run-dir`` from its latest checkpoint, with the config it saved."""
+    run_dir = _resume_dir(args)
+    if not os.path.isfile(os.path.join(run_dir, "config.yaml")):
+        raise ValueError(f"--resume: {run_dir} holds no config.yaml (not a local run folder); start it without --resume")
+    print(f"openrlhf-div run: resuming {run_dir} from its latest checkpoint", file=sys.stderr)
+    if args.dry_run:
+        return 0
+    from openrlhf_div.engines.local.trainer import train
+
+    result = train(resume=run_dir)
+    print(f"done: {result['run_dir']}")
+    return 0
 
 
 def toy_on_ray_refusal(name: str, cfg, engine: str) -> str:
@@ -201,13 +263,19 @@ def _run_ray(path, cfg, engine, backend, run_dir, args, overrides, passthrough) 
         flags += ["--div.actor_backend", "megatron"]
     if engine == "openrlhf" and backend == "megatron":
         flags += ["--div.actor_backend", "deepspeed"]
+    if args.resume:
+        run_dir = _resume_dir(args)
+        if "--ckpt.load_enable" not in flags:
+            flags.append("--ckpt.load_enable")
     if args.dry_run:
         flags.append("--dry-run")
     script = os.path.join(E.ROOT, "examples", "scripts", "run.sh")
     if not os.path.isfile(script):
         raise FileNotFoundError(f"{script}: the Ray launcher comes with the repository (run from a checkout)")
     cmd = ["bash", script, path] + (["--submit"] if args.submit else []) + flags
-    env = dict(os.environ, RUN_DIR=os.environ.get("RUN_DIR", run_dir), PYTHON=os.environ.get("PYTHON", sys.executable))
+    env = dict(os.environ, PYTHON=os.environ.get("PYTHON", sys.executable))
+    if run_dir:  # else RUN_DIR as set, or the launcher's new runs/<experiment>/<timestamp>
+        env["RUN_DIR"] = run_dir
     print("openrlhf-div run: " + " ".join(cmd), file=sys.stderr)
     proc = subprocess.Popen(cmd, env=env)
     try:

@@ -423,7 +423,7 @@ def load_examples(path: str, task: str, *, source: Optional[str] = None, prompt_
 
 # --------------------------------------------------------------------------- prompts
 def render_example(task, tokenizer, example: Dict[str, Any], prompt_template: Optional[str] = None,
-                   system_prompt: Optional[str] = None) -> str:
+                   system_prompt: Optional[str] = None, chat_template: bool = True) -> str:
     """The model's prompt text for one normalised example, the same in train, presample and eval.
 
     Without options this is ``task.render_prompt(example, tokenizer)`` (the task's own template;
@@ -432,7 +432,17 @@ def render_example(task, tokenizer, example: Dict[str, Any], prompt_template: Op
     in (other braces are left alone, so LaTeX is safe); ``system_prompt`` replaces the task's
     system message (``""`` removes it). With either option the messages go through the
     tokenizer's chat template when it has one, else they are joined as plain text.
+    ``chat_template=False``: the text is ``prompt_template`` (default ``{prompt}``) filled with the
+    example's question, as it is -- no chat template, no system message (OpenRLHF's rendering
+    without ``--data.apply_chat_template``).
     """
+    if not chat_template:
+        template = "{prompt}" if prompt_template is None else prompt_template
+        if "{prompt}" not in template:
+            raise ValueError(f"data.prompt_template must contain {{prompt}} (where the question goes), got {template!r}")
+        p = example["prompt"]
+        text = p if isinstance(p, str) else "\n\n".join(m["content"] for m in p) + "\n"
+        return template.replace("{prompt}", str(text))
     if prompt_template is None and system_prompt is None:
         return task.render_prompt(example, tokenizer)
     from .base import render_prompt

@@ -76,6 +76,10 @@ class DataConfig:
     prompt_template: Optional[str] = _f(None, "User message with {prompt} where the question goes, replacing the "
                                               "task's own template (the tokenizer's chat template still applies).")
     system_prompt: Optional[str] = _f(None, "System message replacing the task's (\"\": none).")
+    chat_template: bool = _f(True, "Render the prompt's messages through the tokenizer's chat template (when it has one). "
+                                   "false: the model reads the prompt text as it is (prompt_template filled in, no "
+                                   "chat template, no system message), as OpenRLHF without --data.apply_chat_template "
+                                   "does (`openrlhf-div run` sets it from the experiment file).")
     max_prompt_tokens: Optional[int] = _f(None, "Longest prompt in tokens; a longer one is an error naming its "
                                                 "file and line (null: the model's context minus the response "
                                                 "length).")
@@ -166,6 +170,7 @@ class EvalConfig:
     k: List[int] = _f(factory=lambda: [1, 4, 8], help="k values of pass@k (those > n_samples are skipped).")
     max_prompts: Optional[int] = _f(64, "Held-out prompts used (null: all).")
     temperature: Optional[float] = _f(None, "Eval sampling temperature (null: rollout.temperature).")
+    top_p: Optional[float] = _f(None, "Eval nucleus sampling mass (null: rollout.top_p).")
     max_new_tokens: Optional[int] = _f(None, "Eval response length (null: rollout.max_new_tokens).")
 
 
@@ -228,6 +233,8 @@ class TrainConfig:
     """Everything a local-engine run needs. Sections: model, data, method, rollout, optim,
     eval, checkpoint, logging, presample."""
 
+    experiment: Optional[str] = _f(None, "Name of the experiment file this run came from (`openrlhf-div run EXPERIMENT`; "
+                                         "recorded in run_info.json), or null.")
     task: Optional[str] = _f(None, "Registered task name (openrlhf_div.tasks.get_task).")
     plugins: List[str] = _f(factory=list, help="Modules or .py files (relative to the config file) that register "
                                                 "methods, components or tasks; imported before the method and task "
@@ -309,6 +316,9 @@ class TrainConfig:
             raise ConfigError(f"model.lora_rank must be >= 0, got {self.model.lora_rank}")
         if self.data.duplicate_ids not in ("error", "rename"):
             raise ConfigError(f"data.duplicate_ids must be error or rename, got {self.data.duplicate_ids!r}")
+        if not self.data.chat_template and self.data.system_prompt:
+            raise ConfigError("data.system_prompt needs data.chat_template=true (without the chat template the model "
+                              "reads the prompt text as it is: put the text into data.prompt_template)")
         if self.data.prompt_template is not None and "{prompt}" not in str(self.data.prompt_template):
             raise ConfigError(f"data.prompt_template must contain {{prompt}}, got {self.data.prompt_template!r}")
         if self.data.max_prompt_tokens is not None and int(self.data.max_prompt_tokens) < 1:

@@ -57,7 +57,8 @@ def render_prompt(task, tokenizer, example: Dict[str, Any], data_cfg=None) -> st
     ``data.prompt_template`` / ``data.system_prompt`` when a data config is given)."""
     if data_cfg is None:
         return task.render_prompt(example, tokenizer)
-    return render_example(task, tokenizer, example, data_cfg.prompt_template, data_cfg.system_prompt)
+    return render_example(task, tokenizer, example, data_cfg.prompt_template, data_cfg.system_prompt,
+                          chat_template=getattr(data_cfg, "chat_template", True))
 
 
 def max_prompt_tokens(cfg, model, max_new_tokens: int) -> Optional[int]:

@@ -18,6 +18,7 @@ import torch
 
 from openrlhf_div.eval.evaluate import evaluate
 from openrlhf_div.eval.results import write_eval
+from openrlhf_div.tasks.datasets import render_example
 
 from .sampler_registry import open_sampler
 from .samplers import local_generate_fn
@@ -32,7 +33,23 @@ def eval_settings(cfg) -> Dict[str, Any]:
     n = int(e.n_samples)
     return {"n": n, "ks": [k for k in e.k if 1 <= k <= n] or [1],
             "temperature": float(r.temperature if e.temperature is None else e.temperature),
-            "top_p": float(r.top_p), "max_new_tokens": int(e.max_new_tokens or r.max_new_tokens)}
+            "top_p": float(r.top_p if e.top_p is None else e.top_p), "max_new_tokens": int(e.max_new_tokens or r.max_new_tokens)}
+
+
+def openrlhf_rendering(task, tokenizer, data_cfg):
+    """``(prompt_template, system_prompt, render)`` for :func:`openrlhf_div.eval.evaluate.evaluate`:
+    OpenRLHF's two renderings (the raw prompt text; the prompt as the user message through the chat
+    template, no system message -- what ``openrlhf-div run --engine local`` sets from an experiment
+    file) go as a ``render`` function with no template recorded, as the Ray engine's evaluation
+    records them, so that the two engines' ``eval.json`` settings agree; any other rendering as
+    its template."""
+    pt, sp = data_cfg.prompt_template, data_cfg.system_prompt
+    if not data_cfg.chat_template:
+        return (None if pt in (None, "{prompt}") else pt), None, (
+            lambda ex: render_example(task, tokenizer, ex, pt, None, chat_template=False))
+    if pt == "{prompt}" and sp == "":
+        return None, None, lambda ex: render_example(task, tokenizer, ex, pt, sp)
+    return pt, sp, None
 
 
 @torch.no_grad()
@@ -48,13 +65,14 @@ def evaluate_policy(model, tokenizer, task, examples: Sequence[Dict[str, Any]], 
     gen = torch.Generator(device=device).manual_seed(int(cfg.seed) + EVAL_SEED_OFFSET)
     generate_fn = local_generate_fn(sampler, gen)
 
+    pt, sp, render = openrlhf_rendering(task, tokenizer, cfg.data)
     was_training = model.training
     model.eval()
     try:
         res = evaluate(task, examples, generate_fn, n=s["n"], ks=s["ks"], temperature=s["temperature"],
                        top_p=s["top_p"], max_new_tokens=s["max_new_tokens"], tokenizer=tokenizer,
                        keep_k=min(8, s["n"]), batch_size=max(1, len(examples)), progress=False,
-                       prompt_template=cfg.data.prompt_template, system_prompt=cfg.data.system_prompt)
+                       prompt_template=pt, system_prompt=sp, render=render)
     finally:
         if was_training:
             model.train()

@@ -139,6 +139,8 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
     s = _settings(cfg, cfg.data.train, len(examples))
     s.update({k: getattr(cfg.data, k) for k in ("split", "prompt_field", "label_field", "id_field",
                                                  "prompt_template", "system_prompt") if getattr(cfg.data, k)})
+    if not cfg.data.chat_template:  # only when off, so runs started before the option existed still resume
+        s["chat_template"] = False
     if not 1 <= s["tau"] <= s["n_pre"]:
         raise ValueError(f"presample.tau must be in [1, n_pre={s['n_pre']}], got {s['tau']}")
     from .sampler_registry import build_sampler, resolve_backend

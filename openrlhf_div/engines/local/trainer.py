@@ -654,7 +654,10 @@ class Trainer:
                 "reference_model_loaded": self.ref_model is not None, "rollout_backend": self.backend,
                 "on_policy_shortcut": self.on_policy_shortcut, "length_buckets": self.length_buckets,
                 "dtype": self.cfg.model.dtype, "master_weights": self.cfg.model.master_weights,
-                "dtype_choice": self.dtype_choice}
+                "dtype_choice": self.dtype_choice, "experiment": self.cfg.experiment}
+        from openrlhf_div.engines.provenance import settings_of
+
+        info["settings"] = settings_of(self.cfg)  # what reaches training, the keys every engine records
         recorded = absolute_paths(self.cfg)
         info["plugins"] = list(recorded.plugins)
         self.log.write_run_info(dump_config(recorded), info, self.step if resumed else None)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -46,12 +47,28 @@ def make_vllm_generate_fn(model: str, tp: int, seed: int):  # pragma: no cover -
 
     from openrlhf_div.engines.local.samplers import generate_vllm
 
-    llm = LLM(model=model, tensor_parallel_size=tp, seed=seed, trust_remote_code=True)
+    kw = {}
+    if not _cuda():  # vLLM's CPU engine would take 92% of RAM for its KV cache (gpu_memory_utilization)
+        gb = float(os.environ.get("OPENRLHF_DIV_VLLM_CPU_KV_CACHE_GB", "1"))
+        kw["kv_cache_memory_bytes"] = int(gb * 2**30)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        print(f"[openrlhf-div] vLLM on a CPU: KV cache {gb:g} GiB of RAM (OPENRLHF_DIV_VLLM_CPU_KV_CACHE_GB), not vLLM's "
+              "default 92% of memory", file=sys.stderr, flush=True)
+    llm = LLM(model=model, tensor_parallel_size=tp, seed=seed, trust_remote_code=True, **kw)
 
     def fn(prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=512, greedy=False):
         return generate_vllm(llm, prompts, n, temperature, top_p, max_new_tokens, greedy, seed=seed)
 
     return fn
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:  # pragma: no cover
+        return False
 
 
 def make_renderer(model: str, chat: bool):

@@ -3,7 +3,8 @@
 
 * ``config.yaml`` -- the experiment config as resolved (``extends`` followed, variables expanded)
   and the final command (:func:`write_driver_files`, by the driver before ``train()``);
-* ``run_info.json`` -- engine, method, versions, machine, GPUs the plan needs, time
+* ``run_info.json`` -- engine, experiment, seed, ``settings`` (what reaches training,
+  :func:`openrlhf_div.engines.provenance.settings_of`), method, versions, machine, GPUs the plan needs, time
   (``run_info.resume_<time>.json`` when a run folder is reused);
 * ``metrics.jsonl`` -- one row per step: ``step`` and every figure OpenRLHF logs (the trainer,
   :meth:`RunFolder.log_step`); cut back to the restored step on resume;
@@ -67,6 +68,10 @@ def write_driver_files(p, cfg: Mapping[str, Any]) -> str:
             "resume": bool(getattr(p.args.ckpt, "load_enable", False)),
             # the engine is OpenRLHF's Ray topology; its policy actor DeepSpeed or Megatron-core
             "actor_backend": getattr(div_namespace(p.args), "actor_backend", None) or "deepspeed"}
+    from openrlhf_div.engines.provenance import settings_of
+
+    # what reaches training (OpenRLHF's parsed flags, defaults included), the keys every engine records
+    info["settings"] = settings_of(p, cfg)
     from openrlhf_div.engines.local.runlog import git_commit
 
     info["git_commit"] = git_commit()
