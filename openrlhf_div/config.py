@@ -228,7 +228,7 @@ def unknown_key(key: str, valid: Sequence[str], where: str = "", what: str = "co
 # ------------------------------------------------------------------ experiment configs
 #: the sections of an OpenRLHF / Megatron experiment config (configs/openrlhf/*.yaml)
 EXPERIMENT_SECTIONS = ("experiment", "description", "paper", "plugins", "task", "method", "div", "engine", "openrlhf",
-                       "cluster", "presample", "toy", "notes", "env", "tiny")
+                       "cluster", "presample", "toy", "notes", "env", "tiny", "local")
 
 
 def load_experiment(path: str) -> Dict[str, Any]:
