@@ -9,13 +9,16 @@
 #   SEEDS="1 2 3" OUT=runs/study_smollm2 bash benchmarks/real_model_study.sh
 #   DRY_RUN=1 bash benchmarks/real_model_study.sh         # print the commands only
 #
+# Cost (docs/real_model.md, "Sizing"): about 50 min per run on the shared 2-core host at one thread,
+# 8 runs for 2 seeds: plan on the order of 7 hours there, not 90 minutes.
+#
 # Stopped at any point, the same command continues it: the pre-sampling resumes by chunks, and the
 # sweep resumes its runs (a finished run is skipped, a stopped one continues from its last
-# checkpoint: the family checkpoints every eval.every steps).
+# checkpoint: the family checkpoints every eval.every steps), and a finished pass@64 evaluation is kept.
 #
 # Environment: OUT (default runs/sweep_smollm2_arith), METHODS (default "grpo dph_js ds_grpo lad_js"),
 # SEEDS (default "1 2"), PYTHON (default the repository's .venv), NICE (default 10: the machine is
-# shared), DRY_RUN=1.
+# shared), EVAL_DTYPE (default bfloat16: the runs' dtype on an AVX-512 BF16 host), DRY_RUN=1.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -61,18 +64,37 @@ fi
 run nice -n "$NICE" bash examples/scripts/sweep_methods.sh smollm2_arith --engine local \
   --methods "$METHODS" --seeds "$SEEDS" --out "$OUT"
 
-# 3. the report over every run folder of the sweep (again, so that a study resumed after the sweep
-#    finished still ends with a report over all of them)
-dirs=()
-for d in "$OUT"/runs/*/ "$OUT"/runs/*/seed*/; do
-  [[ -f "$d/eval.json" ]] && dirs+=("${d%/}")
+# 3. pass@1..64 at the end: the base model and every run's final model, the same evaluation for all
+#    (the first 32 held-out problems x 64 samples, 32 tokens, T 1, eval seed 0, bfloat16 -- the dtype the
+#    runs trained and evaluated in on this host; docs/real_model.md on why the base must be evaluated
+#    in the runs' dtype); a finished evaluation is skipped, so a stopped study resumes here too
+EVAL=(--task math --task-opt extract=lenient --data examples/data/smollm2_arith/eval.jsonl --limit 32
+      --prompt-template "{prompt}" --system-prompt "" --n 64 --k 1,2,4,8,16,32,64 --temperature 1.0
+      --max-new-tokens 32 --engine vllm --vllm-eager --dtype "${EVAL_DTYPE:-bfloat16}" --seed 0 --no-progress)
+P64="$OUT/pass64"
+evaluate64() {  # evaluate64 MODEL NAME [--base-results DIR]
+  local model="$1" name="$2"
+  shift 2
+  if [[ -f "$P64/$name/eval.json" ]]; then say "pass@64 of $name: done"; return 0; fi
+  say "pass@64 of $name -> $P64/$name"
+  run nice -n "$NICE" "$PY" -m openrlhf_div.cli.main eval --model "$model" "${EVAL[@]}" --name "$name" \
+    --out "$P64/$name" "$@"
+}
+evaluate64 "$SMOLLM2_GGUF" base --role base
+dirs=("$P64/base")
+for m in $METHODS; do
+  for s in $SEEDS; do
+    final="$OUT/runs/$m/seed$s/final_model"
+    if [[ "${DRY_RUN:-0}" != "1" && ! -d "$final" ]]; then
+      say "no $final (the run did not finish): left out of the pass@64 report"
+      continue
+    fi
+    evaluate64 "$final" "${m}_seed$s" --role method --base-results "$P64/base"
+    dirs+=("$P64/${m}_seed$s")
+  done
 done
-if [[ "${DRY_RUN:-0}" == "1" ]]; then
-  run "$PY" -m openrlhf_div.cli.main compare "$OUT/runs/<every run folder>" --out "$OUT/report"
-elif [[ ${#dirs[@]} -gt 0 ]]; then
-  run "$PY" -m openrlhf_div.cli.main compare "${dirs[@]}" --out "$OUT/report"
-else
-  say "no run folder with an eval.json under $OUT/runs: nothing to compare"
-  exit 1
-fi
-say "done in $(( $(date +%s) - t0 )) s wall: report in $OUT/report"
+
+# 4. the report of the pass@1..64 evaluations (the sweep's own report, OUT/report, has the in-run
+#    pass@1..16 against steps)
+run "$PY" -m openrlhf_div.cli.main compare "${dirs[@]}" --out "$OUT/report_pass64"
+say "done in $(( $(date +%s) - t0 )) s wall: reports in $OUT/report and $OUT/report_pass64"

@@ -85,8 +85,8 @@ def test_every_method_file_resolves_on_the_local_engine(method, capsys, monkeypa
     r, o, e = cfg["rollout"], cfg["optim"], cfg["eval"]
     assert (r["prompts_per_step"], r["group_size"], r["max_new_tokens"], r["temperature"]) == (8, 8, 32, 1.0)
     assert (r["backend"], r["on_policy_shortcut"], o["mini_batches"], o["ppo_epochs"]) == ("vllm", True, 1, 1)
-    assert (o["learning_rate"], o["steps"]) == (2e-5, 24)
-    assert (e["every"], e["n_samples"], e["max_prompts"], e["max_new_tokens"]) == (6, 16, None, 32)
+    assert (o["learning_rate"], o["steps"]) == (2e-5, 36)
+    assert (e["every"], e["n_samples"], e["max_prompts"], e["max_new_tokens"]) == (6, 16, 32, 32)
     assert cfg["seed"] == 1
     if method == "dph_js":
         exp = yaml.safe_load(open(os.path.join(ROOT, "configs", "openrlhf", "smollm2_arith_dph_js.yaml")))
