@@ -42,7 +42,7 @@ def test_shipped_data_are_the_generators_and_labels_are_right():
     md = _make_data()
     train, held = _rows("train.jsonl"), _rows("eval.jsonl")
     assert train == md.make_rows("add2", 64, seed=1)
-    assert held == md.make_rows("add2", 64, seed=2, exclude={r["prompt"] for r in train})
+    assert held == md.make_rows("add2", 32, seed=2, exclude={r["prompt"] for r in train})
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
     from openrlhf_div.tasks.datasets import load_examples
 
@@ -71,8 +71,11 @@ def test_lenient_math_grading_reads_smollm2_style_answers():
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_file_resolves_on_the_local_engine(method, capsys, monkeypatch, tmp_path):
     from openrlhf_div.cli.main import main
+    from openrlhf_div.engines import experiment as E
 
     monkeypatch.setenv("SMOLLM2_GGUF", "/models/smollm2.gguf")
+    for var in ("DATA_DIR", "SEED", "RUN_DIR", "PRESAMPLE_DIR"):
+        monkeypatch.delenv(var, raising=False)
     assert main(["run", f"smollm2_arith_{method}", "--engine", "local", "--dry-run",
                  "--run-dir", str(tmp_path / "run")]) == 0
     cfg = yaml.safe_load(capsys.readouterr().out)
@@ -80,14 +83,18 @@ def test_every_method_file_resolves_on_the_local_engine(method, capsys, monkeypa
     assert cfg["task"] == "math" and cfg["task_options"] == {"extract": "lenient"}
     assert cfg["model"]["path"] == "/models/smollm2.gguf" and cfg["model"]["dtype"] == "auto"
     assert cfg["data"]["train"].endswith("examples/data/smollm2_arith/train.jsonl")
-    assert cfg["data"]["eval"] == os.path.join(DATA, "eval.jsonl")
     assert (cfg["data"]["prompt_template"], cfg["data"]["system_prompt"]) == ("{prompt}", "")
-    r, o, e = cfg["rollout"], cfg["optim"], cfg["eval"]
+    r, o = cfg["rollout"], cfg["optim"]
     assert (r["prompts_per_step"], r["group_size"], r["max_new_tokens"], r["temperature"]) == (8, 8, 32, 1.0)
-    assert (r["backend"], r["on_policy_shortcut"], o["mini_batches"], o["ppo_epochs"]) == ("vllm", True, 1, 1)
-    assert (o["learning_rate"], o["steps"]) == (2e-5, 36)
-    assert (e["every"], e["n_samples"], e["max_prompts"], e["max_new_tokens"]) == (6, 16, 32, 32)
-    assert cfg["seed"] == 1
+    assert (r["backend"], r["vllm_enforce_eager"], r["on_policy_shortcut"]) == ("vllm", True, True)
+    assert (o["mini_batches"], o["ppo_epochs"], o["learning_rate"], o["lr_schedule"]) == (1, 1, 2e-5, "constant")
+    assert cfg["seed"] == 1 and cfg["num_threads"] == 1
+    # the step count, the evaluation and the checkpoints are OpenRLHF's flags in the file (the local
+    # engine derives its own from them): 64 prompts / 8 x 5 episodes = 40 steps, pass@1..16 every 8
+    up = E.load(E.find_experiment(f"smollm2_arith_{method}"))["openrlhf"]
+    assert len(_rows("train.jsonl")) // up["rollout.batch_size"] * up["train.num_episodes"] == 40
+    assert (up["eval.steps"], up["eval.n_samples_per_prompt"], up["ckpt.save_steps"]) == (8, 16, 8)
+    assert up["eval.dataset"].endswith("smollm2_arith}/eval.jsonl") and len(_rows("eval.jsonl")) == 32
     if method == "dph_js":
         exp = yaml.safe_load(open(os.path.join(ROOT, "configs", "openrlhf", "smollm2_arith_dph_js.yaml")))
         assert cfg["data"]["presample_dir"] == exp["div"]["anchor_data"] == exp["presample"]["out"]
