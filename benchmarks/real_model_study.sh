@@ -9,12 +9,12 @@
 #   SEEDS="1 2 3" OUT=runs/study_smollm2 bash benchmarks/real_model_study.sh
 #   DRY_RUN=1 bash benchmarks/real_model_study.sh         # print the commands only
 #
-# Cost (docs/real_model.md, "Sizing"): about 50 min per run on the shared 2-core host at one thread,
-# 8 runs for 2 seeds: plan on the order of 7 hours there, not 90 minutes.
+# Cost (docs/real_model.md, "Sizing"): about 45-50 min per run on the shared 2-core host at one thread,
+# 8 runs for 2 seeds: plan on 6-7 hours there, not 90 minutes.
 #
 # Stopped at any point, the same command continues it: the pre-sampling resumes by chunks, and the
 # sweep resumes its runs (a finished run is skipped, a stopped one continues from its last
-# checkpoint: the family checkpoints every eval.every steps), and a finished pass@64 evaluation is kept.
+# checkpoint: the family checkpoints every 8 steps), and a finished pass@64 evaluation is kept.
 #
 # Environment: OUT (default runs/sweep_smollm2_arith), METHODS (default "grpo dph_js ds_grpo lad_js"),
 # SEEDS (default "1 2"), PYTHON (default the repository's .venv), NICE (default 10: the machine is
@@ -65,10 +65,10 @@ run nice -n "$NICE" bash examples/scripts/sweep_methods.sh smollm2_arith --engin
   --methods "$METHODS" --seeds "$SEEDS" --out "$OUT"
 
 # 3. pass@1..64 at the end: the base model and every run's final model, the same evaluation for all
-#    (the first 32 held-out problems x 64 samples, 32 tokens, T 1, eval seed 0, bfloat16 -- the dtype the
+#    (the 32 held-out problems x 64 samples, 32 tokens, T 1, eval seed 0, bfloat16 -- the dtype the
 #    runs trained and evaluated in on this host; docs/real_model.md on why the base must be evaluated
 #    in the runs' dtype); a finished evaluation is skipped, so a stopped study resumes here too
-EVAL=(--task math --task-opt extract=lenient --data examples/data/smollm2_arith/eval.jsonl --limit 32
+EVAL=(--task math --task-opt extract=lenient --data examples/data/smollm2_arith/eval.jsonl
       --prompt-template "{prompt}" --system-prompt "" --n 64 --k 1,2,4,8,16,32,64 --temperature 1.0
       --max-new-tokens 32 --engine vllm --vllm-eager --dtype "${EVAL_DTYPE:-bfloat16}" --seed 0 --no-progress)
 P64="$OUT/pass64"
