@@ -2,14 +2,14 @@
 # Issue 40's study: GRPO, DPH-JS, DS-GRPO and LAD-JS on SmolLM2-135M-Instruct (the smollm2_arith
 # family, configs/openrlhf/_smollm2_arith.yaml), several seeds each, through the methods x seeds
 # sweep on the local engine, then one `compare` report. How it was sized and the settings fixed
-# before the runs: docs/real_model.md ("Sizing the study", "Settings fixed before the runs").
+# before the runs: docs/real_model.md ("Sizing measurements", "Settings fixed before the runs", "Sizing: what the study costs").
 # NOT YET RUN: the figures in docs/real_model.md are the sizing measurements, not the study.
 #
 #   bash benchmarks/real_model_study.sh                   # background: nohup ... > study.log 2>&1 &
 #   SEEDS="1 2 3" OUT=runs/study_smollm2 bash benchmarks/real_model_study.sh
 #   DRY_RUN=1 bash benchmarks/real_model_study.sh         # print the commands only
 #
-# Cost (docs/real_model.md, "Sizing"): about 45-50 min per run on the shared 2-core host at one thread,
+# Cost (docs/real_model.md, "Sizing: what the study costs"): about 45-50 min per run on the shared 2-core host at one thread,
 # 8 runs for 2 seeds: plan on 6-7 hours there, not 90 minutes.
 #
 # Stopped at any point, the same command continues it: the pre-sampling resumes by chunks, and the

@@ -1,13 +1,15 @@
 """GSM8K-style arithmetic word problems for the SmolLM2 experiment family (``configs/openrlhf/_smollm2_arith.yaml``)
-and for its sizing measurements (docs/real_model.md, "Sizing the study").
+and for its sizing measurements (docs/real_model.md, "Sizing measurements").
 
 Every row is ``{"id", "prompt", "answer"}``; ``prompt`` is the whole user message (the question and a one-line
 instruction to end with the number), so every engine renders it the same way (the chat template over one user
-turn, no system message), and ``answer`` ends in GSM8K's ``#### N`` (the loader keeps ``N`` as the label). The
+turn; SmolLM2's template adds its own default system line), and ``answer`` ends in GSM8K's ``#### N`` (the loader keeps ``N`` as the label). The
 ``math`` task grades it with ``extract: lenient`` (the last ``\\boxed{}``, else a final-answer phrase, else the
 last number of the response).
 
-    python examples/real_model/make_data.py --level add2 --n 256 --seed 1 --out examples/data/smollm2_arith/train.jsonl
+    python examples/real_model/make_data.py --level add2 --n 64 --seed 1 --out examples/data/smollm2_arith/train.jsonl
+    python examples/real_model/make_data.py --level add2 --n 32 --seed 2 --exclude examples/data/smollm2_arith/train.jsonl \
+        --out examples/data/smollm2_arith/eval.jsonl
 
 Levels (the operands are drawn uniformly; the answer is never negative):
 
