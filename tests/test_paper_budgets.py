@@ -71,7 +71,7 @@ def paper_configs():
     out = []
     for sub in ("openrlhf", "megatron"):
         for p in sorted(glob.glob(os.path.join(ROOT, "configs", sub, "[!_]*.yaml"))):
-            if not os.path.basename(p).startswith("tiny_cpu"):
+            if not os.path.basename(p).startswith(("tiny_cpu", "smollm2_")):  # not paper experiments
                 out.append(os.path.relpath(p, os.path.join(ROOT, "configs")))
     return out
 

