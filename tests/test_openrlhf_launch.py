@@ -256,23 +256,30 @@ def test_scripts_pass_shellcheck():
 
 
 def test_sweep_dry_run_lists_runs_and_report():
+    """The Ray sweep's dry run (openrlhf_div/engines/sweep.py behind sweep_methods.sh): one `run` per
+    (method, seed), each with its own seed, the base evaluation once (a run's step-0 evaluation, role base),
+    one compare over the runs with --base; an unknown method is one line naming the family's methods."""
     env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable)
     r = subprocess.run(["bash", os.path.join(ROOT, "examples/scripts/sweep_methods.sh"), "llama8b_bird",
                         "--methods", "grpo dph_js", "--seeds", "1 2", "--out", "/tmp/openrlhf_div_sweep"],
                        capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    trains = [ln for ln in lines if "openrlhf_div.cli.train_ppo_ray" in ln]
+    trains = [ln for ln in lines if "openrlhf_div.cli.main run " in ln]
     assert len(trains) == 4
-    assert sum("presample_ray" in ln for ln in lines) == 2  # only the DPH runs pre-sample
-    assert sum("--role base" in ln for ln in lines) == 1
+    for ln, (m, seed) in zip(trains, [("grpo", 1), ("grpo", 2), ("dph_js", 1), ("dph_js", 2)]):
+        assert f"SEED={seed} " in ln and f"llama8b_bird_{m} --engine openrlhf" in ln
+        assert f"openrlhf.train.seed={seed}" in ln and f"/tmp/openrlhf_div_sweep/runs/{m}/seed{seed}" in ln
+    assert sum("role base" in ln for ln in lines) == 1
     compare = [ln for ln in lines if "openrlhf_div.cli.main compare" in ln]
     assert len(compare) == 1
-    for d in ("runs/base", "runs/grpo/seed1", "runs/grpo/seed2", "runs/dph_js/seed1", "runs/dph_js/seed2"):
+    for d in ("runs/grpo/seed1", "runs/grpo/seed2", "runs/dph_js/seed1", "runs/dph_js/seed2"):
         assert f"/tmp/openrlhf_div_sweep/{d}" in compare[0]
+    assert "--base /tmp/openrlhf_div_sweep/runs/base" in compare[0]
     bad = subprocess.run(["bash", os.path.join(ROOT, "examples/scripts/sweep_methods.sh"), "llama8b_bird",
                           "--methods", "nosuch"], capture_output=True, text=True, env=env)
-    assert bad.returncode == 2 and "no config" in bad.stderr
+    assert bad.returncode == 2 and "no experiment llama8b_bird_nosuch" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
 
 
 def test_submit_dry_run_uses_ray_job_submit():

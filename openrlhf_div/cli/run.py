@@ -95,7 +95,12 @@ def run(args) -> int:
     backend = str((cfg.get("div") or {}).get("actor_backend") or "deepspeed")
     engine = args.engine or ("megatron" if backend == "megatron" else "openrlhf")
     if engine == "local":
-        return _run_local(cfg, name, args, passthrough)
+        saved = dict(os.environ)
+        try:
+            return _run_local(cfg, name, args, passthrough)
+        finally:  # the launcher's variables it set (DATA_DIR, ...) are this run's, not the next one's in this process
+            os.environ.clear()
+            os.environ.update(saved)
     run_dir = os.path.abspath(args.run_dir) if args.run_dir else None  # None: the launcher's new folder
     return _run_ray(path, cfg, engine, backend, run_dir, args, overrides, passthrough)
 

@@ -47,7 +47,9 @@ def own_commit(root: str, short: bool = False) -> Optional[str]:
 
 def git_commit() -> Optional[str]:
     """The commit of the checkout this package runs from (:func:`own_commit`), ``None`` if none."""
-    return own_commit(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+    from openrlhf_div.shipped import CHECKOUT_DIR  # the folder above the package: a checkout, or site-packages
+
+    return own_commit(CHECKOUT_DIR)
 
 
 def scalars(values: Mapping[str, Any]) -> Dict[str, float]:
