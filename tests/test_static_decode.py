@@ -115,3 +115,26 @@ def test_decode_step_refusals():
         _gen(model, tok, "static", 0, fast=False)
     with pytest.raises(ValueError, match="decode step 'eager': one of dynamic, static, graph"):
         _gen(model, tok, "eager", 0)
+
+
+def test_rollout_decode_step_reaches_the_sampler(tmp_path, monkeypatch):
+    """``rollout.decode_step`` is the hf sampler's step in training; a bad name is refused at load."""
+    from helpers import local_overrides, write_copy_last_data
+    from openrlhf_div.engines.local.config import ConfigError, load_config
+    from openrlhf_div.engines.local.trainer import Trainer
+
+    data = write_copy_last_data(tmp_path)
+    built = []
+    real = fastgen.StaticLlamaDecoder.__init__
+
+    def spy(self, *a, **kw):
+        built.append(kw.get("graph"))
+        real(self, *a, **kw)
+
+    monkeypatch.setattr(fastgen.StaticLlamaDecoder, "__init__", spy)
+    over = local_overrides(data, tmp_path / "run", extra=["rollout.backend=hf", "rollout.decode_step=static"])
+    tr = Trainer(load_config(None, over))
+    tr.train_step()
+    assert built and built[0] is False
+    with pytest.raises(ConfigError, match="rollout.decode_step must be dynamic, static or graph, got 'eager'"):
+        load_config(None, local_overrides(data, tmp_path / "run2", extra=["rollout.decode_step=eager"]))
