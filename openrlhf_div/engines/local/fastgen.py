@@ -115,9 +115,10 @@ class StaticLlamaDecoder(LlamaLikeDecoder):
     and replayed (``graph=True``, CUDA only). The step reads its inputs from fixed buffers
     (``tok``, ``live``, ``pos``) that :meth:`step` copies into.
 
-    Not bit-exact with :class:`LlamaLikeDecoder`'s step: the attention's reductions run over
-    ``max_len`` instead of the filled ``len + 1`` columns (the extra ones masked out), and the order in
-    which the kernels sum changes with that length (docs/benchmarks.md, "Static-shape decode step").
+    Not bit-exact with :class:`LlamaLikeDecoder`'s step: the attention runs over ``max_len`` instead of
+    the filled ``len + 1`` columns (the extra ones masked out), and torch's CPU attention kernel gives
+    different last bits for a different key length even then (measured: docs/benchmarks.md,
+    "Static-shape decode step"; a plain masked softmax does not).
     """
 
     static = True
