@@ -412,8 +412,9 @@ def bench_backends(work, args):
     for which in args.backend_models:
         steps, warmup = (args.real_steps, args.real_warmup) if which == "smollm2" else (args.steps, args.warmup)
         out[which] = {}
-        variants = [] if args.skip_hf else [("hf", ())]
-        for v in args.vllm_variants:
+        variants = [] if args.skip_hf else [("hf" if not v else f"hf[{v}]", tuple(v.split())) for v in args.hf_variants]
+        n_hf = len(variants)
+        for v in ([] if args.skip_vllm else args.vllm_variants):
             key = "vllm" if not v else f"vllm[{v}]"
             seen = sum(1 for k, _ in variants if k.split("#")[0] == key)
             variants.append((key if not seen else f"{key}#{seen + 1}", tuple(v.split())))  # a repeated row
@@ -439,7 +440,13 @@ def bench_backends(work, args):
                 if lf:
                     print(f"    no-grad log-prob forward of the last step's rows, {mode}: {lf['time']:.2f} s, "
                           f"efficiency {lf['efficiency']:.2f}, padded share {lf['padded_share']:.2f}", flush=True)
-        first_vllm = 0 if args.skip_hf else 1
+        for key, _ in variants[1:n_hf]:   # a later hf row (e.g. rollout.decode_step=static) against the first
+            out[which][f"generate_{key}_over_hf"] = out[which][key]["time_generate"] / out[which]["hf"]["time_generate"]
+            print(f"  {which}: generation time {key} / hf = {out[which][f'generate_{key}_over_hf']:.3f}x wall",
+                  flush=True)
+        if args.skip_vllm:
+            continue
+        first_vllm = n_hf
         v = out[which][variants[first_vllm][0]]
         for key, _ in variants[first_vllm + 1:]:
             if not args.skip_hf:
@@ -500,11 +507,17 @@ def main():
                     help="--backends: only start (and close) one vllm trainer per --vllm-variants entry and print its "
                          "engine start: the compile cache's reload, without steps")
     ap.add_argument("--skip-hf", action="store_true", help="--backends: no hf row (vllm rows only)")
+    ap.add_argument("--skip-vllm", action="store_true", help="--backends: no vllm row (hf rows only)")
+    ap.add_argument("--hf-variants", nargs="+", default=[""],
+                    help="--backends: one hf row per entry, each a space-separated list of config overrides "
+                         "('' = defaults, first), e.g. '' 'rollout.decode_step=static'")
     ap.add_argument("--vllm-variants", nargs="+", default=[""],
                     help="--backends: one vllm row per entry, each a space-separated list of config overrides "
                          "('' = defaults), e.g. '' 'rollout.vllm_seeding=request'; issue 32's on/off comparison: "
                          f"'' '{ITEMS_OFF}'")
     args = ap.parse_args()
+    if args.hf_variants[0]:
+        ap.error("--hf-variants: the first entry must be '' (the default hf row the others are compared with)")
     REAL_B, REAL_G, REAL_NEW = args.real_shape
     if args.threads is not None:
         THREADS = args.threads

@@ -32,6 +32,14 @@ Cases, in the default order (the ones only a GPU can prove first; ``--cases`` se
     H = 1,536, bf16 inputs (TF32 on for the fp32 matmuls that remain), with entropy, training
     (forward + backward) and no-grad: time and peak memory above the inputs, after a warm-up call
     (allocations made there are reused: the cache is not emptied between repeats).
+``decode``
+    The local engine's lean decoder (``openrlhf_div.engines.local.generation.generate``), Qwen2.5-1.5B
+    shape, bf16, 64 rows (8 prompts x 8 samples) of 128 prompt tokens and 128 new tokens, per
+    ``decode_step``: ``dynamic`` (today's step), ``static`` (fixed shapes, no host synchronisation) and
+    ``graph`` (that step replayed as a CUDA graph; not in the CPU dry run): ms per bare decode step (the
+    decoder's ``step`` alone, greedy tokens), and ``generate`` end to end (tokens/s), after a warm-up
+    call; each variant's samples against the dynamic step's (same seed) and the graph's against the
+    static step's (bit for bit expected: the same kernels).
 ``methods``
     The local engine (``openrlhf_div.engines.local.Trainer``), Qwen2.5-1.5B shape (vocab 151,936,
     hidden 1,536, 28 layers), bf16 with float32 master weights and AdamW moments, RL steps per
@@ -114,14 +122,18 @@ METHODS = ("grpo", "rkl", "dph_js", "dph_f", "ds_grpo", "lad_js", "clip_cov")
 #: the default order: the measured GEMM peak first (seconds), then what only a GPU can prove
 #: (DeepSpeed's FusedAdam JIT build and its fallback, Megatron on CUDA, the log-prob kernels), then
 #: the local engine's methods, then the largest model
-CASES = ("gemm", "actor_step", "megatron", "logprobs", "methods", "largest")
+CASES = ("gemm", "actor_step", "megatron", "logprobs", "decode", "methods", "largest")
 #: cases sharing one process in a dry run (saves interpreter start-ups on the CPU); on a GPU each case
 #: has its own process, so that a crash or an out-of-memory error costs that case only
-DRY_RUN_GROUPS = (("gemm", "logprobs", "methods", "largest"), ("actor_step",), ("megatron",))
+DRY_RUN_GROUPS = (("gemm", "logprobs", "decode", "methods", "largest"), ("actor_step",), ("megatron",))
 #: guessed seconds per case on an H100, set-up included, used until a GPU run has measured them
 #: (``--report`` writes the measured ones to MEASURED); the default cases' sum keeps SLACK under
-#: the default budget
-GUESS_S = {"gemm": 15, "actor_step": 150, "megatron": 75, "logprobs": 45, "methods": 140, "largest": 60}
+#: the default budget (when decode came in, actor_step's guess went from 150 to 110 s and logprobs' from 45 to
+#: 25 s: the H200 run measured them at 69 and 9 s, benchmarks/gpu_bench_measured.json; decode's 60 s: a 1.5B
+#: model built on the device, then ~14 dynamic-step passes of 128 tokens at the measured 25 ms a step, fewer
+#: seconds for static and graph)
+GUESS_S = {"gemm": 15, "actor_step": 110, "megatron": 75, "logprobs": 25, "decode": 60, "methods": 140,
+           "largest": 60}
 MEASURED = os.path.join(ROOT, "benchmarks", "gpu_bench_measured.json")
 SLACK = 0.10
 DEFAULT_BUDGET_S = 540.0
@@ -161,6 +173,8 @@ def plan(dry_run: bool) -> Dict[str, Dict[str, Any]]:
             "methods": dict(shape="toy", methods=list(METHODS), prompts=2, group=4, prompt_len=8, new_tokens=8,
                             micro=4, warmup=1, steps=2),
             "logprobs": dict(vocab=2048, hidden=64, tokens=[64, 256], repeats=2),
+            "decode": dict(shape="toy", prompts=4, group=4, prompt_len=8, new_tokens=8, warmup=1, repeats=2,
+                           steps=["dynamic", "static"]),   # a CUDA graph needs CUDA
             "actor_step": dict(shape="toy", methods=["grpo", "dph_js"], micro=2, batch=8, seq=64, prompt=16,
                                warmup=1, steps=2, zero_stage=2),
             "megatron": dict(shape="toy", micro=2, n_micro=2, seq=64, prompt=16, lp_rows=2, lp_seq=32, warmup=1,
@@ -173,6 +187,8 @@ def plan(dry_run: bool) -> Dict[str, Dict[str, Any]]:
         "methods": dict(shape="qwen2.5-1.5b", methods=list(METHODS), prompts=8, group=8, prompt_len=128,
                         new_tokens=128, micro=32, warmup=1, steps=3),
         "logprobs": dict(vocab=151936, hidden=1536, tokens=[4096, 16384], repeats=5),
+        "decode": dict(shape="qwen2.5-1.5b", prompts=8, group=8, prompt_len=128, new_tokens=128, warmup=1,
+                       repeats=3, steps=["dynamic", "static", "graph"]),
         "actor_step": dict(shape="qwen2.5-1.5b", methods=["grpo", "dph_js"], micro=4, batch=16, seq=1024,
                            prompt=256, warmup=1, steps=5, zero_stage=2),
         "megatron": dict(shape="qwen2.5-1.5b", micro=4, n_micro=4, seq=1024, prompt=256, lp_rows=2, lp_seq=512,
@@ -189,6 +205,8 @@ def planned_rows(name: str, p: Dict[str, Any]) -> List[str]:
         return ["bf16_gemm"]
     if name in ("methods", "actor_step"):
         return list(p["methods"])
+    if name == "decode":
+        return list(p["steps"])
     if name == "logprobs":
         return [f"{mode}/{n}/{path}" for n in p["tokens"] for mode in ("train", "nograd")
                 for path in ("full_logits", "from_hidden")]
@@ -499,6 +517,109 @@ def _timed_steps(ctx: Ctx, tr, shape, warmup: int, steps: int) -> Dict[str, Any]
     r = _summarise_steps(ctx, rows)
     r.update(warmup_steps=warmup, warmup_s=warm, peak_gib=ctx.peak_gib())
     return r
+
+
+# ------------------------------------------------------------------ case: decode
+def _word_tokenizer(V: int):
+    """A word-level tokenizer with one token per vocabulary id (``t<id>``; 0 = pad, 1 = eos)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, V)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def case_decode(ctx: Ctx, p: Dict[str, Any], res: Dict[str, Any]) -> None:
+    """The lean decoder's token step per ``decode_step`` (issue 41, item 6)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from openrlhf_div.engines.local.fastgen import make_decoder
+    from openrlhf_div.engines.local.generation import generate, pack_sequences, position_ids_from_mask
+
+    shape = SHAPES[p["shape"]]
+    V, n = shape["vocab_size"], p["prompts"] * p["group"]
+    res.update(shape=p["shape"], params=n_params(shape), dtype="bfloat16", n_rows=n,
+               setup={k: p[k] for k in ("prompts", "group", "prompt_len", "new_tokens", "warmup", "repeats")})
+    torch.manual_seed(0)
+    with torch.device(ctx.device):
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, pad_token_id=0, eos_token_id=1, bos_token_id=None))
+    model = model.to(torch.bfloat16).eval()
+    tok = _word_tokenizer(V)
+    rng = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, V, (p["prompt_len"],), generator=rng).tolist() for _ in range(p["prompts"])]
+    rows = [q for q in prompts for _ in range(p["group"])]
+    ids, attn, _ = pack_sequences(rows, [[] for _ in rows], 0, ctx.device)
+    pos = position_ids_from_mask(attn)
+    steps = p["new_tokens"] - 2   # timed steps (the cache holds prompt + new_tokens columns)
+
+    @torch.no_grad()
+    def bare_steps(step: str) -> float:
+        """Seconds for ``steps`` decode steps after a prefill (greedy tokens, every row live)."""
+        dec = make_decoder(model, n, ids.shape[1] + p["new_tokens"], None, step)
+        logits = dec.prefill(ids, attn, pos)
+        a, nxt = attn, pos[:, -1] + 1
+        one = torch.ones(n, 1, dtype=torch.long, device=ctx.device)
+        t0 = 0.0
+        for i in range(steps + 1):   # the first step untimed (the graph's capture happens there)
+            if i == 1:
+                ctx.sync()
+                t0 = time.perf_counter()
+            t = logits.argmax(-1)
+            if getattr(dec, "static", False):
+                logits = dec.step(t, one, nxt)
+            else:
+                a = torch.cat([a, one], -1)
+                logits = dec.step(t, a, nxt)
+            nxt = nxt + 1
+        ctx.sync()
+        return time.perf_counter() - t0
+
+    def sample(step: str):
+        ctx.sync()
+        t0 = time.perf_counter()
+        g = torch.Generator(device=ctx.device).manual_seed(1)
+        out = generate(model, tok, prompts, n_samples=p["group"], max_new_tokens=p["new_tokens"], temperature=1.0,
+                       generator=g, decode_step=step)
+        ctx.sync()
+        return out, time.perf_counter() - t0
+
+    outs: Dict[str, Any] = {}
+    for step in p["steps"]:
+        ctx.free()
+        ctx.reset_peak()
+        try:
+            t0 = time.perf_counter()
+            for _ in range(p["warmup"]):
+                sample(step)
+            warm = time.perf_counter() - t0
+            step_s = [bare_steps(step) / steps for _ in range(p["repeats"])]
+            gen = [sample(step) for _ in range(p["repeats"])]
+            out = gen[-1][0]
+            outs[step] = out
+            toks = int(out.response_mask.sum())
+            r: Dict[str, Any] = {"step_ms": stats([1e3 * x for x in step_s]),
+                                 "generate_s": stats([g_[1] for g_ in gen]),
+                                 "gen_tokens_per_s": stats([toks / g_[1] for g_ in gen]),
+                                 "gen_tokens": toks, "warmup_s": warm, "peak_gib": ctx.peak_gib()}
+            ref = outs.get("static" if step == "graph" else "dynamic")
+            if ref is not None and step != "dynamic":
+                same = [a_ == b_ for a_, b_ in zip(out.response_ids, ref.response_ids)]
+                r["vs"] = "static" if step == "graph" else "dynamic"
+                r["rows_same_tokens"] = f"{sum(same)}/{len(same)}"
+                r["bit_exact"] = bool(all(same) and torch.equal(out.log_probs, ref.log_probs))
+                if all(same):
+                    r["max_abs_logprob_diff"] = float((out.log_probs - ref.log_probs).abs().max())
+            base = (res.get("rows", {}).get("dynamic") or {}).get("step_ms")
+            if base and step != "dynamic":
+                r["step_speedup_vs_dynamic"] = med(base) / med(r["step_ms"])
+        except Exception as exc:  # noqa: BLE001 - one variant's failure must not hide the others
+            r = _error(ctx, exc)
+        ctx.row(res, step, r)
+        print(f"[gpu_bench] decode/{step}: step_ms {json.dumps(r.get('step_ms'))} {r.get('error', '')[:300]}",
+              flush=True)
 
 
 # ------------------------------------------------------------------ case: methods
@@ -980,7 +1101,8 @@ def case_megatron(ctx: Ctx, p: Dict[str, Any], res: Dict[str, Any]) -> None:
     dist.destroy_process_group()
 
 
-RUNNERS = {"gemm": case_gemm, "methods": case_methods, "logprobs": case_logprobs, "actor_step": case_actor_step,
+RUNNERS = {"gemm": case_gemm, "methods": case_methods, "logprobs": case_logprobs, "decode": case_decode,
+           "actor_step": case_actor_step,
            "megatron": case_megatron, "largest": case_largest}
 
 
@@ -1353,6 +1475,25 @@ def render(results: List[Dict[str, Any]]) -> str:
             mode, n, path = rid.split("/")
             L.append(f"| {mode} | {int(n):,} | {path} | {_unmeasured(r) or _fs(r.get('ms'), '{:.1f}')} | "
                      f"{'' if _unmeasured(r) else _fs(r.get('peak_above_inputs_gib'))} |")
+        L.append("")
+    dc = cases.get("decode")
+    if dc:
+        L += [f"**Lean decoder, token step per `decode_step`** ({dc.get('shape')}, bf16, {dc.get('n_rows')} rows; "
+              f"{json.dumps(dc.get('setup'))}; step ms: the decoder's step alone, greedy tokens; generate: "
+              "sampling end to end, temperature 1)", "",
+              "| decode step | step ms | vs dynamic | generate s | gen tokens/s | samples vs | same rows | "
+              "bit-exact | peak GiB |", "|---|---|---:|---|---:|---|---|---|---:|"]
+        for name, r in dc.get("rows", {}).items():
+            why = _unmeasured(r)
+            if why:
+                L.append(f"| {name} | {why} |" + " |" * 7)
+                continue
+            be = r.get("bit_exact")
+            L.append(f"| {name} | {_fs(r.get('step_ms'), '{:.2f}')} | "
+                     f"{_f(r.get('step_speedup_vs_dynamic'), '{:.2f}x')} | {_fs(r.get('generate_s'))} | "
+                     f"{_f(med(r.get('gen_tokens_per_s')), '{:,.0f}')} | {r.get('vs', '-')} | "
+                     f"{r.get('rows_same_tokens', '-')} | {'-' if be is None else ('yes' if be else 'no')} | "
+                     f"{_f(r.get('peak_gib'))} |")
         L.append("")
     m = cases.get("methods")
     if m:

@@ -129,7 +129,10 @@ def test_gpu_plan_is_the_issues_measurements(bench):
     assert bench.SLACK >= 0.10
     # what only a GPU can prove runs first (after the seconds-long GEMM peak): the FusedAdam build,
     # Megatron on CUDA, the log-prob kernels; the local engine's methods and the largest model after
-    assert bench.CASES == ("gemm", "actor_step", "megatron", "logprobs", "methods", "largest")
+    assert bench.CASES == ("gemm", "actor_step", "megatron", "logprobs", "decode", "methods", "largest")
+    # the decode step with and without the CUDA graph (issue 41 item 6): 64 rows of the 1.5B shape
+    assert gpu["decode"]["steps"] == ["dynamic", "static", "graph"] and gpu["decode"]["shape"] == "qwen2.5-1.5b"
+    assert gpu["decode"]["prompts"] * gpu["decode"]["group"] == 64 and gpu["decode"]["warmup"] >= 1
     for name in bench.CASES:   # every timed case measures after a warm-up, more than once
         if "steps" in gpu[name]:
             assert gpu[name]["warmup"] >= 1, name
@@ -144,13 +147,15 @@ def _proportions(name, p):
     if name == "megatron":
         return {"prompt/seq": p["prompt"] / p["seq"], "lp_seq/seq": p["lp_seq"] / p["seq"],
                 "n_micro/micro": p["n_micro"] / p["micro"]}
+    if name == "decode":
+        return {"prompt/new": p["prompt_len"] / p["new_tokens"], "group": p["group"] / p["prompts"]}
     if name in ("methods", "largest"):
         return {"prompt/new": p["prompt_len"] / p["new_tokens"],
                 "micro-batches": p["prompts"] * p["group"] // p["micro"]}
     return {}
 
 
-@pytest.mark.parametrize("name", ["actor_step", "megatron", "methods", "largest"])
+@pytest.mark.parametrize("name", ["actor_step", "megatron", "decode", "methods", "largest"])
 def test_dry_run_keeps_the_real_shapes_proportions(bench, name):
     gpu, dry = bench.plan(False)[name], bench.plan(True)[name]
     assert _proportions(name, dry) == _proportions(name, gpu)
@@ -322,6 +327,12 @@ def test_every_case_runs_on_cpu_in_the_device_view(dry_run, bench):
     assert set(lp) == {f"{mo}/{n}/{pa}" for n in plan["logprobs"]["tokens"] for mo in ("train", "nograd")
                        for pa in ("full_logits", "from_hidden")}
     assert all(r["ms"]["n"] == plan["logprobs"]["repeats"] for r in lp.values())
+    dc = cases["decode"]["rows"]
+    assert list(dc) == plan["decode"]["steps"] == ["dynamic", "static"]   # no CUDA graph on a CPU
+    for row in dc.values():
+        assert row["step_ms"]["n"] == plan["decode"]["repeats"] and row["step_ms"]["median"] > 0
+        assert 0 < row["gen_tokens"] <= plan["decode"]["prompts"] * plan["decode"]["group"] * plan["decode"]["new_tokens"]
+    assert dc["static"]["vs"] == "dynamic" and dc["static"]["rows_same_tokens"].endswith("/16")
     assert cases["largest"]["largest"] == "toy-l" and cases["largest"]["rows"]["toy"] == {"not_needed": "toy-l trains"}
     # DIR is all that comes back: at most 8 files, 2 levels, the full log among them
     files = [f for f in out.rglob("*") if f.is_file()]
@@ -333,6 +344,7 @@ def test_every_case_runs_on_cpu_in_the_device_view(dry_run, bench):
     for name in bench.METHODS:
         assert f"| {name} | " in md
     assert "MFU vs GEMM" in md and "n=2" in md
+    assert "| static | " in md and "Lean decoder, token step per `decode_step`" in md
 
 
 def test_a_case_killed_midway_keeps_its_first_rows(bench, tmp_path):

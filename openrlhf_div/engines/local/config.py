@@ -113,6 +113,11 @@ class RolloutConfig:
                                         "for methods whose rollout side reads old log-probs (unlikeliness, DS).")
     generation_batch_size: Optional[int] = _f(None, "Rows per generation call (null: all B*G at once; the vllm "
                                                     "backend schedules its own batches).")
+    decode_step: str = _f("dynamic", "hf backend, Qwen2/Llama models: the lean decoder's token step. `dynamic`: "
+                                     "attention over the filled cache columns (the default). `static`: fixed shapes, "
+                                     "the whole preallocated cache under a device-side mask, no host synchronisation "
+                                     "(same samples on the tiny model, log-probs within ~1e-7, not bit-exact: "
+                                     "docs/benchmarks.md). `graph`: that step replayed as a CUDA graph (CUDA only).")
     backend: str = _f("auto", "Sampler of train, presample and the trainer's evaluation: `vllm` (an in-process vLLM "
                               "engine next to the trainer, weights pushed after every optimizer step), `hf` (the "
                               "local KV-cache sampler over the Hugging Face model), or `auto`: vllm when vLLM imports "
@@ -295,6 +300,8 @@ class TrainConfig:
 
         if r.backend not in backend_choices():
             raise ConfigError(f"rollout.backend must be one of {', '.join(backend_choices())}, got {r.backend!r}")
+        if r.decode_step not in ("dynamic", "static", "graph"):
+            raise ConfigError(f"rollout.decode_step must be dynamic, static or graph, got {r.decode_step!r}")
         if r.vllm_seeding not in ("batch", "request"):
             raise ConfigError(f"rollout.vllm_seeding must be batch or request, got {r.vllm_seeding!r}")
         if not 0 < r.vllm_gpu_memory_utilization < 1:

@@ -184,7 +184,8 @@ def check_sampling_args(n_samples: int, max_new_tokens: int, top_p: float) -> No
 def generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]], *, n_samples: int = 1,
              max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0,
              generator: Optional[torch.Generator] = None, batch_size: Optional[int] = None,
-             fast: Optional[bool] = None, stop_check_every: Optional[int] = None) -> GenerationOutput:
+             fast: Optional[bool] = None, stop_check_every: Optional[int] = None,
+             decode_step: Optional[str] = None) -> GenerationOutput:
     """Sample ``n_samples`` responses per prompt with a KV cache.
 
     A hand-written loop: one prefill of the left-padded prompts, then one single-token
@@ -201,20 +202,27 @@ def generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]], *, 
     GPU); the steps run past the last stop are dropped and the generator is set back to its state
     after the last kept step, so the samples, their log-probs and the generator's state afterwards
     are those of a check every step, bit for bit.
+
+    ``decode_step`` (default ``"dynamic"``): the lean decoder's token step (:func:`.fastgen.make_decoder`).
+    ``"static"`` runs it with fixed shapes and no host synchronisation, ``"graph"`` (CUDA only) replays
+    that step as a CUDA graph. Neither is bit-exact with ``"dynamic"``: its attention sums over the
+    whole preallocated cache, masked, and the kernels' summation order follows that length
+    (docs/benchmarks.md, "Static-shape decode step"); each is bit-exact with itself across runs.
     """
     check_sampling_args(n_samples, max_new_tokens, top_p)
     enc = encode_prompts(tokenizer, prompts)
     rows = [p for p in enc for _ in range(n_samples)]
     if batch_size is not None and len(rows) > batch_size:
         parts = [_generate_rows(model, tokenizer, rows[i:i + batch_size], max_new_tokens, temperature, top_p,
-                                generator, fast, stop_check_every) for i in range(0, len(rows), batch_size)]
+                                generator, fast, stop_check_every, decode_step)
+                 for i in range(0, len(rows), batch_size)]
         return _concat(parts, tokenizer.pad_token_id)
     return _generate_rows(model, tokenizer, rows, max_new_tokens, temperature, top_p, generator, fast,
-                          stop_check_every)
+                          stop_check_every, decode_step)
 
 
 def _generate_rows(model, tokenizer, rows, max_new_tokens, temperature, top_p, generator, fast=None,
-                   stop_check_every=None) -> GenerationOutput:
+                   stop_check_every=None, decode_step=None) -> GenerationOutput:
     from .fastgen import make_decoder
 
     from .tokens import ensure_pad_token, stop_token_ids
@@ -230,7 +238,8 @@ def _generate_rows(model, tokenizer, rows, max_new_tokens, temperature, top_p, g
     T = 1.0 if greedy else float(temperature)
     was_training = model.training
     model.eval()
-    decoder = make_decoder(model, n, ids.shape[1] + max_new_tokens, fast)
+    decoder = make_decoder(model, n, ids.shape[1] + max_new_tokens, fast, decode_step or "dynamic")
+    static = getattr(decoder, "static", False)   # keeps its own key mask: gets only the new column
     pos = position_ids_from_mask(attn)
     logits = decoder.prefill(ids, attn, pos)
     next_pos = pos[:, -1] + 1
@@ -279,8 +288,11 @@ def _generate_rows(model, tokenizer, rows, max_new_tokens, temperature, top_p, g
             if step == max_new_tokens - 1:
                 break
             dones, states = [], []
-        attn = torch.cat([attn, live.long().unsqueeze(-1)], dim=-1)
-        logits = decoder.step(tok, attn, next_pos)
+        if static:
+            logits = decoder.step(tok, live.long().unsqueeze(-1), next_pos)
+        else:
+            attn = torch.cat([attn, live.long().unsqueeze(-1)], dim=-1)
+            logits = decoder.step(tok, attn, next_pos)
         next_pos = next_pos + 1
     if was_training:
         model.train()

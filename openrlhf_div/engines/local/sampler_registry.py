@@ -168,8 +168,9 @@ class HFSampler:
 
     name = "hf"
 
-    def __init__(self, model, tokenizer):
+    def __init__(self, model, tokenizer, decode_step: str = "dynamic"):
         self.model, self.tokenizer = model, tokenizer
+        self.decode_step = decode_step   # rollout.decode_step: the lean decoder's token step
         self.awake = True
         self.push_seconds = 0.0
         self.start_seconds = 0.0
@@ -177,7 +178,7 @@ class HFSampler:
     def generate(self, prompts, **kw):
         from .generation import generate
 
-        return generate(self.model, self.tokenizer, prompts, **kw)
+        return generate(self.model, self.tokenizer, prompts, **{"decode_step": self.decode_step, **kw})
 
     def sync(self, model) -> None:
         self.model = model  # the same object in the trainer; a new one (eval of a loaded model) is taken as is
@@ -191,7 +192,7 @@ class HFSampler:
 
 
 def _hf_factory(model, tokenizer, rollout_cfg=None, *, device=None, seed: int = 0) -> HFSampler:
-    return HFSampler(model, tokenizer)
+    return HFSampler(model, tokenizer, getattr(rollout_cfg, "decode_step", "dynamic"))
 
 
 def _vllm_factory(model, tokenizer, rollout_cfg, *, device, seed: int):
