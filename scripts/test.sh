@@ -16,6 +16,13 @@ export PYTHONFAULTHANDLER=1
 # one line about this machine (CPU model and flag families, cores, Python, torch, vLLM), so that a
 # failure report carries it (scripts/machine_info.py: standard library only)
 "$ROOT/.venv/bin/python" "$ROOT/scripts/machine_info.py" || true
+# Inductor's compiled kernels (vLLM's CPU sampler, the AOT cache) in a cache of this run's own: a stale
+# shared /tmp/torchinductor_root from an earlier run (one that stood in for another CPU) made vLLM's
+# sampler abort in test_vllm_weights.py, and a hung worker stalls pytest-xdist
+if [ -z "${TORCHINDUCTOR_CACHE_DIR:-}" ]; then
+  TORCHINDUCTOR_CACHE_DIR="$(mktemp -d "${TMPDIR:-/tmp}/openrlhf-div-inductor.XXXXXX")"
+  export TORCHINDUCTOR_CACHE_DIR
+fi
 # two workers, a test file at a time each (tests/conftest.py); `-n 0` runs in one process.
 # The two-node tests (marker two_nodes, root only, ~10 min) are CI's second command (.ci/run);
 # `bash scripts/test.sh -m two_nodes -n 0` runs them (a later -m replaces this one).

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 import sys
 
 import pytest
@@ -65,6 +66,9 @@ def test_weight_sync_branches_under_another_cpus_kernel_library(lib):
     env = dict(os.environ, OPENRLHF_DIV_FORCE_VLLM_KERNEL_LIB=lib, PYTHONFAULTHANDLER="1",
                OPENRLHF_DIV_SIMULATE_AMX_CPU="1")  # the newest CPU's answers first, then the forcing
     env.pop("PYTEST_XDIST_WORKER", None)
+    # the stood-in CPU's compiled kernels (Inductor's, e.g. vLLM's sampler) in a cache of their own: in the
+    # shared one they were loaded later by this CPU's own processes, which then aborted in the sampler
+    env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-other-cpu-")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
                            os.path.join(HERE, "test_vllm_weights.py"), "-k", "sgl or onednn or library"],
                           capture_output=True, text=True, env=env, cwd=os.path.dirname(HERE), timeout=900)
