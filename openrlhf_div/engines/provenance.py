@@ -125,15 +125,9 @@ def grading_options(task: Optional[str], environ: Mapping[str, str]) -> Dict[str
         mod = importlib.import_module(f"openrlhf_div.tasks.reward_funcs.{task}")
     except ImportError:
         return {}
-    out = {}
-    for opt, (var, cast) in getattr(mod, "_ENV", {}).items():
-        val = environ.get(var)
-        if val not in (None, ""):
-            try:
-                out[opt] = cast(val)
-            except ValueError as exc:
-                raise ValueError(f"environment variable {var}={val!r} is not a valid {opt}: {exc}") from None
-    return out
+    from openrlhf_div.tasks.reward_funcs._common import env_options
+
+    return env_options(getattr(mod, "_ENV", {}), environ)
 
 
 def _method_keys(method) -> Dict[str, Any]:

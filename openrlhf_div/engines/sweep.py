@@ -49,12 +49,10 @@ def say(msg: str) -> None:
 
 
 def duration(s: float) -> str:
-    s = int(round(s))
-    if s < 60:
-        return f"{s} s"
-    if s < 3600:
-        return f"{s // 60} min {s % 60} s"
-    return f"{s // 3600} h {(s % 3600) // 60} min"
+    """``42 s``, ``3 min 05 s``, ``2 h 07 min`` (the progress lines' format)."""
+    from openrlhf_div.progress import _duration
+
+    return _duration(s)
 
 
 def has_checkpoint(run_dir: str) -> bool:

@@ -45,11 +45,13 @@ def response_from_query(query: str, prompt: str) -> str:
     return resp
 
 
-def env_options(spec: Dict[str, Tuple[str, Callable[[str], Any]]]) -> Dict[str, Any]:
-    """``{option: (ENV_VAR, cast)}`` -> the options whose variables are set."""
+def env_options(spec: Dict[str, Tuple[str, Callable[[str], Any]]], environ=None) -> Dict[str, Any]:
+    """``{option: (ENV_VAR, cast)}`` -> the options whose variables are set (in ``environ``, default
+    this process's environment)."""
+    environ = os.environ if environ is None else environ
     out = {}
     for opt, (var, cast) in spec.items():
-        val = os.environ.get(var)
+        val = environ.get(var)
         if val not in (None, ""):
             try:
                 out[opt] = cast(val)
