@@ -61,7 +61,7 @@ def _saved_bytes(rank, world, layers):
 
 @pytest.mark.slow
 def test_local_spec_layer_activations_are_what_megatron_saves():
-    from mcore_cpu import run_multiprocess
+    from openrlhf_div.compat.mcore_cpu import run_multiprocess
 
     one, two = (run_multiprocess(_saved_bytes, 1, args=(n,), timeout=300)[0] for n in (1, 2))
     measured = two - one

@@ -29,6 +29,8 @@ TYPOS = [
 def test_the_one_loader_refuses_a_typo_naming_the_closest_key(override, line):
     from openrlhf_div.config import ConfigError
     from openrlhf_div.engines import experiment as E
+    from openrlhf_div.engines.openrlhf import presample  # noqa: F401 - registers the Ray driver's flags, as every
+    # process that reads openrlhf:/div:/presample: overrides does (openrlhf-div run, the drivers, run.sh's check)
 
     with pytest.raises(ConfigError) as err:
         E.load(CFG, [override])

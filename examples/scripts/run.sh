@@ -38,8 +38,8 @@ for a in "$@"; do
 done
 cfg="$(experiment_config "$EXPERIMENT")" || exit 2
 # section.key=value overrides checked (method registry, schema, the driver's flags) before anything
-# starts: a typo is one line with "did you mean", as on the local engine (openrlhf_div/engines/overrides.py)
-"$PYTHON" -m openrlhf_div.engines.overrides "$cfg" ${args[@]+"${args[@]}"} || exit 2
+# starts: a typo is one line with "did you mean", as on the local engine (openrlhf_div/engines/overrides.py, openrlhf_div/engines/openrlhf/check_overrides.py)
+"$PYTHON" -m openrlhf_div.engines.openrlhf.check_overrides "$cfg" ${args[@]+"${args[@]}"} || exit 2
 if [[ "$SUBMIT" == "1" ]]; then
   submit_job "$cfg" "${args[@]}"
 else

@@ -91,6 +91,8 @@ def run(args) -> int:
     opts, overrides, passthrough = _split(args.rest)
     for k, v in vars(opts).items():
         setattr(args, k, v)
+    from openrlhf_div.engines.openrlhf import presample  # noqa: F401 - the Ray drivers' flags judge openrlhf./div. overrides
+
     cfg = E.load(path, overrides, toy=args.toy)
     backend = str((cfg.get("div") or {}).get("actor_backend") or "deepspeed")
     engine = args.engine or ("megatron" if backend == "megatron" else "openrlhf")

@@ -107,7 +107,7 @@ def load(path: str, overrides: Sequence[str] = (), toy: bool = False) -> Dict[st
         cfg = deep_merge(cfg, over)
         from openrlhf_div.engines.overrides import check_overrides
 
-        check_overrides(cfg, overrides, path)  # a typo: one line, the same on every engine
+        check_overrides(cfg, overrides, path, method_section=method_section)  # a typo: one line, on every engine
     return cfg
 
 

@@ -16,7 +16,7 @@ An override names a section of an experiment file (``method.anchor_eta=0.1``,
 
 :func:`openrlhf_div.engines.experiment.load` calls it whenever overrides are given, so the local
 engine, the Ray drivers and ``openrlhf-div run`` refuse a typo in one line; the Ray launcher
-(``examples/scripts/run.sh``) runs ``python -m openrlhf_div.engines.overrides CONFIG [flags...]``
+(``examples/scripts/run.sh``) runs ``python -m openrlhf_div.engines.openrlhf.check_overrides CONFIG [flags...]``
 before it starts a Ray head, a pre-sampling stage or a job.
 """
 from __future__ import annotations
@@ -24,8 +24,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
-import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from openrlhf_div.config import EXPERIMENT_SECTIONS, ConfigError, unknown_key
 
@@ -40,24 +39,37 @@ def _did_you_mean(key: str, valid: Sequence[str], shown: str) -> ConfigError:
     return ConfigError(f"unknown {shown} {key!r}.{hint}")
 
 
+#: the Ray drivers' option names, from the layer that owns those parsers: ``engines.openrlhf.presample``
+#: registers :func:`~openrlhf_div.engines.openrlhf.presample.driver_flag_names` when imported
+#: (``openrlhf-div run``, the launcher's check and the pre-sampling driver import it; the training driver's
+#: own parser refuses a flag in one line); this module sits below it
+_DRIVER_FLAGS: Optional[Callable[[], List[str]]] = None
+
+
+def register_driver_flags(provider: Callable[[], List[str]]) -> None:
+    """Give :func:`check_overrides` the Ray driver's option names (without ``--``)."""
+    global _DRIVER_FLAGS
+    _DRIVER_FLAGS = provider
+
+
 def _driver_flags() -> Optional[List[str]]:
     """The Ray driver's option names without ``--`` (OpenRLHF's, ``div.*``, ``megatron.*``,
-    ``presample.*``); None when OpenRLHF's parser cannot be read here (no OpenRLHF installed)."""
+    ``presample.*``); None when no Ray driver is known in this process or OpenRLHF's parser cannot be
+    read here (no OpenRLHF installed)."""
+    if _DRIVER_FLAGS is None:
+        return None
     try:
-        from openrlhf_div.engines.openrlhf.launch import build_parser
-        from openrlhf_div.engines.openrlhf.presample import add_presample_arguments
-
-        parser = build_parser()
-        add_presample_arguments(parser)
+        return _DRIVER_FLAGS()
     except (ImportError, RuntimeError, OSError):
         return None
-    ours = ("--config", "--dry-run", "--plugin", "--help")  # launcher options, not settings
-    return sorted(s[2:] for s in parser._option_string_actions if s.startswith("--") and s not in ours)
 
 
-def check_overrides(cfg: Dict[str, Any], overrides: Sequence[str], path: Optional[str] = None) -> None:
+def check_overrides(cfg: Dict[str, Any], overrides: Sequence[str], path: Optional[str] = None, *,
+                    method_section: Callable[[Dict[str, Any]], Dict[str, Any]]) -> None:
     """Raise :class:`ConfigError` (one line naming the key and the closest valid ones) for the first
-    override of ``overrides`` that nothing reads; ``cfg`` is the experiment with them merged."""
+    override of ``overrides`` that nothing reads; ``cfg`` is the experiment with them merged;
+    ``method_section``: :func:`openrlhf_div.engines.experiment.method_section` (passed in: the loader
+    calls this module)."""
     items = [o.split("=", 1)[0].strip() for o in overrides if "=" in o]
     sections = {k.split(".", 1)[0] for k in items}
     for k in items:
@@ -72,7 +84,7 @@ def check_overrides(cfg: Dict[str, Any], overrides: Sequence[str], path: Optiona
 
         load_plugins(config_plugins(cfg["plugins"], path or os.getcwd()))
     if sections & {"method", "div", "plugins"}:
-        _check_method(cfg)
+        _check_method(cfg, method_section)
     if "task" in sections and cfg.get("task"):
         from openrlhf_div.tasks import list_tasks
 
@@ -102,11 +114,10 @@ def check_overrides(cfg: Dict[str, Any], overrides: Sequence[str], path: Optiona
                 raise _did_you_mean(k, [f"{head}.{f}" for f in flags], "key")
 
 
-def _check_method(cfg: Dict[str, Any]) -> None:
+def _check_method(cfg: Dict[str, Any], method_section: Callable[[Dict[str, Any]], Dict[str, Any]]) -> None:
     """The experiment's method (name + hyperparameters) through the registry, as the local engine does."""
     from openrlhf_div.algorithms import get_method
     from openrlhf_div.config import expand_tree
-    from openrlhf_div.engines.experiment import method_section
 
     opts = method_section(cfg)
     name = opts.pop("name", None)
@@ -132,31 +143,3 @@ def overrides_of(argv: Sequence[str]) -> List[str]:
         if m and not a.startswith("-") and (m.group(1) in EXPERIMENT_SECTIONS or m.group(2)):
             out.append(a)
     return out
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m openrlhf_div.engines.overrides CONFIG [driver flags...]``: exit 0 when every
-    override among the flags is read by something, else one line (``error: ...``) and exit 2."""
-    from openrlhf_div.plugins import load_plugins, split_plugin_args
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(main.__doc__.split("``")[1])
-        return 0 if argv else 2
-    path, rest = argv[0], argv[1:]
-    try:
-        plugins, rest = split_plugin_args(rest)
-        load_plugins(plugins, export=False)
-        over = overrides_of(rest)
-        if over:
-            from openrlhf_div.engines.experiment import load
-
-            load(path, over)  # merges them, then check_overrides
-    except (ValueError, FileNotFoundError) as exc:  # ConfigError, PluginError
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -137,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+
 def _one_line_error(parser: argparse.ArgumentParser):
     """argparse's error without its ~250-line usage: one line, the closest flag for a typo."""
     def error(message: str):

@@ -29,6 +29,7 @@ import json
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from openrlhf_div.engines import overrides as _overrides
 from openrlhf_div.engines.anchor_data import (Sample, ShardStore, format_summary, near_perfect,  # noqa: F401
                                               split_chunk)
 
@@ -372,3 +373,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     private_cluster_done()
     return 0
+
+
+def driver_flag_names():
+    """The Ray drivers' option names without ``--`` (OpenRLHF's, ``div.*``, ``megatron.*`` and this
+    driver's ``presample.*``): what an override of an ``openrlhf:`` / ``div:`` / ``presample:`` section
+    must name (:mod:`openrlhf_div.engines.overrides`)."""
+    from .launch import build_parser
+
+    parser = build_parser()
+    add_presample_arguments(parser)
+    ours = ("--config", "--dry-run", "--plugin", "--help")  # launcher options, not settings
+    return sorted(s[2:] for s in parser._option_string_actions if s.startswith("--") and s not in ours)
+
+
+_overrides.register_driver_flags(driver_flag_names)
