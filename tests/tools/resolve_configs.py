@@ -102,6 +102,24 @@ def resolve_openrlhf(path: str) -> Dict[str, Any]:
            "cluster_gpus": p.cluster_gpus}
     if "presample" in cfg:
         out["presample_flags"] = flag_map(launch.config_argv(cfg) + presample_argv(cfg))
+    out["local"] = resolve_local_translation(path)
+    return out
+
+
+def resolve_local_translation(path: str) -> Dict[str, Any]:
+    """The experiment on the local engine (``run --engine local``'s translation, real data and
+    ``--toy``): the TrainConfig mapping, or the one-line refusal."""
+    from openrlhf_div.config import ConfigError
+    from openrlhf_div.engines import experiment as E
+
+    out: Dict[str, Any] = {}
+    for toy in (False, True):
+        try:
+            cfg = E.load(path, toy=toy)
+            data, _notes = E.to_local(cfg, run_dir="/fixed/local_run", toy=toy)
+            out["toy" if toy else "real"] = data
+        except ConfigError as e:
+            out["toy" if toy else "real"] = {"refused": str(e)}
     return out
 
 
@@ -158,15 +176,24 @@ def differences(old: Any, new: Any, where: str = "") -> list:
     return []
 
 
+def _without(node: Any, keys) -> Any:
+    if isinstance(node, dict):
+        return {k: _without(v, keys) for k, v in node.items() if k not in keys}
+    return node
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="write the JSON here (default: stdout)")
     ap.add_argument("--check", metavar="SNAPSHOT", help="compare with a snapshot; exit 1 on any difference")
+    ap.add_argument("--ignore", action="append", default=[], metavar="KEY",
+                    help="leave this key out of the comparison wherever it occurs (e.g. `config`: the resolved "
+                         "file, when a restructuring moves keys but must keep every command line and translation)")
     a = ap.parse_args(argv)
     resolved = resolve_all()
     if a.check:
         with open(a.check) as fh:
-            diff = differences(json.load(fh), resolved)
+            diff = differences(_without(json.load(fh), a.ignore), _without(resolved, a.ignore))
         for line in diff:
             print(line)
         print(f"{len(resolved)} configs resolved; {len(diff)} difference(s) from {a.check}")
