@@ -114,8 +114,11 @@ def _parents(path: str, data: Dict[str, Any]) -> List[str]:
 
 
 def read_with_extends(path: str, *, merge: Merge = deep_merge, what: str = "config",
+                      transform: Optional[Callable[[Dict[str, Any], str], Dict[str, Any]]] = None,
                       _chain: tuple = ()) -> Dict[str, Any]:
-    """``path`` merged over the files it ``extends`` (recursively, relative to each file)."""
+    """``path`` merged over the files it ``extends`` (recursively, relative to each file);
+    ``transform(mapping, path)`` is applied to each file on its own before the merge (the
+    experiment files' neutral settings rendered into flags: :func:`openrlhf_div.schema.render_file`)."""
     real = os.path.realpath(path)
     if real in _chain:
         cycle = " -> ".join(os.path.relpath(p) for p in _chain + (real,))
@@ -125,7 +128,10 @@ def read_with_extends(path: str, *, merge: Merge = deep_merge, what: str = "conf
     for parent in _parents(path, data):
         if not os.path.isfile(parent):
             raise ConfigError(f"{path}: extends {os.path.relpath(parent)!r}, which does not exist")
-        out = merge(out, read_with_extends(parent, merge=merge, what=what, _chain=_chain + (real,)))
+        out = merge(out, read_with_extends(parent, merge=merge, what=what, transform=transform,
+                                           _chain=_chain + (real,)))
+    if transform is not None:
+        data = transform(data, os.path.relpath(path) if not os.path.relpath(path).startswith("..") else path)
     return merge(out, data)
 
 
@@ -155,11 +161,13 @@ def parse_overrides(overrides: Sequence[str], example: str = "method.name=dph_js
 
 
 def load(path: Optional[str], overrides: Sequence[str] = (), *, merge: Merge = deep_merge,
-         what: str = "config", example: str = "method.name=dph_js") -> Dict[str, Any]:
+         what: str = "config", example: str = "method.name=dph_js",
+         transform: Optional[Callable[[Dict[str, Any], str], Dict[str, Any]]] = None) -> Dict[str, Any]:
     """A config file with its ``extends`` chain resolved and ``key=value`` overrides applied
     (``path`` None: the overrides alone). ``merge`` is the schema's merge rule (default
-    :func:`deep_merge`); ``what`` names the kind of file in errors."""
-    data = read_with_extends(path, merge=merge, what=what) if path is not None else {}
+    :func:`deep_merge`); ``what`` names the kind of file in errors; ``transform``: see
+    :func:`read_with_extends`."""
+    data = read_with_extends(path, merge=merge, what=what, transform=transform) if path is not None else {}
     if overrides:
         data = merge(data, parse_overrides(overrides, example))
     return interpolate_self(data)
@@ -228,7 +236,9 @@ def unknown_key(key: str, valid: Sequence[str], where: str = "", what: str = "co
 # ------------------------------------------------------------------ experiment configs
 #: the sections of an OpenRLHF / Megatron experiment config (configs/openrlhf/*.yaml)
 EXPERIMENT_SECTIONS = ("experiment", "description", "paper", "plugins", "task", "method", "div", "engine", "openrlhf",
-                       "cluster", "presample", "toy", "notes", "env", "tiny", "local")
+                       "cluster", "presample", "toy", "notes", "env", "tiny", "local",
+                       # the schema's own names (openrlhf_div.schema.NEUTRAL_SECTIONS)
+                       "seed", "model", "data", "rollout", "optim", "eval", "checkpoint")
 
 
 def load_experiment(path: str) -> Dict[str, Any]:
@@ -236,7 +246,9 @@ def load_experiment(path: str) -> Dict[str, Any]:
     is its family base plus the method's lines) with its sections checked; ``${VAR:-default}``
     is expanded later, where values become flags. Light on purpose (YAML only, no torch): the
     launchers call it in a fresh process before every job."""
-    cfg = load(path, what="experiment config")
+    from openrlhf_div.schema import render_file
+
+    cfg = load(path, what="experiment config", transform=render_file)
     for section in cfg:
         if section not in EXPERIMENT_SECTIONS:
             raise unknown_key(section, EXPERIMENT_SECTIONS, what=f"section in {path}:")

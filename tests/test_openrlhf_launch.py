@@ -269,7 +269,7 @@ def test_sweep_dry_run_lists_runs_and_report():
     assert len(trains) == 4
     for ln, (m, seed) in zip(trains, [("grpo", 1), ("grpo", 2), ("dph_js", 1), ("dph_js", 2)]):
         assert f"SEED={seed} " in ln and f"llama8b_bird_{m} --engine openrlhf" in ln
-        assert f"openrlhf.train.seed={seed}" in ln and f"/tmp/openrlhf_div_sweep/runs/{m}/seed{seed}" in ln
+        assert f"seed={seed}" in ln and f"/tmp/openrlhf_div_sweep/runs/{m}/seed{seed}" in ln
     assert sum("role base" in ln for ln in lines) == 1
     compare = [ln for ln in lines if "openrlhf_div.cli.main compare" in ln]
     assert len(compare) == 1

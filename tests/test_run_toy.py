@@ -97,7 +97,7 @@ def test_overrides_mean_the_same_on_the_ray_engines(monkeypatch):
     for var in ("DATA_DIR", "RUN_DIR", "PRESAMPLE_DIR", "SEED", "TINY_MODEL"):
         monkeypatch.delenv(var, raising=False)
     path = E.find_experiment("tiny_cpu_dph_js")
-    p = L.plan(["--config", path, "method.anchor_eta=0.3", "openrlhf.train.seed=7", "--dry-run"])
+    p = L.plan(["--config", path, "method.anchor_eta=0.3", "seed=7", "--dry-run"])
     assert p.method.hparams["anchor_eta"] == 0.3 and p.args.train.seed == 7
     # the printed command shows the experiment rendered, the override included
     assert "--div.anchor_eta 0.3" in p.command and "--train.seed 7" in p.command

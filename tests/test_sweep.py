@@ -95,7 +95,7 @@ def test_the_sweeps_dry_run_on_every_engine(tmp_path):
         assert len(runs) == 4
         for line, (m, s) in zip(runs, [("grpo", 3), ("grpo", 4), ("dph_js", 3), ("dph_js", 4)]):
             assert line.startswith(f"SEED={s} ") and f"run tiny_cpu_{m} --engine {engine}" in line
-            assert f"openrlhf.train.seed={s}" in line and f"/runs/{m}/seed{s}" in line
+            assert f" seed={s}" in line and f"/runs/{m}/seed{s}" in line
         assert "openrlhf.evaluate" not in r.stdout
         assert " compare " in r.stdout and "--base" in r.stdout
     r = _sweep(tmp_path, "--methods", "grpo nosuch", DRY_RUN="1")

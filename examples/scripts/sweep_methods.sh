@@ -7,7 +7,7 @@
 #
 # FAMILY is the experiment prefix (tiny_cpu, llama8b_bird, qwen25math7b_dapo17k, ...): the run of
 # METHOD is the experiment FAMILY_METHOD, started as `openrlhf-div run FAMILY_METHOD --engine ENGINE`
-# with the seed (SEED and openrlhf.train.seed) in OUT/runs/METHOD/seedSEED; OUT defaults to
+# with the seed (SEED and the override seed=SEED) in OUT/runs/METHOD/seedSEED; OUT defaults to
 # runs/sweep_FAMILY (runs/sweep_FAMILY_local, _megatron for those engines). Each run evaluates its
 # policy before the first step and after the last; the base model's evaluation (role base) is the
 # first run's step-0 one, in OUT/runs/base; `openrlhf-div compare` writes OUT/report.

@@ -24,6 +24,7 @@ SUBCOMMANDS = [
     ("eval", "evaluate a model on a task: pass@k, mean@k, greedy, diversity, keep/explore"),
     ("demo", "the diversity demo from nothing: base model, pre-sampling, RL per method, report"),
     ("compare", "comparison report (metrics.json, report.md, plots) from run directories' eval.json"),
+    ("config", "the settings' one schema: every field with its help (config fields), the converter (config convert)"),
     ("plan_memory", "memory plan of a Megatron actor layout on paper (--config configs/megatron/X.yaml)"),
 ]
 

@@ -104,7 +104,9 @@ def load(path: str, overrides: Sequence[str] = (), toy: bool = False) -> Dict[st
         for section in FLAT_SECTIONS:  # OpenRLHF's flags are dotted keys there: openrlhf.train.batch_size=64
             if isinstance(over.get(section), dict):
                 over[section] = _flatten(over[section])
-        cfg = deep_merge(cfg, over)
+        from openrlhf_div.schema import render_file
+
+        cfg = deep_merge(cfg, render_file(over, "the command line", override=True))  # rollout.group_size=4 -> its flag
         from openrlhf_div.engines.overrides import check_overrides
 
         check_overrides(cfg, overrides, path, method_section=method_section)  # a typo: one line, on every engine
@@ -341,6 +343,10 @@ def to_local(cfg: Dict[str, Any], *, run_dir: str, toy: bool,
             local["data"][key] = os.path.join(ROOT, v)
     if "task_options" in local:  # one task factory's keyword arguments: replaced whole
         out["task_options"] = {}
+    from openrlhf_div.schema import NEUTRAL_SECTIONS
+
+    # the schema's settings that no OpenRLHF flag carries (the rest arrived above, through the flags)
+    out = deep_merge(out, {k: copy.deepcopy(cfg[k]) for k in NEUTRAL_SECTIONS if k in cfg})
     out = deep_merge(out, local)
     notes.append("not applied on the local engine: vLLM / DeepSpeed / Ray settings of `openrlhf:` "
                  "(placement, ZeRO, dtype, packing, checkpoints)")

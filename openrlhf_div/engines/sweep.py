@@ -6,7 +6,7 @@
         [--submit] [section.key=value ...] [-- OpenRLHF flags]
 
 * **Runs.** The run of (METHOD, SEED) is ``openrlhf-div run FAMILY_METHOD --engine ENGINE --run-dir
-  OUT/runs/METHOD/seedSEED`` with ``SEED`` exported and ``openrlhf.train.seed=SEED`` (the seed reaches
+  OUT/runs/METHOD/seedSEED`` with ``SEED`` exported and ``seed=SEED`` (the schema's seed; the seed reaches
   training on every engine, whatever the family file fixes); its ``run_info.json`` must record that
   seed, else the sweep stops. Each run evaluates its initial and final policy on the experiment's
   evaluation data (``eval_step0.json``, ``eval.json``) with the engine's own sampler.
@@ -154,7 +154,7 @@ def run_command(a, experiment: str, seed: int, run_dir: str, resume: bool) -> Li
         cmd.append("--resume")
     if a.submit:
         cmd.append("--submit")
-    over = [f"openrlhf.train.seed={seed}"] + list(a.overrides)
+    over = [f"seed={seed}"] + list(a.overrides)
     if a.engine == "local" and a.sampler != "auto":
         over.append(f"local.rollout.backend={a.sampler}")
     if not resume or a.engine != "local":  # a local resume reads the run's saved config.yaml

@@ -385,10 +385,11 @@ def markdown(seq: int = 6144) -> str:
 
 
 def load_config(path: str) -> dict:
-    """A configs/megatron/*.yaml through the project's one config loader (extends resolved)."""
-    from openrlhf_div.config import load
+    """A configs/megatron/*.yaml through the project's one experiment loader (extends resolved, the
+    schema's settings rendered into their flags)."""
+    from openrlhf_div.config import load_experiment
 
-    return load(path, what="experiment config")
+    return load_experiment(path)
 
 
 def config_markdown(paths) -> str:

@@ -206,6 +206,11 @@ def config_argv(cfg: Dict[str, Any], method_values: bool = True) -> List[str]:
     (:func:`config_values`), so that a value is converted once, by the registry's
     ``coerce_hparam``, not rendered to text and parsed again. The rendered form stays the
     printed command's."""
+    from openrlhf_div.schema import refuse_on_ray
+
+    refused = refuse_on_ray(cfg)
+    if refused:  # a setting of the schema with no OpenRLHF flag: refused, never dropped
+        raise ValueError(f"config: {refused}")
     argv: List[str] = []
     hparams = hparam_table()
     method = dict(cfg.get("method") or {})

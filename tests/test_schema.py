@@ -1,0 +1,178 @@
+"""The one schema (issue 42 items 1-2): one name per setting on every engine, help on every field,
+the generated reference page, old spellings still loading with one line, the converter.
+
+Mutations run when this was written (each made tests here fail, then was put back):
+* ``OPENRLHF_FLAGS`` without ``rollout.group_size``: 7 fail (the reference page, the fields command,
+  the Ray flag of a neutral setting and of an override, the old-spelling note, the converter);
+* one word changed in docs/config_reference.md: test_reference_page_is_generated;
+* ``render_file`` not noting old spellings: test_old_spelling_loads_with_one_line.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "openrlhf", "_tiny_cpu.yaml")
+
+
+def _experiment(tmp_path, body: str, name: str = "exp_schema.yaml") -> str:
+    """An experiment over the tiny CPU family (copied next to it so `extends:` resolves)."""
+    d = tmp_path / "configs"
+    d.mkdir(exist_ok=True)
+    for f in ("_tiny_cpu.yaml",):
+        shutil.copy(TINY, d / f)
+    toy = tmp_path / "toy"
+    toy.mkdir(exist_ok=True)
+    shutil.copy(os.path.join(ROOT, "configs", "toy", "math.yaml"), toy / "math.yaml")
+    p = d / name
+    p.write_text("extends: _tiny_cpu.yaml\nexperiment: exp_schema\nmethod: {name: grpo}\n" + body)
+    return str(p)
+
+
+def _ray_plan(path, *over):
+    from openrlhf_div.engines.openrlhf import launch
+
+    return launch.plan(["--config", path, *over, "--dry-run"])
+
+
+def _local(path, *over):
+    from openrlhf_div.engines import experiment as E
+
+    cfg = E.load(path, list(over))
+    out, _ = E.to_local(cfg, run_dir="/tmp/x", toy=False)
+    return cfg, out
+
+
+def test_every_field_has_help_type_and_engines():
+    from openrlhf_div.schema import OPENRLHF_FLAGS, fields
+
+    rows = fields()
+    keys = [f.key for f in rows]
+    assert len(keys) == len(set(keys)) and len(rows) > 80
+    for f in rows:
+        assert f.help.strip() and f.type and f.engines and "local" in f.engines, f
+    # every rendered name is a field of the schema, with the flag shown
+    by_key = {f.key: f for f in rows}
+    for key, flag in OPENRLHF_FLAGS.items():
+        assert by_key[key].openrlhf == flag and "openrlhf" in by_key[key].engines
+
+
+def test_reference_page_is_generated():
+    """docs/config_reference.md is `openrlhf-div config fields --markdown` (regenerate it with that command)."""
+    from openrlhf_div.cli.config import fields_markdown
+
+    with open(os.path.join(ROOT, "docs", "config_reference.md")) as fh:
+        page = fh.read()
+    assert page == fields_markdown(), ("docs/config_reference.md drifted from the schema: run "
+                                       "`openrlhf-div config fields --markdown > docs/config_reference.md`")
+
+
+def test_fields_command_prints_a_section(capsys):
+    from openrlhf_div.cli.main import main
+
+    assert main(["config", "fields", "--section", "rollout"]) == 0
+    out = capsys.readouterr().out
+    assert "rollout.group_size: int = 8" in out and "OpenRLHF --rollout.n_samples_per_prompt" in out
+    assert "rollout.decode_step" in out and "(local)" in out
+
+
+def test_neutral_setting_reaches_every_engine(tmp_path):
+    """`rollout.group_size: 3` in the file: the Ray driver's flag and the local engine's setting."""
+    p = _experiment(tmp_path, "rollout: {group_size: 3}\noptim: {learning_rate: 3e-4}\nseed: 11\n")
+    plan = _ray_plan(p)
+    assert plan.args.rollout.n_samples_per_prompt == 3 and plan.args.train.seed == 11
+    assert abs(plan.args.actor.adam.lr - 3e-4) < 1e-12
+    _, local = _local(p)
+    assert local["rollout"]["group_size"] == 3 and local["seed"] == 11
+    assert abs(local["optim"]["learning_rate"] - 3e-4) < 1e-12
+
+
+def test_override_in_our_names(tmp_path):
+    p = _experiment(tmp_path, "")
+    plan = _ray_plan(p, "rollout.group_size=2", "seed=5")
+    assert plan.args.rollout.n_samples_per_prompt == 2 and plan.args.train.seed == 5
+    _, local = _local(p, "rollout.group_size=2", "seed=5")
+    assert local["rollout"]["group_size"] == 2 and local["seed"] == 5
+    from openrlhf_div.config import ConfigError
+
+    with pytest.raises(ConfigError, match="rollout.group_size"):  # a typo: did you mean
+        _local(p, "rollout.group_sze=2")
+    with pytest.raises(ConfigError, match="rollout.group_size.*expects int"):  # the type
+        _local(p, "rollout.group_size=two")
+
+
+def test_local_only_setting_refused_on_ray(tmp_path):
+    p = _experiment(tmp_path, "rollout: {decode_step: static}\n")
+    _, local = _local(p)
+    assert local["rollout"]["decode_step"] == "static"
+    with pytest.raises(ValueError, match="rollout.decode_step: honoured by the local engine only"):
+        _ray_plan(p)
+
+
+def test_old_spelling_loads_with_one_line(tmp_path, capsys):
+    from openrlhf_div import schema
+    from openrlhf_div.config import ConfigError, load_experiment
+
+    schema._NOTED.clear()
+    p = _experiment(tmp_path, "openrlhf:\n  rollout.n_samples_per_prompt: 2\n")
+    cfg = load_experiment(p)
+    assert cfg["openrlhf"]["rollout.n_samples_per_prompt"] == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if "n_samples_per_prompt" in ln]
+    assert len(lines) == 1 and "rollout.group_size" in lines[0] and "config convert" in lines[0]
+    load_experiment(p)  # once per process
+    assert "n_samples_per_prompt" not in capsys.readouterr().err
+    both = _experiment(tmp_path, "rollout: {group_size: 2}\nopenrlhf:\n  rollout.n_samples_per_prompt: 2\n",
+                       name="both.yaml")
+    with pytest.raises(ConfigError, match="written twice; write rollout.group_size only"):
+        load_experiment(both)
+
+
+def test_converter_keeps_comments_and_meaning(tmp_path):
+    from openrlhf_div.cli.config import convert_file
+    from openrlhf_div.config import load_experiment
+
+    old = ("extends: _tiny_cpu.yaml\nexperiment: exp_schema\nmethod: {name: grpo}\nopenrlhf:\n"
+           "  # samples per prompt: the group\n  rollout.n_samples_per_prompt: 2\n"
+           "  train.batch_size: 8  # not ours: stays\n  actor.adam.lr: 5e-4  # the step size\n"
+           "  train.seed: ${SEED:-3}\n")
+    p = _experiment(tmp_path, "", name="old.yaml")
+    with open(p, "w") as fh:
+        fh.write(old)
+    before = load_experiment(p)
+    new, moved = convert_file(p)
+    assert len(moved) == 3
+    assert "rollout:\n  # samples per prompt: the group\n  group_size: 2\n" in new
+    assert "optim:\n  learning_rate: 5e-4  # the step size\n" in new and "seed: ${SEED:-3}\n" in new
+    assert "openrlhf:\n  train.batch_size: 8  # not ours: stays\n" in new
+    assert "n_samples_per_prompt" not in new and "actor.adam.lr" not in new
+    with open(p, "w") as fh:
+        fh.write(new)
+    assert load_experiment(p) == before
+
+
+def test_converter_command_writes(tmp_path):
+    p = _experiment(tmp_path, "openrlhf:\n  rollout.batch_size: 2\n", name="w.yaml")
+    r = subprocess.run([sys.executable, "-m", "openrlhf_div.cli.main", "config", "convert", "--write", p],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "1 setting(s) moved" in r.stderr
+    data = yaml.safe_load(open(p))
+    assert data["rollout"] == {"prompts_per_step": 2} and "openrlhf" not in data
+
+
+def test_no_shipped_file_uses_an_old_spelling():
+    """Every experiment file under configs/ is in the schema's names (and loads on the Ray side)."""
+    from openrlhf_div.cli.config import convert_text
+
+    for p in sorted(glob.glob(os.path.join(ROOT, "configs", "*", "*.yaml"))):
+        with open(p) as fh:
+            _, moved = convert_text(fh.read())
+        assert not moved, f"{os.path.relpath(p, ROOT)}: {moved}"
