@@ -28,9 +28,10 @@ def test_docs_list_one_command_per_experiment():
 
 
 def test_unknown_experiment_and_base_are_refused_with_the_list():
-    for name in ("llama8b_bird_dph_jss", "_llama8b_bird"):
+    # the one lookup (Python's find_experiment, called by the launcher): "did you mean" with the closest names
+    for name, close in (("llama8b_bird_dph_jss", "llama8b_bird_dph_js"), ("_llama8b_bird", "llama8b_bird_grpo")):
         r = subprocess.run(["bash", RUN, name], capture_output=True, text=True, timeout=60)
-        assert r.returncode == 2 and f"no experiment {name}" in r.stderr and "llama8b_bird_dph_js" in r.stderr
+        assert r.returncode == 2 and f"no experiment '{name}'; did you mean" in r.stderr and close in r.stderr
     r = subprocess.run(["bash", RUN, "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "run.sh EXPERIMENT [--submit]" in r.stdout
     assert subprocess.run(["bash", RUN], capture_output=True, text=True, timeout=60).returncode == 2

@@ -78,25 +78,15 @@ config_path() {
 }
 
 # The config of an experiment: its name (configs/openrlhf/NAME.yaml or configs/megatron/NAME.yaml)
-# or a path. A family base (_*.yaml) or an unknown name is an error that lists the experiments.
+# or a path. A family base (_*.yaml) or an unknown name is an error naming the closest experiments.
 experiment_config() {
   local name="$1" f
   if [[ "$name" == *.yaml || "$name" == */* ]]; then
     config_path "$name"
     return
   fi
-  for f in "${REPO_ROOT}/configs/openrlhf/${name}.yaml" "${REPO_ROOT}/configs/megatron/${name}.yaml"; do
-    if [[ -f "$f" && "$(basename "$f")" != _* ]]; then
-      printf '%s\n' "$f"
-      return 0
-    fi
-  done
-  local have=()
-  for f in "${REPO_ROOT}"/configs/openrlhf/[!_]*.yaml "${REPO_ROOT}"/configs/megatron/[!_]*.yaml; do
-    have+=("$(basename "$f" .yaml)")
-  done
-  say "no experiment ${name} (configs/openrlhf/ and configs/megatron/ hold: ${have[*]})"
-  return 1
+  # the one lookup (openrlhf_div.engines.experiment.find_experiment): "did you mean" on a typo
+  "$PYTHON" -m openrlhf_div.engines.experiment "$name"
 }
 
 # The --plugin MODULE / --plugin=MODULE arguments among the driver flags (for the pre-sampling stage).

@@ -391,3 +391,13 @@ def build_sql_databases(scripts_dir: str, out_dir: str) -> str:
             con.executescript(fh.read())
         os.replace(path + ".tmp", path)
     return out_dir
+
+
+if __name__ == "__main__":  # the launchers' lookup: python -m openrlhf_div.engines.experiment NAME -> its path
+    import sys
+
+    try:
+        print(find_experiment(sys.argv[1]))
+    except (ConfigError, IndexError) as _e:
+        print(f"error: {_e if sys.argv[1:] else 'give an experiment name'}", file=sys.stderr)
+        raise SystemExit(1)
