@@ -248,11 +248,35 @@ def load_experiment(path: str) -> Dict[str, Any]:
     launchers call it in a fresh process before every job."""
     from openrlhf_div.schema import render_file
 
-    cfg = load(path, what="experiment config", transform=render_file)
+    key = os.path.realpath(path)
+    hit = _READ.get(key)
+    if hit is not None and all(_mtime(f) == m for f, m in hit[0]):
+        return copy.deepcopy(hit[1])  # read once per process (while none of its files changed)
+    files: List[str] = []
+    cfg = load(path, what="experiment config", transform=_recording(render_file, files))
     for section in cfg:
         if section not in EXPERIMENT_SECTIONS:
             raise unknown_key(section, EXPERIMENT_SECTIONS, what=f"section in {path}:")
+    _READ[key] = ([(f, _mtime(f)) for f in files], copy.deepcopy(cfg))
     return cfg
+
+
+#: the experiments read in this process: realpath -> ([(file of its extends chain, mtime)], mapping)
+_READ: Dict[str, Any] = {}
+
+
+def _mtime(path: str) -> Optional[int]:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
+
+
+def _recording(transform, files: List[str]):
+    def run(data: Dict[str, Any], where: str) -> Dict[str, Any]:
+        files.append(os.path.realpath(where) if os.path.exists(where) else where)
+        return transform(data, where)
+    return run
 
 
 #: exit status of ``--section NAME`` when the section is absent (1 is Python's own for a crash)

@@ -176,3 +176,27 @@ def test_no_shipped_file_uses_an_old_spelling():
         with open(p) as fh:
             _, moved = convert_text(fh.read())
         assert not moved, f"{os.path.relpath(p, ROOT)}: {moved}"
+
+
+def test_experiment_read_once_per_process(tmp_path, monkeypatch):
+    """Issue 42 item 4: the launcher's plan and its plug-in loader both ask for the experiment; the
+    files are read once per process (again only when one of the extends chain changed).
+    Mutation: the cache lookup removed -> 2 reads of each file."""
+    import time
+
+    from openrlhf_div import config as C
+
+    p = _experiment(tmp_path, "rollout: {group_size: 3}\n", name="once.yaml")
+    reads = []
+    real = C.read_yaml
+    monkeypatch.setattr(C, "read_yaml", lambda path, what="config": reads.append(os.path.basename(path)) or real(path, what))
+    a = C.load_experiment(p)
+    a["openrlhf"]["rollout.n_samples_per_prompt"] = 99  # a caller's change does not reach the next caller
+    b = C.load_experiment(p)
+    assert sorted(reads) == ["_tiny_cpu.yaml", "math.yaml", "once.yaml"] and b["openrlhf"]["rollout.n_samples_per_prompt"] == 3
+    base = os.path.join(os.path.dirname(p), "_tiny_cpu.yaml")
+    time.sleep(0.01)
+    with open(base, "a") as fh:
+        fh.write("\n# touched\n")
+    C.load_experiment(p)
+    assert reads.count("_tiny_cpu.yaml") == 2
