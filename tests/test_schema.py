@@ -200,3 +200,27 @@ def test_experiment_read_once_per_process(tmp_path, monkeypatch):
         fh.write("\n# touched\n")
     C.load_experiment(p)
     assert reads.count("_tiny_cpu.yaml") == 2
+
+
+def test_converter_takes_the_old_div_spelling_too(tmp_path):
+    """The converter of users' files is the package's (`config convert`), for both old spellings.
+    Mutation: a method key left under div: (the method key branch removed) -> this test fails."""
+    from openrlhf_div.cli.config import convert_file
+    from openrlhf_div.config import load_experiment
+    from openrlhf_div.engines.experiment import method_section, task_of
+
+    old = ("extends: _tiny_cpu.yaml\nexperiment: exp_schema\ndiv:\n  method: dph_js\n  # the anchor weight\n"
+           "  anchor_eta: 0.3\n  task: math\n  anchor_batch_size: 4\nopenrlhf:\n  rollout.batch_size: 2\n")
+    p = _experiment(tmp_path, "", name="olddiv.yaml")
+    with open(p, "w") as fh:
+        fh.write(old)
+    before = load_experiment(p)
+    new, moved = convert_file(p)
+    assert "div.method -> method.name" in moved and "div.anchor_eta -> method.anchor_eta" in moved
+    assert "method:\n  name: dph_js\n  # the anchor weight\n  anchor_eta: 0.3\n" in new
+    assert "div:\n  anchor_batch_size: 4\n" in new and "task: math\n" in new
+    with open(p, "w") as fh:
+        fh.write(new)
+    after = load_experiment(p)
+    assert method_section(after) == method_section(before) == {"name": "dph_js", "anchor_eta": 0.3}
+    assert task_of(after) == "math" and after["openrlhf"]["rollout.batch_size"] == 2

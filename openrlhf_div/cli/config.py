@@ -7,7 +7,8 @@
 
 ``convert`` moves every setting the schema owns out of an experiment file's ``openrlhf:`` section
 (OpenRLHF's flag names: ``rollout.n_samples_per_prompt``) into the schema's sections
-(``rollout.group_size``), keeping each comment with its line, and refuses to write a file whose
+(``rollout.group_size``), and the method / task / layout keys of the old ``div:`` spelling into
+``method:`` / ``task:`` / the layout section, keeping each comment with its line, and refuses to write a file whose
 resolved settings would change (both spellings are loaded and compared first).
 """
 from __future__ import annotations
@@ -186,9 +187,71 @@ def _convert_lines(lines: List[str]) -> Tuple[List[str], List[str]]:
     return lines, moved_names
 
 
+#: the section of the Ray engines' micro-batch layout keys
+LAYOUT_SECTION = "engine"
+
+
+def _convert_div(lines: List[str]) -> Tuple[List[str], List[str]]:
+    """The old ``div:`` spelling (issue 31): the method's name and hyperparameters under ``div:`` move to
+    ``method:``, ``div.task`` to ``task:``, layout keys to the layout section; the driver's own keys
+    (anchors, actor_backend, ...) stay in ``div:``. Comments travel with the key after them (a comment
+    closing the block stays with the key before it)."""
+    from openrlhf_div.engines.flags import METHOD_KEYS_IN_DIV
+    from openrlhf_div.engines.layout import LAYOUT_KEYS
+
+    starts = [i for i, line in enumerate(lines) if re.match(r"^div:\s*(#.*)?$", line)]
+    if not starts:
+        return lines, []
+    s = starts[0]
+    e = _block_end(lines, s, 0)
+    items: List[Tuple[str, List[str]]] = []
+    pending: List[str] = []
+    for line in lines[s + 1:e]:
+        if line.strip() == "" or line.lstrip().startswith("#"):
+            pending.append(line)
+            continue
+        m = re.match(r"^  ([A-Za-z_][A-Za-z0-9_]*):(.*)$", line)
+        if not m:
+            raise ValueError(f"div: line {line!r} is not a `key: value` line; convert this file by hand")
+        items.append((m.group(1), pending + [line]))
+        pending = []
+    if pending and items:
+        items[-1][1].extend(pending)
+    mk = METHOD_KEYS_IN_DIV()
+    task, method, layout, rest, moved = [], [], [], [], []
+    for key, ls in items:
+        if key == "task":
+            task += [x[2:] if not x.lstrip().startswith("#") else x.strip() for x in ls]
+            moved.append("div.task -> task")
+        elif key == "method":
+            method = [re.sub(r"^  method:", "  name:", x) for x in ls] + method
+            moved.append("div.method -> method.name")
+        elif key in mk:
+            method += ls
+            moved.append(f"div.{key} -> method.{key}")
+        elif key in LAYOUT_KEYS:
+            layout += ls
+            moved.append(f"div.{key} -> {LAYOUT_SECTION}.{key}")
+        else:
+            rest += ls
+    if not moved:
+        return lines, []
+    for sec, add in (("method:", method), (f"{LAYOUT_SECTION}:", layout), ("task:", task)):
+        if add and any(x.startswith(sec) for x in lines):
+            raise ValueError(f"the file has both `{sec}` and the old div: spelling of it; merge them by hand")
+    out = task[:]
+    out += (["method:"] + method) if method else []
+    out += ([f"{LAYOUT_SECTION}:"] + layout) if layout else []
+    out += (["div:"] + rest) if rest else []
+    return lines[:s] + out + lines[e:], moved
+
+
 def convert_text(text: str) -> Tuple[str, List[str]]:
-    lines, moved = _convert_lines(text.split("\n"))
-    return "\n".join(lines), moved
+    """Both old spellings: ``div:``'s method / task / layout keys and OpenRLHF's names of the schema's
+    settings under ``openrlhf:``."""
+    lines, moved_div = _convert_div(text.split("\n"))
+    lines, moved = _convert_lines(lines)
+    return "\n".join(lines), moved_div + moved
 
 
 def convert_file(path: str) -> Tuple[str, List[str]]:
@@ -214,7 +277,8 @@ def convert_file(path: str) -> Tuple[str, List[str]]:
     quiet = sys.stderr
     try:
         sys.stderr = open(os.devnull, "w")
-        same = render_file(copy.deepcopy(before), path) == render_file(copy.deepcopy(after or {}), path)
+        same = _meaning(render_file(copy.deepcopy(before), path)) == _meaning(render_file(copy.deepcopy(after or {}),
+                                                                                        path))
     except ConfigError as e:
         raise ValueError(f"{path}: {e}") from None
     finally:
@@ -224,6 +288,21 @@ def convert_file(path: str) -> Tuple[str, List[str]]:
         raise ValueError(f"{path}: the converted file would load differently; convert it by hand "
                          f"(`openrlhf-div config fields` lists the schema's names)")
     return new, moved
+
+
+def _meaning(cfg):
+    """What a file says, whichever spelling: the method, task and layout as the engines read them."""
+    from openrlhf_div.engines.experiment import method_section, task_of
+    from openrlhf_div.engines.flags import METHOD_KEYS_IN_DIV
+    from openrlhf_div.engines.layout import LAYOUT_KEYS
+
+    div = dict(cfg.get("div") or {})
+    layout = dict(cfg.get(LAYOUT_SECTION) or {})
+    layout.update({k: v for k, v in div.items() if k in LAYOUT_KEYS and k not in layout})
+    rest = {k: v for k, v in cfg.items() if k not in ("div", "method", "task", LAYOUT_SECTION)}
+    rest["div"] = {k: v for k, v in div.items() if k not in ("method", "task") and k not in METHOD_KEYS_IN_DIV()
+                   and k not in LAYOUT_KEYS}
+    return rest, method_section(cfg), task_of(cfg), layout
 
 
 def _loader():
