@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 import shutil
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -53,6 +54,9 @@ def load_demo_config(path: Optional[str] = None, *, quick: bool = False,
     if quick:
         cfg = deep_merge(cfg, quick_part)
     cfg = deep_merge(cfg, parse_overrides(overrides, example="train.optim.steps=50"))
+    if "threads" in cfg:  # the schema's name is num_threads (TrainConfig's, every engine's)
+        print(f"note: {path}: `threads` is spelt `num_threads` now (the old spelling still loads)", file=sys.stderr)
+        cfg.setdefault("num_threads", cfg.pop("threads"))
     for key in ("seeds", "methods", "train", "evaluation", "warmup", "splits"):
         if key not in cfg:
             raise ConfigError(f"demo config {path!r} lacks the {key!r} section")
@@ -94,7 +98,7 @@ def train_config_dict(cfg: Dict[str, Any], method: str, seed: int, *, base_dir: 
     t = deep_merge(copy.deepcopy(cfg["train"]), train_over)
     d = {
         "task": cfg.get("task", "demo"), "seed": int(seed), "output_dir": run_dir,
-        "num_threads": cfg.get("threads", 1),
+        "num_threads": cfg.get("num_threads", 1),
         "method": {"name": reg, **hp},
         "model": {"path": base_dir},
         "data": {"train": os.path.join(data_dir, "train.jsonl"), "eval": None,
@@ -152,7 +156,7 @@ def run_demo(cfg: Dict[str, Any], out_dir: str, *, cache_dir: Optional[str] = No
     clock = _Clock(log)
     out_dir = os.path.abspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    threads = cfg.get("threads", 1)
+    threads = cfg.get("num_threads", 1)
     if threads:
         torch.set_num_threads(int(threads))
     seeds = [int(s) for s in cfg["seeds"]]

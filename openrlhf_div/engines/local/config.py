@@ -236,17 +236,8 @@ def dump_config(cfg: TrainConfig) -> str:
 
 
 def config_help() -> str:
-    """Every option with its default and help text (``openrlhf-div train --help-config``)."""
-    lines = []
+    """Every option with its type, default, the engines that honour it and its help
+    (``openrlhf-div train --help-config`` = ``openrlhf-div config fields``: one help page)."""
+    from openrlhf_div.cli.config import fields_text
 
-    def walk(cls, prefix):
-        for f in dataclasses.fields(cls):
-            sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
-            if dataclasses.is_dataclass(sub):
-                lines.append(f"\n[{prefix}{f.name}] {f.metadata.get('help', '')}")
-                walk(sub, prefix + f.name + ".")
-            else:
-                default = f.default if f.default is not dataclasses.MISSING else (sub() if sub else None)
-                lines.append(f"  {prefix}{f.name} = {default!r}\n      {f.metadata.get('help', '')}")
-    walk(TrainConfig, "")
-    return "\n".join(lines)
+    return fields_text()
