@@ -125,3 +125,31 @@ def test_runs_that_ran_something_else_are_flagged_not_averaged(tmp_path, base, c
     assert "the rows did not all run the same setup" in md and "`data.template` differs" in md
     assert "- **grpo [engine=openrlhf, settings unknown]**: settings unknown" in md
     assert "data.template" in capsys.readouterr().err
+
+
+def test_learning_curves_mean_and_sd_over_seeds(tmp_path, base):
+    """Issue 40: `compare` shows held-out pass@k against training steps from the runs' eval.jsonl, mean
+    and sd over a row's seeds at the steps every seed evaluated; a row without periodic evaluations
+    has no curve. Mutation: sd over ddof=0 -> the sd value fails; steps as the union -> the step list fails."""
+    import numpy as np
+
+    a = run_folder(tmp_path / "a", "grpo", seed=1)
+    b = run_folder(tmp_path / "b", "grpo", seed=2)
+    c = run_folder(tmp_path / "c", "dph_js", seed=1)  # no eval.jsonl: no curve
+    for d, rows in ((a, [(0, 0.1, 0.5), (8, 0.3, 0.7), (16, 0.5, 0.8)]),
+                    (b, [(0, 0.1, 0.5), (8, 0.5, 0.9), (12, 0.6, 0.9), (16, 0.7, 0.9)])):
+        with open(os.path.join(d, "eval.jsonl"), "w") as fh:
+            for st, p1, p4 in rows:
+                fh.write(json.dumps({"step": st, "pass@1": p1, "pass@4": p4, "n_samples": 4}) + "\n")
+            fh.write('{"step": 24, "pass@1"')  # a line cut by a crash
+    paths = compare_runs([base, a, b, c], str(tmp_path / "out"))
+    m = json.load(open(paths["metrics"]))
+    cur = m["curves"]
+    assert list(cur) == ["grpo"]
+    g = cur["grpo"]
+    assert g["steps"] == [0, 8, 16] and g["n_seeds"] == 2
+    assert g["mean"]["pass@1"] == pytest.approx([0.1, 0.4, 0.6])
+    assert g["sd"]["pass@1"][1] == pytest.approx(float(np.std([0.3, 0.5], ddof=1)))
+    md = open(paths["report"]).read()
+    assert "## Held-out pass@k against training steps" in md and "| 8 | 0.400 ± 0.141 | 0.800 ± 0.141 |" in md
+    assert os.path.isfile(paths["curves_plot"]) and "![held-out pass@k against training steps](curves.png)" in md

@@ -18,7 +18,8 @@ anything but the method's own settings, and runs whose settings are unknown, are
 top of the report. Runs evaluated with different settings (n, temperature, top_p,
 max_new_tokens, grading, data, keep_k) are refused with the list of differences unless
 ``--allow-mismatch`` (the report then says so). Writes metrics.json, report.md, passk.png,
-styles.png. Rules: docs/demo.md.
+styles.png, and, when the runs kept periodic held-out evaluations (``eval.jsonl``), curves.png
+and a table of pass@k against training steps (mean and sd over each row's seeds). Rules: docs/demo.md.
 """
 from __future__ import annotations
 

@@ -429,7 +429,13 @@ def write_report(out_dir: str, metrics: Mapping[str, Any], *, settings: Optional
                "'yes' when the difference has the predicted sign and exceeds the larger seed sd; "
                "'within noise' when the sign is right but the gap is smaller than that; 'NO' when the "
                "sign is wrong.", ""] + checks + [""]
+    curves = metrics.get("curves")
+    if curves:
+        paths["curves_plot"] = plot_curves(curves, os.path.join(out_dir, "curves.png"), str(metrics.get("task", "")))
+        md += curves_markdown(curves)
     md += ["## Plots", "", "![pass@k](passk.png)", ""]
+    if curves:
+        md += ["![held-out pass@k against training steps](curves.png)", ""]
     if has_styles:
         md += ["![styles](styles.png)", ""]
     if settings:
@@ -441,6 +447,99 @@ def write_report(out_dir: str, metrics: Mapping[str, Any], *, settings: Optional
         md += ["## Notes", ""] + [n.rstrip() + "\n" for n in notes]
     atomic_write_text(paths["report"], "\n".join(md).rstrip() + "\n")
     return paths
+
+
+# ------------------------------------------------------------------ learning curves
+#: the trainer's periodic held-out evaluations a run folder keeps (one JSON line per evaluation, with ``step``)
+CURVE_FILE = "eval.jsonl"
+
+
+def _curve_rows(run_dir: str) -> Dict[int, Dict[str, float]]:
+    """``{step: {"pass@k": value}}`` of a run folder's periodic evaluations (empty when it has none)."""
+    path = os.path.join(run_dir, CURVE_FILE)
+    out: Dict[int, Dict[str, float]] = {}
+    if not os.path.isfile(path):
+        return out
+    with open(path) as fh:
+        for line in fh:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a crash: the rest still reads
+            if not isinstance(row, dict) or "step" not in row:
+                continue
+            out[int(row["step"])] = {k: float(v) for k, v in row.items()
+                                     if k.startswith("pass@") and isinstance(v, (int, float))}
+    return out
+
+
+def learning_curves(groups: Mapping[str, Mapping[str, Any]]) -> Dict[str, Any]:
+    """Held-out pass@k against training steps per row (the runs' ``eval.jsonl``): at each step that
+    every seed of the row evaluated, the mean and sd over seeds. ``{label: {"steps": [...],
+    "n_seeds": n, "mean": {"pass@k": [...]}, "sd": {...}}}``; rows whose runs kept no periodic
+    evaluation are left out."""
+    out: Dict[str, Any] = {}
+    for label, g in groups.items():
+        per_run = [_curve_rows(os.path.dirname(e["_path"])) for e in g["runs"]]
+        if not per_run or not all(per_run):
+            continue
+        steps = sorted(set.intersection(*(set(r) for r in per_run)))
+        keys = sorted(set.intersection(*(set(r[st]) for r in per_run for st in steps)),
+                      key=lambda k: int(k.split("@")[1])) if steps else []
+        if not steps or not keys:
+            continue
+        mean = {k: [float(np.mean([r[st][k] for r in per_run])) for st in steps] for k in keys}
+        sd = {k: [float(np.std([r[st][k] for r in per_run], ddof=1)) if len(per_run) > 1 else 0.0 for st in steps]
+              for k in keys}
+        out[label] = {"steps": steps, "n_seeds": len(per_run), "mean": mean, "sd": sd}
+    return out
+
+
+def plot_curves(curves: Mapping[str, Any], path: str, task: str = "") -> str:
+    """pass@1 and pass@kmax (the largest k every row evaluated) against training steps, one line per
+    row (mean over seeds, band = ±1 sd)."""
+    plt = _plt()
+    common = set.intersection(*(set(c["mean"]) for c in curves.values()))
+    kmax = max((k for k in common), key=lambda k: int(k.split("@")[1]))
+    panels = ["pass@1", kmax] if kmax != "pass@1" else ["pass@1"]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.4 * len(panels), 4.2), squeeze=False, layout="constrained")
+    cmap = plt.get_cmap("tab10")
+    for ax, key in zip(axes[0], panels):
+        for i, (label, c) in enumerate(curves.items()):
+            x = np.array(c["steps"])
+            y, e = np.array(c["mean"][key]), np.array(c["sd"][key])
+            ax.plot(x, y, marker=MARKERS[i % len(MARKERS)], ms=3.5, lw=1.6, color=cmap(i % 10),
+                    label=f"{label} ({c['n_seeds']} seed{'s' if c['n_seeds'] != 1 else ''})")
+            ax.fill_between(x, y - e, y + e, color=cmap(i % 10), alpha=0.15, lw=0)
+        ax.set_xlabel("training step")
+        ax.set_ylabel(f"held-out {key}")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=8, loc="lower right")
+    fig.suptitle(_wrapped(f"{task}: held-out pass@k during training (the runs' periodic evaluations; mean over "
+                          f"seeds, band = ±1 sd)", 5.4 * len(panels)))
+    fig.savefig(path + ".tmp.png", dpi=120)
+    plt.close(fig)
+    os.replace(path + ".tmp.png", path)
+    return path
+
+
+def curves_markdown(curves: Mapping[str, Any]) -> List[str]:
+    """One table per row: pass@k (mean ± sd over seeds) at every evaluated step."""
+    md = ["## Held-out pass@k against training steps", "",
+          "The runs' own periodic evaluations (`eval.jsonl`; step 0 is the initial policy), mean ± sd over "
+          "the row's seeds at the steps every seed evaluated.", ""]
+    for label, c in curves.items():
+        keys = list(c["mean"])
+        md += [f"**{label}** ({c['n_seeds']} seed{'s' if c['n_seeds'] != 1 else ''})", "",
+               "| step | " + " | ".join(keys) + " |", "|---:|" + "---:|" * len(keys)]
+        for i, st in enumerate(c["steps"]):
+            cells = [f"{c['mean'][k][i]:.3f}" + (f" ± {c['sd'][k][i]:.3f}" if c["n_seeds"] > 1 else "") for k in keys]
+            md.append(f"| {st} | " + " | ".join(cells) + " |")
+        md.append("")
+    return md
 
 
 # ------------------------------------------------------------------ compare
@@ -693,6 +792,9 @@ def compare_runs(run_dirs: Iterable[str], out_dir: str, *, base_dir: Optional[st
     for label, g in groups.items():
         metrics["methods"][label]["seeds"] = seeds_of[label]
         metrics["methods"][label]["provenance"] = _provenance_of(g, seeds_of[label])
+    curves = learning_curves(groups)
+    if curves:
+        metrics["curves"] = curves
     metrics["base_provenance"] = {"path": os.path.dirname(base_eval["_path"]), "note": base_note}
     metrics["evaluation"] = {**{k: v for k, v in base_eval["settings"].items()
                                 if not isinstance(v, (dict, list)) or k == "ks"},
