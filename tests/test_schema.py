@@ -224,3 +224,29 @@ def test_converter_takes_the_old_div_spelling_too(tmp_path):
     after = load_experiment(p)
     assert method_section(after) == method_section(before) == {"name": "dph_js", "anchor_eta": 0.3}
     assert task_of(after) == "math" and after["openrlhf"]["rollout.batch_size"] == 2
+
+
+def test_a_closed_pipe_is_not_a_traceback(monkeypatch):
+    """`openrlhf-div config fields | head -1`: the reader leaves early; no BrokenPipeError traceback,
+    exit status 141 (as a shell reports SIGPIPE). Mutation: the BrokenPipeError branch of cli.main
+    removed -> the error propagates (this test fails)."""
+    from openrlhf_div.cli.main import main
+
+    r, w = os.pipe()
+    os.close(r)
+
+    class Closed:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+        def fileno(self):
+            return w
+
+    monkeypatch.setattr(sys, "stdout", Closed())
+    try:
+        assert main(["config", "fields"]) == 141
+    finally:
+        os.close(w)

@@ -69,6 +69,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `openrlhf-div ... | head`: the reader left; no traceback
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
     except (ValueError, FileNotFoundError) as exc:
         # bad input: one clear line, no traceback (set OPENRLHF_DIV_DEBUG=1 for the traceback)
         if os.environ.get("OPENRLHF_DIV_DEBUG"):

@@ -2,7 +2,7 @@
 
     openrlhf-div plan-memory --config configs/megatron/X.yaml     # one config's plan
     openrlhf-div plan-memory --markdown                           # docs/scaling_megatron.md tables
-    openrlhf-div plan-memory --tp 8 --dp 2 [--cpu_offload] ...    # any layout
+    openrlhf-div plan-memory --megatron.tp 8 --dp 2 [--cpu_offload] ...    # any layout (--tp: the same)
 
 It counts what megatron-core 0.16, the engine's offload (``engines/megatron/offload.py``) and
 vLLM's sleep mode actually allocate, per GPU and per node, in the three phases of a colocated
@@ -417,8 +417,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --config: plan the actor on this many GPUs instead of the config's "
                         "(an integer, or 'authors' for the config's engine.authors_world_size)")
     p.add_argument("--markdown", action="store_true", help="print the tables of docs/scaling_megatron.md")
-    p.add_argument("--tp", type=int, default=8)
-    p.add_argument("--pp", type=int, default=1)
+    # the Megatron actor's own flag names (--megatron.tp, as the driver and the experiment files'
+    # openrlhf.megatron.tp); --tp / --pp stay as short aliases
+    p.add_argument("--megatron.tp", "--tp", dest="tp", type=int, default=8, help="tensor-parallel size")
+    p.add_argument("--megatron.pp", "--pp", dest="pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--seq", type=int, default=6144, help="tokens per micro-batch sequence (prompt + response)")
     p.add_argument("--micro_batch", type=int, default=1)
