@@ -296,7 +296,7 @@ def hparam_type(name: str) -> Any:
 
 def coerce_hparam(name: str, value: Any) -> Any:
     """The one coercion of a method hyperparameter's value to its type (:func:`hparam_type`),
-    whatever read it: a YAML file or ``key=value`` override (``1e-3`` arrives as a string there),
+    whatever read it: a YAML file or ``key=value`` override (a quoted ``"1e-3"`` arrives as a string there),
     a ``--div.<name>`` flag's text (the OpenRLHF / Megatron drivers' argparse type calls this) or a
     Python caller. ``none`` / ``null`` (or YAML null) is None for every non-string type. Every engine
     gets the same value from the same spelling (:meth:`Method.with_overrides` applies it)."""
@@ -480,8 +480,8 @@ class Method:
                     f"method {m.name!r} has no hyperparameter {k!r}.{hint} "
                     f"Valid: {', '.join(sorted(valid))}, aggregation, dynamic_sampling"
                 )
-            # the one coercion (an explicit none from a flag or a key=value override is None; YAML's
-            # "1e-3" string a float), whichever engine or loader the value came through
+            # the one coercion (an explicit none from a flag or a key=value override is None; a
+            # quoted "1e-3" a float), whichever engine or loader the value came through
             m.hparams[k] = coerce_hparam(k, v)
         m.validate()
         return m

@@ -339,6 +339,11 @@ class TrainConfig:
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ConfigError(f"device must be cpu, cuda[:N] or auto, got {self.device!r}")
         method = self.build_method()  # validates method.name and its hyperparameters
+        # the section holds what the method holds: each hyperparameter converted once, by the
+        # registry's coerce_hparam (as on the Ray and Megatron drivers), so the saved config.yaml
+        # and run_info.json show the value the run used (a pair as a list: YAML has no tuple)
+        self.method = {k: (list(method.hparams[k]) if isinstance(method.hparams.get(k), tuple) else method.hparams[k])
+                       if k in method.hparams else v for k, v in self.method.items()}
         refused = refuse_on_local(self.engine.layout())
         if refused:
             raise ConfigError(refused)
@@ -358,7 +363,7 @@ class TrainConfig:
 # ---------------------------------------------------------------------- loading
 # YAML, extends and overrides: openrlhf_div.config (the one loader); the schema is this module's.
 def _coerce(key: str, hint: Any, val: Any) -> Any:
-    """Convert ``val`` to a scalar field's type (YAML reads ``1e-3`` as a string, for one)."""
+    """Convert ``val`` to a scalar field's type (a quoted ``"1e-3"`` is a string, for one)."""
     text = str(hint)
     if val is None:
         if "Optional" in text or "None" in text:
