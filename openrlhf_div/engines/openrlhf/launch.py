@@ -419,6 +419,12 @@ def plan(argv: Sequence[str], parser: Optional[argparse.ArgumentParser] = None) 
     derived = derive_upstream_flags(method, user_argv, div_namespace(first))
     final_argv = shown_argv + derived.argv
     parsed = parse(user_argv + derived.argv)
+    from openrlhf_div.engines.local.guards import check_group_size  # the local engine's guard: one home
+
+    group_error = check_group_size(method, getattr(parsed, "rollout.n_samples_per_prompt"),
+                                   key="rollout.n_samples_per_prompt")
+    if group_error:  # before OpenRLHF's own assert (finalize), which names its estimator, not the method
+        raise ValueError(group_error)
     if getattr(parsed, "actor.model_name_or_path", None) is None:
         raise ValueError("--actor.model_name_or_path is required (the policy to train)")
     if not getattr(parsed, "reward.remote_url", None):
