@@ -17,6 +17,8 @@ its own schema and validation; the loading is this module's.
 * **Numbers.** Files and overrides share one loader, which reads YAML 1.2's floats as floats:
   ``1e-3``, ``1E+5``, ``-.5`` (PyYAML's YAML 1.1 rules read an exponent without a dot and a
   sign as a string). Quote a value to keep it a string: ``"1e3"``.
+* **Renamed sections.** ``engine:`` (the engines' micro-batch layout) is ``layout:``; the old name
+  still loads, in a file or an override, with one stderr line (:func:`renamed_sections`).
 * **Variables.** ``${VAR}`` and ``${VAR:-default}`` in strings read the environment
   (:func:`expand_env`); the drivers expand the values they turn into paths and flags. An unset
   variable without a default is an error naming it. ``${name}`` in lower case naming a
@@ -131,14 +133,45 @@ def _parents(path: str, data: Dict[str, Any]) -> List[str]:
     return [e if os.path.isabs(e) else os.path.join(here, e) for e in items]
 
 
+# ------------------------------------------------------------------ renamed sections
+#: a config section's old name -> its new one. ``engine:`` was the engines' micro-batch layout; "engine"
+#: is the trainer (``run --engine``, run_info.json's ``engine``), so the layout is ``layout:``. The old
+#: name still loads (a file, a ``engine.x=V`` override, a saved run config), with one stderr line.
+RENAMED_SECTIONS = {"engine": "layout"}
+_TOLD: set = set()
+
+
+def renamed_sections(data: Dict[str, Any], merge: Merge = deep_merge) -> Dict[str, Any]:
+    """``data`` (one file's mapping, parsed overrides, a config mapping) with each old section name of
+    :data:`RENAMED_SECTIONS` moved to its new one (merged under a new-named section beside it: the new
+    spelling wins), saying so on stderr once per process and name."""
+    if not isinstance(data, dict) or not any(old in data for old in RENAMED_SECTIONS):
+        return data
+    data = dict(data)
+    for old, new in RENAMED_SECTIONS.items():
+        if old not in data:
+            continue
+        value = data.pop(old)
+        if isinstance(value, dict) and isinstance(data.get(new), dict):
+            value = merge(value, data[new])
+        elif new in data:
+            value = data[new]
+        data[new] = value
+        if old not in _TOLD:
+            _TOLD.add(old)
+            print(f"config section {old}: is now {new}: (same keys)", file=sys.stderr)
+    return data
+
+
 def read_with_extends(path: str, *, merge: Merge = deep_merge, what: str = "config",
                       _chain: tuple = ()) -> Dict[str, Any]:
-    """``path`` merged over the files it ``extends`` (recursively, relative to each file)."""
+    """``path`` merged over the files it ``extends`` (recursively, relative to each file); an old
+    section name (:data:`RENAMED_SECTIONS`) is read as its new one, file by file."""
     real = os.path.realpath(path)
     if real in _chain:
         cycle = " -> ".join(os.path.relpath(p) for p in _chain + (real,))
         raise ConfigError(f"{path}: `extends` cycle: {cycle}")
-    data = read_yaml(path, what)
+    data = renamed_sections(read_yaml(path, what))
     out: Dict[str, Any] = {}
     for parent in _parents(path, data):
         if not os.path.isfile(parent):
@@ -148,7 +181,8 @@ def read_with_extends(path: str, *, merge: Merge = deep_merge, what: str = "conf
 
 
 def parse_overrides(overrides: Sequence[str], example: str = "method.name=dph_js") -> Dict[str, Any]:
-    """``["a.b=1", "c=x"]`` -> ``{"a": {"b": 1}, "c": "x"}`` (values parsed as YAML)."""
+    """``["a.b=1", "c=x"]`` -> ``{"a": {"b": 1}, "c": "x"}`` (values parsed as YAML; an old section
+    name (``engine.<key>=V``) is read as its new one: :data:`RENAMED_SECTIONS`)."""
     out: Dict[str, Any] = {}
     for item in overrides or ():
         if "=" not in item:
@@ -169,7 +203,7 @@ def parse_overrides(overrides: Sequence[str], example: str = "method.name=dph_js
                 raise ConfigError(f"override {item!r} conflicts with an earlier override of {p!r}")
             node = nxt
         node[parts[-1]] = val
-    return out
+    return renamed_sections(out)
 
 
 def load(path: Optional[str], overrides: Sequence[str] = (), *, merge: Merge = deep_merge,
@@ -245,7 +279,7 @@ def unknown_key(key: str, valid: Sequence[str], where: str = "", what: str = "co
 
 # ------------------------------------------------------------------ experiment configs
 #: the sections of an OpenRLHF / Megatron experiment config (configs/openrlhf/*.yaml)
-EXPERIMENT_SECTIONS = ("experiment", "description", "paper", "plugins", "task", "method", "div", "engine", "openrlhf",
+EXPERIMENT_SECTIONS = ("experiment", "description", "paper", "plugins", "task", "method", "div", "layout", "openrlhf",
                        "cluster", "presample", "toy", "notes", "env", "tiny", "local")
 
 

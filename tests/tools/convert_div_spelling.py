@@ -1,6 +1,6 @@
 """``python tests/tools/convert_div_spelling.py FILE...``: the mechanical conversion of an experiment
 file from the deprecated ``div:`` spelling, in place (used once on every file of configs/, issue 31).
-The method keys / task / layout keys of a config's top-level `div:` block move to `method:` (name + hyperparameters), top-level `task:` and `engine:`; driver keys stay in `div:`.
+The method keys / task / layout keys of a config's top-level `div:` block move to `method:` (name + hyperparameters), top-level `task:` and `layout:`; driver keys stay in `div:`.
 Comments travel with their key (a standalone comment line with the key after it, or the one before it
 when it ends the block)."""
 import os, re, sys
@@ -46,7 +46,7 @@ def convert(text):
             engine += ls
         else:
             div += ls
-    for sec, add in (("method:", method), ("engine:", engine), ("task:", task)):
+    for sec, add in (("method:", method), ("layout:", engine), ("engine:", engine), ("task:", task)):
         assert not (add and any(l.startswith(sec) for l in lines)), (sec, "already present: merge by hand")
     if not (task or method or engine):
         return None
@@ -54,7 +54,7 @@ def convert(text):
     if method:
         out += ["method:"] + method
     if engine:
-        out += ["engine:"] + engine
+        out += ["layout:"] + engine
     if div:
         out += ["div:"] + div
     return "\n".join(lines[:s] + out + lines[e:])

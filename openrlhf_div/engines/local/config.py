@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
-from openrlhf_div.config import ConfigError, deep_merge, load, parse_overrides, unknown_key
+from openrlhf_div.config import ConfigError, deep_merge, load, parse_overrides, renamed_sections, unknown_key
 
 from ..layout import LAYOUT_KEYS, EngineLayout, refuse_on_local
 
@@ -210,9 +210,10 @@ class PresampleConfig:
 
 
 @dataclass
-class EngineConfig:
-    """Engine layout (:mod:`openrlhf_div.engines.layout`): the OpenRLHF / Megatron engines' micro-batch
-    layout under aggregation micro-batch-token-mean. The local engine lays micro-batches out with
+class LayoutConfig:
+    """Micro-batch layout (:mod:`openrlhf_div.engines.layout`): the OpenRLHF / Megatron engines' micro-batch
+    layout under aggregation micro-batch-token-mean (section ``layout:``; the old name ``engine:`` still
+    loads, with one stderr line). The local engine lays micro-batches out with
     ``optim.micro_batch_size`` / ``optim.mini_batches`` and refuses anything but the defaults here."""
 
     step_layout: str = _f(LAYOUT_KEYS["step_layout"][0], LAYOUT_KEYS["step_layout"][1]
@@ -224,13 +225,13 @@ class EngineConfig:
     mixed_micro_batches: str = _f(LAYOUT_KEYS["mixed_micro_batches"][0], LAYOUT_KEYS["mixed_micro_batches"][1]
                                   + " (source: " + LAYOUT_KEYS["mixed_micro_batches"][2] + ")")
 
-    def layout(self) -> EngineLayout:
+    def to_layout(self) -> EngineLayout:
         try:
             return EngineLayout(step_layout=self.step_layout, micro_batch_tokens=self.micro_batch_tokens,
                                 authors_world_size=self.authors_world_size,
                                 mixed_micro_batches=self.mixed_micro_batches)
         except ValueError as e:
-            raise ConfigError(f"config section `engine`: {e}") from e
+            raise ConfigError(f"config section `layout`: {e}") from e
 
 
 @dataclass
@@ -261,8 +262,8 @@ class TrainConfig:
     checkpoint: CheckpointConfig = _f(factory=CheckpointConfig, help="Checkpoints.")
     logging: LoggingConfig = _f(factory=LoggingConfig, help="Metrics output.")
     presample: PresampleConfig = _f(factory=PresampleConfig, help="DPH pre-sampling (`openrlhf-div presample`).")
-    engine: EngineConfig = _f(factory=EngineConfig, help="Engine layout (the OpenRLHF / Megatron engines' "
-                                                         "micro-batch layout; the local engine keeps the defaults).")
+    layout: LayoutConfig = _f(factory=LayoutConfig, help="Micro-batch layout (the OpenRLHF / Megatron engines'; the "
+                                                         "local engine keeps the defaults). Old name: engine.")
 
     # ------------------------------------------------------------------ helpers
     def build_method(self):
@@ -344,7 +345,7 @@ class TrainConfig:
         # and run_info.json show the value the run used (a pair as a list: YAML has no tuple)
         self.method = {k: (list(method.hparams[k]) if isinstance(method.hparams.get(k), tuple) else method.hparams[k])
                        if k in method.hparams else v for k, v in self.method.items()}
-        refused = refuse_on_local(self.engine.layout())
+        refused = refuse_on_local(self.layout.to_layout())
         if refused:
             raise ConfigError(refused)
         from .guards import check_group_size
@@ -428,7 +429,8 @@ def _merge(base: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def config_from_dict(data: Dict[str, Any], overrides: Sequence[str] = ()) -> TrainConfig:
-    merged = _merge(data or {}, parse_overrides(overrides)) if overrides else dict(data or {})
+    data = renamed_sections(data or {})  # a saved run's config.yaml of an earlier release: engine: is layout:
+    merged = _merge(data, parse_overrides(overrides)) if overrides else dict(data)
     cfg = _from_dict(TrainConfig, merged)
     if isinstance(cfg.method, str):
         cfg.method = {"name": cfg.method}
