@@ -114,7 +114,8 @@ def test_a_hyperparameter_is_converted_once_and_the_same_on_every_engine(tmp_pat
     trainer builds (method_from_args on the driver's namespace, as the policy actor and the
     Megatron actor do) hold the same Python value; the driver's namespace holds the value the
     one loader read (not a text rendering parsed again by argparse), converted once by the
-    registry's coerce_hparam. `1e-3` is the case where two loaders disagree (YAML reads a string)."""
+    registry's coerce_hparam. `1e-3` is the case where two loaders disagreed (PyYAML alone reads a
+    string; the one loader reads a float)."""
     from openrlhf_div.algorithms.registry import coerce_hparam
     from openrlhf_div.engines import experiment as E
     from openrlhf_div.engines.flags import method_from_args
