@@ -188,7 +188,7 @@ def add_div_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
         else:
             kw.update(type=_flag_type(name))
         g.add_argument(f"--div.{name}", **kw)
-    add_engine_arguments(parser)  # --engine.* (the layout), next to the method's flags
+    add_engine_arguments(parser)  # --layout.* (also --engine.*: the micro-batch layout), next to the method's flags
     return g
 
 
