@@ -14,6 +14,11 @@ its own schema and validation; the loading is this module's.
   ``_llama8b_bird.yaml`` plus the method's lines.
 * **Overrides.** ``["train.optim.steps=50", "method.name=dph_js"]``: dotted keys, values read
   as YAML (``true``, ``1e-3``, ``[1, 4]``, ``null``), merged like a file over the config.
+* **Numbers.** Files and overrides share one loader, which reads YAML 1.2's floats as floats:
+  ``1e-3``, ``1E+5``, ``-.5`` (PyYAML's YAML 1.1 rules read an exponent without a dot and a
+  sign as a string). Quote a value to keep it a string: ``"1e3"``.
+* **Renamed sections.** ``engine:`` (the engines' micro-batch layout) is ``layout:``; the old name
+  still loads, in a file or an override, with one stderr line (:func:`renamed_sections`).
 * **Variables.** ``${VAR}`` and ``${VAR:-default}`` in strings read the environment
   (:func:`expand_env`); the drivers expand the values they turn into paths and flags. An unset
   variable without a default is an error naming it. ``${name}`` in lower case naming a
@@ -44,7 +49,17 @@ class ConfigError(ValueError):
 
 # ------------------------------------------------------------------ one file
 class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing duplicate keys (PyYAML keeps the last one silently)."""
+    """PyYAML's safe loader, refusing duplicate keys (PyYAML keeps the last one silently) and
+    reading YAML 1.2's floats as floats (:data:`YAML12_FLOAT`). Every file and every
+    ``key=value`` override goes through it (:func:`read_yaml`, :func:`yaml_value`)."""
+
+
+#: the floats YAML 1.2 has and PyYAML's YAML 1.1 resolver reads as strings: an exponent without a
+#: dot or without a sign (``1e-3``, ``1E+5``, ``2e5``, ``1.0e3``) and a signed leading dot
+#: (``-.5``). Without it ``lr: 1e-3`` is the string "1e-3" on one path and 0.001 on another.
+YAML12_FLOAT = re.compile(r"""^(?:[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+
+                              |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?)$""", re.X)
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", YAML12_FLOAT, list("-+0123456789."))
 
 
 def _mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> Dict[Any, Any]:
@@ -71,6 +86,11 @@ def _yaml_error(path: str, exc: yaml.YAMLError) -> ConfigError:
     if context and cmark is not None and mark is not None and cmark.line != mark.line:
         context = f"{context} at line {cmark.line + 1}"
     return ConfigError(f"{where}: malformed YAML: {problem}" + (f" ({context})" if context else ""))
+
+
+def yaml_value(text: str) -> Any:
+    """One YAML value (``key=value``'s right side) through the files' loader: ``1e-3`` is a float."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
 def read_yaml(path: str, what: str = "config") -> Dict[str, Any]:
@@ -113,17 +133,48 @@ def _parents(path: str, data: Dict[str, Any]) -> List[str]:
     return [e if os.path.isabs(e) else os.path.join(here, e) for e in items]
 
 
+# ------------------------------------------------------------------ renamed sections
+#: a config section's old name -> its new one. ``engine:`` was the engines' micro-batch layout; "engine"
+#: is the trainer (``run --engine``, run_info.json's ``engine``), so the layout is ``layout:``. The old
+#: name still loads (a file, a ``engine.x=V`` override, a saved run config), with one stderr line.
+RENAMED_SECTIONS = {"engine": "layout"}
+_TOLD: set = set()
+
+
+def renamed_sections(data: Dict[str, Any], merge: Merge = deep_merge) -> Dict[str, Any]:
+    """``data`` (one file's mapping, parsed overrides, a config mapping) with each old section name of
+    :data:`RENAMED_SECTIONS` moved to its new one (merged under a new-named section beside it: the new
+    spelling wins), saying so on stderr once per process and name."""
+    if not isinstance(data, dict) or not any(old in data for old in RENAMED_SECTIONS):
+        return data
+    data = dict(data)
+    for old, new in RENAMED_SECTIONS.items():
+        if old not in data:
+            continue
+        value = data.pop(old)
+        if isinstance(value, dict) and isinstance(data.get(new), dict):
+            value = merge(value, data[new])
+        elif new in data:
+            value = data[new]
+        data[new] = value
+        if old not in _TOLD:
+            _TOLD.add(old)
+            print(f"config section {old}: is now {new}: (same keys)", file=sys.stderr)
+    return data
+
+
 def read_with_extends(path: str, *, merge: Merge = deep_merge, what: str = "config",
                       transform: Optional[Callable[[Dict[str, Any], str], Dict[str, Any]]] = None,
                       _chain: tuple = ()) -> Dict[str, Any]:
-    """``path`` merged over the files it ``extends`` (recursively, relative to each file);
+    """``path`` merged over the files it ``extends`` (recursively, relative to each file); an old
+    section name (:data:`RENAMED_SECTIONS`) is read as its new one, file by file;
     ``transform(mapping, path)`` is applied to each file on its own before the merge (the
     experiment files' neutral settings rendered into flags: :func:`openrlhf_div.schema.render_file`)."""
     real = os.path.realpath(path)
     if real in _chain:
         cycle = " -> ".join(os.path.relpath(p) for p in _chain + (real,))
         raise ConfigError(f"{path}: `extends` cycle: {cycle}")
-    data = read_yaml(path, what)
+    data = renamed_sections(read_yaml(path, what))
     out: Dict[str, Any] = {}
     for parent in _parents(path, data):
         if not os.path.isfile(parent):
@@ -136,7 +187,8 @@ def read_with_extends(path: str, *, merge: Merge = deep_merge, what: str = "conf
 
 
 def parse_overrides(overrides: Sequence[str], example: str = "method.name=dph_js") -> Dict[str, Any]:
-    """``["a.b=1", "c=x"]`` -> ``{"a": {"b": 1}, "c": "x"}`` (values parsed as YAML)."""
+    """``["a.b=1", "c=x"]`` -> ``{"a": {"b": 1}, "c": "x"}`` (values parsed as YAML; an old section
+    name (``engine.<key>=V``) is read as its new one: :data:`RENAMED_SECTIONS`)."""
     out: Dict[str, Any] = {}
     for item in overrides or ():
         if "=" not in item:
@@ -146,7 +198,7 @@ def parse_overrides(overrides: Sequence[str], example: str = "method.name=dph_js
         if not key or any(not p for p in key.split(".")):
             raise ConfigError(f"override {item!r} has an empty key")
         try:
-            val = yaml.safe_load(raw) if raw.strip() != "" else ""
+            val = yaml_value(raw) if raw.strip() != "" else ""
         except yaml.YAMLError:
             val = raw
         node = out
@@ -157,7 +209,7 @@ def parse_overrides(overrides: Sequence[str], example: str = "method.name=dph_js
                 raise ConfigError(f"override {item!r} conflicts with an earlier override of {p!r}")
             node = nxt
         node[parts[-1]] = val
-    return out
+    return renamed_sections(out)
 
 
 def load(path: Optional[str], overrides: Sequence[str] = (), *, merge: Merge = deep_merge,
@@ -235,7 +287,7 @@ def unknown_key(key: str, valid: Sequence[str], where: str = "", what: str = "co
 
 # ------------------------------------------------------------------ experiment configs
 #: the sections of an OpenRLHF / Megatron experiment config (configs/openrlhf/*.yaml)
-EXPERIMENT_SECTIONS = ("experiment", "description", "paper", "plugins", "task", "method", "div", "engine", "openrlhf",
+EXPERIMENT_SECTIONS = ("experiment", "description", "paper", "plugins", "task", "method", "div", "layout", "openrlhf",
                        "cluster", "presample", "toy", "notes", "env", "tiny", "local",
                        # the schema's own names (openrlhf_div.schema.NEUTRAL_SECTIONS)
                        "seed", "model", "data", "rollout", "optim", "eval", "checkpoint")

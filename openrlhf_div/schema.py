@@ -212,7 +212,7 @@ class PresampleConfig:
 
 def coerce(key: str, hint: Any, val: Any) -> Any:
     """The one coercion of a setting: ``val`` converted to a scalar field's type (``hint``: the
-    dataclass field's annotation; YAML 1.1 reads ``1e-3`` as a string, for one), or
+    dataclass field's annotation; a quoted ``"1e-3"`` is a string, for one), or
     :class:`ConfigError` naming the key, the type and the value."""
     text = str(hint)
     if val is None:

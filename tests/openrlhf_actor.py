@@ -49,7 +49,7 @@ def _tiny_model_dir(path) -> str:
 
 
 def _args(micro: int, train_batch: int, method_name: str, layout=None):
-    """``layout``: the run's ``engine:`` section (``{"step_layout": "authors"}``; None: defaults)."""
+    """``layout``: the run's ``layout:`` section (``{"step_layout": "authors"}``; None: defaults)."""
     return NS(
         ds=NS(param_dtype="bf16", zero_stage=0, adam_offload=False, zpg=1, use_universal_ckpt=False,
               grad_accum_dtype=None, overlap_comm=False, deepcompile=False, tensor_parallel_size=1,

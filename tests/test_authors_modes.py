@@ -266,7 +266,7 @@ def test_presets_options_validation_and_modes():
     assert A.mode_summary(auth, dict(authors_layout, step_layout="spread")).startswith("mixed: ")
     lm = A.authors_modes(auth, authors_layout)
     assert lm["step_layout"]["authors"] == "authors" and lm["micro_batch_tokens"]["authors"] == 32384
-    assert "step_layout" not in d  # engine layout, not the method's: shown only with a run's layout
+    assert "step_layout" not in d  # micro-batch layout, not the method's: shown only with a run's layout
     assert A.mode_summary(auth, authors_layout).startswith("the authors' code: ")
     assert A.mode_summary(get_method("dph_js")).startswith("the spec's clean form: ")
     cc = get_method("clip_cov", eps_low=1.0, eps_high=1.0, dual_clip=None).describe()["authors_modes"]

@@ -1,8 +1,8 @@
 """Replay one rollout step through the OpenRLHF and Megatron engines' loss paths under the DPH-RL
 authors' aggregation (aggregation ``micro-batch-token-mean``, ``anchor_weighting:
-microbatch_share``, ``engine.step_layout: authors``) and compare every token's gradient, per optimiser
+microbatch_share``, ``layout.step_layout: authors``) and compare every token's gradient, per optimiser
 step, with an independent transcription of the authors' update loop at their GPU count
-(``engine.authors_world_size`` 1, 2, 4, 8, 16, 32; issues 23 and 35; docs/ALGORITHMS.md section 9
+(``layout.authors_world_size`` 1, 2, 4, 8, 16, 32; issues 23 and 35; docs/ALGORITHMS.md section 9
 rows 1, 1b, 2, 10). Pure torch: no Ray, vLLM, DeepSpeed or Megatron start.
 
 The transcription (written here from seamoke/DPH-RL at 139a9b2, not from the library):
@@ -186,7 +186,7 @@ def _types(d):
 
 
 def _method(micro, budget, world=None):
-    """The method (dph_f as the authors run it) and the engine layout (``engine:``) of a case."""
+    """The method (dph_f as the authors run it) and the micro-batch layout (``layout:``) of a case."""
     method = get_method("dph_f", anchor_eta=ETA, anchor_weighting="microbatch_share",
                         aggregation="micro-batch-token-mean", micro_batch_seqs=micro, eps_low=EPS_LOW,
                         eps_high=EPS_HIGH, dual_clip=CLIP_C)
@@ -528,12 +528,12 @@ def test_engines_refuse_what_the_layout_cannot_do():
     args.train.dynamic_batch_enable = True
     with pytest.raises(NotImplementedError, match="micro_batch_tokens"):
         check_supported(m.with_overrides(anchor_weighting="microbatch_share"), args)
-    with pytest.raises(ConfigError, match="step_layout is engine layout.*engine.step_layout"):
+    with pytest.raises(ConfigError, match="step_layout is micro-batch layout.*layout.step_layout"):
         config_from_dict({"task": "demo", "method": {"name": "grpo", "step_layout": "authors"}}).build_method()
-    with pytest.raises(ConfigError, match="engine.step_layout=authors: the local engine cannot honour"):
-        config_from_dict({"task": "demo", "method": {"name": "grpo"}, "engine": {"step_layout": "authors"}})
+    with pytest.raises(ConfigError, match="layout.step_layout=authors: the local engine cannot honour"):
+        config_from_dict({"task": "demo", "method": {"name": "grpo"}, "layout": {"step_layout": "authors"}})
     for key, value in (("authors_world_size", 8), ("mixed_micro_batches", "first_row")):
-        with pytest.raises(ConfigError, match=f"{key} is engine layout.*engine.{key}"):
+        with pytest.raises(ConfigError, match=f"{key} is micro-batch layout.*layout.{key}"):
             config_from_dict({"task": "demo", "method": {"name": "grpo", key: value}}).build_method()
 
 

@@ -1,6 +1,6 @@
 """The DPH-RL authors' update loop at two real ranks (issue 35): the Megatron policy actor (no Ray:
 the plain class in 2 gloo processes, TP 1, DP 2, megatron-core's distributed optimizer) trains one
-rollout step of dph_f laid out as the authors' code did on 2 GPUs (``engine.authors_world_size: 2``,
+rollout step of dph_f laid out as the authors' code did on 2 GPUs (``layout.authors_world_size: 2``,
 ``step_layout: authors``, micro-batches of 2 rows, ``mixed_micro_batches: first_row``) through the
 engine's own path: each rank appends its own experience, ``fit`` gathers the step's rows over the
 data-parallel group (``contract.gather_step_rows``: ``all_gather_object``), plans the authors'

@@ -2,7 +2,7 @@
 Megatron twin is tests/test_authors_two_ranks.py): OpenRLHF's ``ActorPPOTrainer`` with our loss
 (:class:`~openrlhf_div.engines.openrlhf.actor.DivActorPPOTrainer`) on a real DeepSpeed engine (CPU
 accelerator, ZeRO-0, float32), in 2 gloo processes (data-parallel 2), trains one rollout step of
-dph_f laid out as the authors' code did on 2 GPUs (``engine.authors_world_size: 2``,
+dph_f laid out as the authors' code did on 2 GPUs (``layout.authors_world_size: 2``,
 ``step_layout: authors``, micro-batches of 2 rows, ``mixed_micro_batches: first_row``): each rank
 appends its own rows to its replay buffer, ``ppo_train`` gathers the step's rows over the
 data-parallel group, plans the authors' optimiser steps, runs this replica's micro-batches and

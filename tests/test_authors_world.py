@@ -12,7 +12,7 @@ from openrlhf_div.engines.layout import EngineLayout
 
 
 def _authors(world, **kw):
-    """dph_js as the authors run it, and the engine layout (``engine:``) at their GPU count."""
+    """dph_js as the authors run it, and the micro-batch layout (``layout:``) at their GPU count."""
     return (get_method("dph_js", anchor_eta=0.01, anchor_weighting="microbatch_share",
                        aggregation="micro-batch-token-mean", **kw),
             EngineLayout(step_layout="authors", authors_world_size=world, mixed_micro_batches="first_row"))
@@ -59,13 +59,13 @@ def test_layout_refuses_what_the_authors_cannot_split():
         plan_micro_batches([False] * 4, mini_batch_rows=2, step_layout="authors", mixed_micro_batches="first_row")
     with pytest.raises(ValueError, match="step_layout: authors"):
         EngineLayout(step_layout="spread", authors_world_size=8)
-    with pytest.raises(ValueError, match="set engine.authors_world_size too"):
+    with pytest.raises(ValueError, match="set layout.authors_world_size too"):
         EngineLayout(step_layout="authors", mixed_micro_batches="first_row")
-    with pytest.raises(ValueError, match="unknown engine.mixed_micro_batches"):
+    with pytest.raises(ValueError, match="unknown layout.mixed_micro_batches"):
         EngineLayout(step_layout="authors", authors_world_size=8, mixed_micro_batches="last_row")
-    # engine layout, not method hyperparameters: a method given them names the engine: key
+    # micro-batch layout, not method hyperparameters: a method given them names the layout: key
     for key, value in (("authors_world_size", 8), ("mixed_micro_batches", "first_row")):
-        with pytest.raises(ValueError, match=f"engine layout.*engine.{key}"):
+        with pytest.raises(ValueError, match=f"micro-batch layout.*layout.{key}"):
             get_method("dph_f", **{key: value})
 
 
@@ -74,7 +74,7 @@ def test_methods_cli_prints_the_authors_world_size_and_anchor_weights(capsys):
 
     assert main(["methods", "dph_js", "--config", "configs/openrlhf/llama8b_bird_dph_js.yaml"]) == 0
     out = capsys.readouterr().out
-    assert "engine layout (engine:):" in out and "authors_world_size=32" in out and "GPU count 32" in out
+    assert "micro-batch layout (layout:):" in out and "authors_world_size=32" in out and "GPU count 32" in out
     assert "mixed_micro_batches=first_row" in out
     assert "step 1: rollout (PPO) micro-batches 0.906 of a step, anchor weight eta x 0.094 = 0.00094" in out
     assert "step 3: rollout (PPO) micro-batches 0.219 of a step, anchor weight eta x 0.031 = 0.00031" in out
@@ -89,7 +89,7 @@ def test_authors_configs_set_the_forks_optimizer_and_validation_and_spec_configs
     assert auth.eval.n_samples_per_prompt == 1 and auth.eval.steps == 40
     spec = launch.plan(["--config", "configs/openrlhf/llama8b_bird_dph_js_spec.yaml", "--dry-run"])
     assert tuple(spec.args.actor.adam.betas) == (0.9, 0.95) and spec.args.actor.adam.weight_decay == 0.0
-    assert "authors_world_size" not in spec.method.hparams  # engine layout, not the method's
+    assert "authors_world_size" not in spec.method.hparams  # micro-batch layout, not the method's
     assert EngineLayout.from_args(spec.args).authors_world_size is None
     assert EngineLayout.from_args(auth).authors_world_size == 32
 
@@ -103,7 +103,7 @@ def test_megatron_configs_agree_with_the_deepspeed_ones():
                  "configs/megatron/omnisql32b_bird_dph_f_megatron_2node_authors.yaml",
                  "configs/openrlhf/llama8b_bird_dph_f.yaml"):
         exp = load_experiment(path)
-        assert exp["engine"]["micro_batch_tokens"] is None and exp["method"]["micro_batch_seqs"] == 2, path
+        assert exp["layout"]["micro_batch_tokens"] is None and exp["method"]["micro_batch_seqs"] == 2, path
     weighting = {load_experiment(p)["method"].get("anchor_weighting") for p in (
         "configs/openrlhf/omnisql32b_bird_dph_f.yaml", "configs/megatron/omnisql32b_bird_dph_f_megatron_tp8.yaml",
         "configs/megatron/omnisql32b_bird_dph_f_megatron_2node.yaml",

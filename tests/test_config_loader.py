@@ -45,13 +45,44 @@ def test_overrides_parse_as_yaml_and_merge(tmp_path):
     p = _w(tmp_path / "c.yaml", "train: {optim: {steps: 10, lr: 1}}\nk: [1]\n")
     cfg = load(p, ["train.optim.steps=50", "k=[1, 4]", "flag=true", "x.y=1e-3", "n=null"])
     assert cfg == {"train": {"optim": {"steps": 50, "lr": 1}}, "k": [1, 4], "flag": True,
-                   "x": {"y": "1e-3"}, "n": None}
+                   "x": {"y": 0.001}, "n": None}
     assert parse_overrides(["a.b=1", "a.c=x"]) == {"a": {"b": 1, "c": "x"}}
     with pytest.raises(ConfigError, match="must look like key=value"):
         parse_overrides(["novalue"])
     with pytest.raises(ConfigError, match="conflicts"):
         parse_overrides(["a=1", "a.b=2"])
     assert deep_merge({"a": {"b": 1}}, {"a": {"c": 2}}) == {"a": {"b": 1, "c": 2}}
+
+
+def test_yaml_12_floats_are_floats_in_files_and_overrides(tmp_path, monkeypatch):
+    """PyYAML (YAML 1.1) reads `1e-3` as the string "1e-3"; the one loader reads YAML 1.2's floats
+    as floats in every file and every key=value override, and a method hyperparameter given so is
+    the float 0.001 in the local TrainConfig (its section and its built method) and on the Ray
+    driver (the namespace the loader filled, and the method built from it)."""
+    from openrlhf_div.engines import experiment as E
+    from openrlhf_div.engines.flags import method_from_args
+    from openrlhf_div.engines.local.config import config_from_dict, load_config
+    from openrlhf_div.engines.openrlhf import launch as L
+
+    p = _w(tmp_path / "c.yaml", "lr: 1e-3\nbig: 1E+5\nneg: -2e3\nhalf: -.5\nkeep: '1e3'\nold: 1.5e-3\nname: e5\n")
+    cfg = load(p, ["o=2e-5"])
+    assert cfg == {"lr": 0.001, "big": 100000.0, "neg": -2000.0, "half": -0.5, "keep": "1e3", "old": 0.0015,
+                   "name": "e5", "o": 2e-5}
+    assert type(cfg["lr"]) is float and type(cfg["o"]) is float
+    local = _w(tmp_path / "l.yaml", "task: countdown\nmethod: {name: dph_js}\noptim: {learning_rate: 1e-3}\n")
+    tc = load_config(local, ["method.anchor_eta=1e-3"])
+    assert tc.optim.learning_rate == 0.001
+    assert type(tc.method["anchor_eta"]) is float and tc.method["anchor_eta"] == 0.001
+    assert tc.build_method().hparams["anchor_eta"] == 0.001
+    # a quoted number reaches the section as the string; the one coercion makes it the float
+    assert config_from_dict({"task": "countdown", "method": {"name": "dph_js", "anchor_eta": "1e-3"}}
+                            ).method["anchor_eta"] == 0.001
+    for var in ("DATA_DIR", "RUN_DIR", "PRESAMPLE_DIR", "SEED", "TINY_MODEL"):
+        monkeypatch.delenv(var, raising=False)
+    exp = E.find_experiment("tiny_cpu_dph_js")
+    plan = L.plan(["--config", exp, "method.anchor_eta=1e-3", "--dry-run"])
+    assert type(plan.args.div.anchor_eta) is float and plan.args.div.anchor_eta == 0.001  # the loader's value
+    assert method_from_args(plan.args).hparams["anchor_eta"] == 0.001 == plan.method.hparams["anchor_eta"]
 
 
 def test_variables(monkeypatch):

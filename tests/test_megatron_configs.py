@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN25_32B, estimate_memory, expected_mfu = MM.QWEN25_32B, MM.estimate_memory, MM.expected_mfu
 flops_per_token, total_params, with_tp = MM.flops_per_token, MM.total_params, MM.with_tp
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "megatron", "[!_]*.yaml")))  # _*.yaml: family bases
-SECTIONS = {"experiment", "description", "paper", "task", "method", "div", "engine", "openrlhf", "cluster", "presample", "toy", "notes"}
+SECTIONS = {"experiment", "description", "paper", "task", "method", "div", "layout", "openrlhf", "cluster", "presample", "toy", "notes"}
 GPU_GIB = 79.0   # usable memory of an 80 GB H100 / A100
 
 

@@ -111,7 +111,7 @@ def test_one_experiment_reaches_training_the_same_on_the_local_and_ray_engines(n
     if isinstance(local, ConfigError):
         line = str(local)
         assert "\n" not in line and line.startswith("--engine local: ")
-        assert any(k in line for k in ("engine.", "presample.", "openrlhf.", "div.")), line
+        assert any(k in line for k in ("layout.", "presample.", "openrlhf.", "div.")), line
         return
     ray, loc = settings_of(plan), settings_of(local)
     for key in ("train.steps", "rollout.prompts_per_step", "rollout.n_samples_per_prompt", "data.template",

@@ -226,7 +226,7 @@ def _window_registry_loss(method, window, n_on, n_an):
 
 def test_ppo_train_authors_layout_steps_and_micro_batch_losses(world):
     """The DPH-RL authors' layout through OpenRLHF's own ppo_train and a real DeepSpeed engine
-    (micro 2, train batch 4: gas 2; 4 rollout rows + 2 anchor rows, engine.step_layout authors): two
+    (micro 2, train batch 4: gas 2; 4 rollout rows + 2 anchor rows, layout.step_layout authors): two
     optimiser steps -- the rollout rows, then the anchors alone in a step of ONE micro-batch,
     whose end the layout sets as DeepSpeed's accumulation boundary -- and each micro-batch's
     applied loss is gas x (1 / (4 // 2)) x its own token-mean (x eta for the anchor one), written

@@ -109,7 +109,12 @@ def test_anchor_checks(parser):
 
 
 def test_openrlhf_validation_runs(parser):
-    with pytest.raises(ValueError, match="n_samples_per_prompt > 1"):  # OpenRLHF's own assertion
+    with pytest.raises(ValueError, match="OpenRLHF rejects this configuration: The number of sample batches"):
+        L.plan(["--actor.model_name_or_path", "m", "--div.task", "math", "--rollout.n_samples_per_prompt", "2",
+                "--rollout.batch_size", "1", "--rollout.micro_batch_size", "4"], parser)  # OpenRLHF's own assertion
+    # one sample per prompt with a group estimator: OpenRLHF asserts it too, the plan says it first
+    # with the local engine's guard (tests/test_registry_derived.py)
+    with pytest.raises(ValueError, match="^rollout.n_samples_per_prompt=1: method 'grpo' uses the group estimator"):
         L.plan(["--actor.model_name_or_path", "m", "--div.task", "math", "--rollout.n_samples_per_prompt", "1"],
                parser)
 

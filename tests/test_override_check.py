@@ -16,7 +16,7 @@ TYPOS = [
     ("method.anchr_eta=1", "config section `method`: method 'dph_js' has no hyperparameter 'anchr_eta'. "
                            "Did you mean 'anchor_eta'"),
     ("method.name=grpoo", "config section `method`: unknown method 'grpoo'. Did you mean 'grpo'"),
-    ("engine.step_layot=authors", "unknown config key 'engine.step_layot'. Did you mean 'engine.step_layout'"),
+    ("layout.step_layot=authors", "unknown config key 'layout.step_layot'. Did you mean 'layout.step_layout'"),
     ("openrlhf.train.batchsize=4", "unknown key 'openrlhf.train.batchsize'. Did you mean 'openrlhf.train.batch_size'"),
     ("div.anchr_ratio=4", "unknown key 'div.anchr_ratio'. Did you mean 'div.anchor_ratio'"),
     ("presample.n_pree=4", "unknown key 'presample.n_pree'. Did you mean 'presample.n_pre'"),
@@ -40,7 +40,7 @@ def test_the_one_loader_refuses_a_typo_naming_the_closest_key(override, line):
 def test_valid_overrides_pass():
     from openrlhf_div.engines import experiment as E
 
-    cfg = E.load(CFG, ["method.anchor_eta=0.3", "engine.step_layout=authors", "openrlhf.train.batch_size=4",
+    cfg = E.load(CFG, ["method.anchor_eta=0.3", "layout.step_layout=authors", "openrlhf.train.batch_size=4",
                        "presample.n_pre=4", "presample.vllm.num_engines=1", "div.anchor_ratio=4", "task=math",
                        "local.data.presample_dir=/tmp/x"])
     assert cfg["method"]["anchor_eta"] == 0.3 and cfg["openrlhf"]["train.batch_size"] == 4

@@ -10,7 +10,7 @@ count and the source of each figure (a script line or a paper section). The chec
   and ``rollout.max_new_tokens`` equal the row's, and ``data.max_len`` fits the model's context;
 * the planners accept each config at the authors' GPU count: the engines' micro-batch planner
   (``authors.plan_micro_batches`` through ``layout_report``) lays one rollout step out at
-  ``engine.authors_world_size`` with every row at ``data.max_len`` tokens (a token budget must hold
+  ``layout.authors_world_size`` with every row at ``data.max_len`` tokens (a token budget must hold
   the longest row, as verl asserts), and the Megatron memory planner (``plan-memory``) fits each
   Megatron config on 80 GB GPUs at the authors' GPU count and at its own.
 
@@ -154,8 +154,8 @@ def _authors_world(rel: str, row) -> int:
 @pytest.mark.parametrize("rel", [r for r in paper_configs() if len(rows_of(r)) == 1])
 def test_micro_batch_planner_accepts_the_config_at_the_authors_gpu_count(rel):
     """Under the authors' aggregation the engines' planner lays one rollout step out at
-    ``engine.authors_world_size`` with every row ``data.max_len`` tokens long (the worst case a
-    token budget must hold); ``engine.authors_world_size`` is the row's GPU count where set."""
+    ``layout.authors_world_size`` with every row ``data.max_len`` tokens long (the worst case a
+    token budget must hold); ``layout.authors_world_size`` is the row's GPU count where set."""
     row = rows_of(rel)[0]
     p = plan_of(rel)
     a, method = p.args, p.method
@@ -185,8 +185,8 @@ def test_a_token_budget_below_the_longest_row_is_refused(tmp_path):
 
     base = os.path.join(ROOT, "configs", "openrlhf", "llama8b_bird_dph_js.yaml")
     cfg = tmp_path / "small_budget.yaml"
-    cfg.write_text(f"extends: {base}\nengine:\n  micro_batch_tokens: 16000\n")
-    with pytest.raises(ValueError, match="engine.micro_batch_tokens 16000 is smaller than data.max_len 20096"):
+    cfg.write_text(f"extends: {base}\nlayout:\n  micro_batch_tokens: 16000\n")
+    with pytest.raises(ValueError, match="layout.micro_batch_tokens 16000 is smaller than data.max_len 20096"):
         launch.plan(["--config", str(cfg), "--dry-run"])
     p = plan_of("openrlhf/llama8b_bird_dph_js.yaml")
     layout = dict(EngineLayout.from_args(p.args).to_dict(), micro_batch_tokens=16000)

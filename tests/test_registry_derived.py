@@ -111,3 +111,37 @@ def test_openrlhf_metric_keys_are_the_declared_metrics():
         m = get_method(name)
         _, metrics = m.online_loss(_dummy())
         assert metric_keys(m) == [f"div/{k}" for k in metrics] + ["div/loss_exp", "div/loss_pef", "div/loss"], name
+
+
+def test_the_ray_driver_refuses_one_sample_per_prompt_with_a_group_estimator(monkeypatch):
+    """OpenRLHF 0.11.2's own driver (train_ppo_ray) asserts n_samples_per_prompt > 1 for its estimators
+    rloo, reinforce_baseline, group_norm and dr_grpo, naming its estimator; the plan refuses first, in
+    one line, with the local engine's guard (check_group_size: one home) naming the method and the
+    setting, and also for a group estimator whose OpenRLHF flag is none of those (OpenRLHF would run
+    it, every advantage 0). The dry run: no Ray."""
+    from openrlhf_div.engines.experiment import find_experiment
+    from openrlhf_div.engines.openrlhf import launch as L
+
+    for var in ("DATA_DIR", "RUN_DIR", "PRESAMPLE_DIR", "SEED", "TINY_MODEL"):
+        monkeypatch.delenv(var, raising=False)
+    path = find_experiment("tiny_cpu_grpo")
+    want = check_group_size(get_method("grpo"), 1, key="rollout.n_samples_per_prompt")
+    assert want.startswith("rollout.n_samples_per_prompt=1: method 'grpo' uses the group estimator 'grpo'")
+    for one in (["openrlhf.rollout.n_samples_per_prompt=1"], ["--rollout.n_samples_per_prompt", "1"]):
+        with pytest.raises(ValueError) as exc:
+            L.plan(["--config", path, *one, "--dry-run"])
+        assert str(exc.value) == want, one
+    assert L.plan(["--config", path, "openrlhf.rollout.n_samples_per_prompt=2", "--dry-run"]).args.rollout \
+        .n_samples_per_prompt == 2
+    register_estimator("test_group_reinforce", openrlhf_estimator="reinforce")(_mean_baseline)
+    register_method(Method("test_grp_rf", "a group estimator on OpenRLHF's plain reinforce flag",
+                           estimator="test_group_reinforce"))
+    try:
+        with pytest.raises(ValueError, match=r"^rollout.n_samples_per_prompt=1: method 'test_grp_rf' uses the group "
+                                             r"estimator 'test_group_reinforce'.* use rollout.n_samples_per_prompt >= 2"):
+            # batch sizes for one sample per prompt: OpenRLHF's other checks pass, its group check does not apply
+            L.plan(["--config", path, "--div.method", "test_grp_rf", "--rollout.n_samples_per_prompt", "1",
+                    "--rollout.micro_batch_size", "4", "--train.batch_size", "4", "--train.micro_batch_size", "4",
+                    "--dry-run"])
+    finally:
+        _unregister(("test_grp_rf",), ("test_group_reinforce",))

@@ -69,9 +69,9 @@ def test_method_anchor_eta_travels_from_the_command_line_to_the_loss(tmp_path, c
 
 
 def test_what_an_engine_cannot_honour_is_refused_by_name(tmp_path, capsys):
-    # the authors' layout (engine:) of the Llama-SQL configs, on the local engine without --toy
+    # the authors' layout (layout:) of the Llama-SQL configs, on the local engine without --toy
     assert main(["run", "llama8b_bird_dph_js", "--engine", "local", "--run-dir", str(tmp_path / "a")]) == 2
-    assert "engine.step_layout=authors" in capsys.readouterr().err
+    assert "layout.step_layout=authors" in capsys.readouterr().err
     assert _run("llama8b_bird_dph_js", tmp_path / "b") == 2
     assert SQL_ANCHOR in capsys.readouterr().err
     assert _run("tiny_cpu_grpo", tmp_path / "c", "--", "--ckpt.load_enable") == 2
@@ -114,7 +114,8 @@ def test_a_hyperparameter_is_converted_once_and_the_same_on_every_engine(tmp_pat
     trainer builds (method_from_args on the driver's namespace, as the policy actor and the
     Megatron actor do) hold the same Python value; the driver's namespace holds the value the
     one loader read (not a text rendering parsed again by argparse), converted once by the
-    registry's coerce_hparam. `1e-3` is the case where two loaders disagree (YAML reads a string)."""
+    registry's coerce_hparam. `1e-3` is the case where two loaders disagreed (PyYAML alone reads a
+    string; the one loader reads a float)."""
     from openrlhf_div.algorithms.registry import coerce_hparam
     from openrlhf_div.engines import experiment as E
     from openrlhf_div.engines.flags import method_from_args

@@ -80,7 +80,7 @@ config_path() {
 # The config of an experiment: its name (configs/openrlhf/NAME.yaml or configs/megatron/NAME.yaml)
 # or a path. A family base (_*.yaml) or an unknown name is an error naming the closest experiments.
 experiment_config() {
-  local name="$1" f
+  local name="$1"
   if [[ "$name" == *.yaml || "$name" == */* ]]; then
     config_path "$name"
     return

@@ -422,9 +422,9 @@ def layout_report(method, n_rollouts: int, n_anchors: int, train_batch_size: int
     full step of rollouts it trains and the anchor weight (``eta x`` the summed anchor
     micro-batch factors) it implies, and how many anchors get the PPO loss
     (``mixed_micro_batches: first_row``). Token budgets are laid out with every row at
-    ``row_tokens`` tokens (said in the first line). ``layout``: the run's engine layout
+    ``row_tokens`` tokens (said in the first line). ``layout``: the run's micro-batch layout
     (``EngineLayout.to_dict()``: step_layout, micro_batch_tokens, authors_world_size,
-    mixed_micro_batches; the ``engine:`` section)."""
+    mixed_micro_batches; the ``layout:`` section)."""
     h = dict(method.hparams)
     h.update(layout or {})
     world = h.get("authors_world_size")
@@ -580,7 +580,7 @@ def _same(a, b) -> bool:
 def authors_modes(method, layout: Optional[dict] = None) -> dict:
     """For each spec-vs-authors option a method has: its value, the spec's and the authors'
     value, which one it follows (``spec`` / ``authors`` / ``both`` / ``other``) and the source.
-    ``layout``: the run's engine layout (``EngineLayout.to_dict()``: step_layout, micro_batch_tokens)."""
+    ``layout``: the run's micro-batch layout (``EngineLayout.to_dict()``: step_layout, micro_batch_tokens)."""
     h = dict(getattr(method, "hparams", {}) or {})
     h.update(layout or {})
     h["aggregation"] = getattr(method, "aggregation", "token-mean")

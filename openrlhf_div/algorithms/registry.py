@@ -167,7 +167,7 @@ COMMON_HPARAMS: Dict[str, Any] = {
     "overlong_cache_len": None,  # DAPO overlong shaping L_c
     "micro_batch_seqs": 2,      # sequences per group of aggregation "micro-batch-token-mean"
 }
-# engine layout, not method hyperparameters: an experiment's `engine:` section
+# micro-batch layout, not method hyperparameters: an experiment's `layout:` section
 # (openrlhf_div.engines.layout; docs/ALGORITHMS.md section 9 rows 1, 1b)
 ENGINE_LAYOUT_KEYS = ("step_layout", "micro_batch_tokens", "authors_world_size", "mixed_micro_batches")
 ESTIMATORS: Dict[str, Component] = {}
@@ -296,7 +296,7 @@ def hparam_type(name: str) -> Any:
 
 def coerce_hparam(name: str, value: Any) -> Any:
     """The one coercion of a method hyperparameter's value to its type (:func:`hparam_type`),
-    whatever read it: a YAML file or ``key=value`` override (``1e-3`` arrives as a string there),
+    whatever read it: a YAML file or ``key=value`` override (a quoted ``"1e-3"`` arrives as a string there),
     a ``--div.<name>`` flag's text (the OpenRLHF / Megatron drivers' argparse type calls this) or a
     Python caller. ``none`` / ``null`` (or YAML null) is None for every non-string type. Every engine
     gets the same value from the same spelling (:meth:`Method.with_overrides` applies it)."""
@@ -471,8 +471,8 @@ class Method:
         valid = m.hparam_defaults()
         for k, v in overrides.items():
             if k in ENGINE_LAYOUT_KEYS:
-                raise ValueError(f"{k} is engine layout, not a hyperparameter of method {m.name!r}: set "
-                                 f"engine.{k} in the experiment's `engine:` section (--engine.{k} on the command line)")
+                raise ValueError(f"{k} is micro-batch layout, not a hyperparameter of method {m.name!r}: set "
+                                 f"layout.{k} in the experiment's `layout:` section (--layout.{k} on the command line)")
             if k not in valid:
                 close = difflib.get_close_matches(k, list(valid) + ["aggregation", "dynamic_sampling"], n=3)
                 hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
@@ -480,8 +480,8 @@ class Method:
                     f"method {m.name!r} has no hyperparameter {k!r}.{hint} "
                     f"Valid: {', '.join(sorted(valid))}, aggregation, dynamic_sampling"
                 )
-            # the one coercion (an explicit none from a flag or a key=value override is None; YAML's
-            # "1e-3" string a float), whichever engine or loader the value came through
+            # the one coercion (an explicit none from a flag or a key=value override is None; a
+            # quoted "1e-3" a float), whichever engine or loader the value came through
             m.hparams[k] = coerce_hparam(k, v)
         m.validate()
         return m

@@ -188,7 +188,7 @@ def _convert_lines(lines: List[str]) -> Tuple[List[str], List[str]]:
 
 
 #: the section of the Ray engines' micro-batch layout keys
-LAYOUT_SECTION = "engine"
+LAYOUT_SECTION = "layout"
 
 
 def _convert_div(lines: List[str]) -> Tuple[List[str], List[str]]:

@@ -66,10 +66,11 @@ def hparam_markdown(builtin_only: bool = True) -> str:
                      f"{cell(', '.join(h['owners']))} |")
     from openrlhf_div.engines.layout import LAYOUT_KEYS
 
-    lines += ["", "## Engine layout (`engine:`)", "",
+    lines += ["", "## Micro-batch layout (`layout:`)", "",
               "Not method hyperparameters: how the OpenRLHF and Megatron engines lay out micro-batches under "
-              "aggregation `micro-batch-token-mean` (`openrlhf_div/engines/layout.py`; `engine.<name>: V` in an "
-              "experiment file, `--engine.<name> V` on the driver's command line).", "",
+              "aggregation `micro-batch-token-mean` (`openrlhf_div/engines/layout.py`; `layout.<name>: V` in an "
+              "experiment file, `--layout.<name> V` (or `--engine.<name> V`) on the driver's command line; the "
+              "section's old name `engine:` still loads).", "",
               "| key | default | what it is | source |", "|---|---|---|---|"]
     for name, (default, text, source) in LAYOUT_KEYS.items():
         lines.append(f"| `{name}` | `{'null' if default is None else default}` | {cell(text)} | {cell(source)} |")
@@ -86,7 +87,7 @@ def _with_config(name: str, path: str) -> int:
     print(f"{name} as {path} runs it: " + ", ".join(f"{k}={h[k]}" for k in sorted(h)))
     from openrlhf_div.engines.layout import EngineLayout
 
-    print("engine layout (engine:): " + ", ".join(f"{k}={v}" for k, v in EngineLayout.from_args(p.args).to_dict().items()))
+    print("micro-batch layout (layout:): " + ", ".join(f"{k}={v}" for k, v in EngineLayout.from_args(p.args).to_dict().items()))
     lines = launch.authors_layout_lines(p.method, p.args)
     print("\n".join(lines) if lines else "no authors' layout (aggregation is not micro-batch-token-mean or the "
                                          "method has no anchors)")

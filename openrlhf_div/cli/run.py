@@ -8,7 +8,7 @@
     openrlhf-div run llama8b_bird_dph_js --submit -- --ckpt.load_enable   # ray job submit
 
 ``section.key=value`` overrides mean the same on every engine (``method.anchor_eta=0.1``,
-``engine.step_layout=spread``, ``openrlhf.train.batch_size=64``): the Ray drivers get them as
+``layout.step_layout=spread``, ``openrlhf.train.batch_size=64``): the Ray drivers get them as
 written and merge them with the one loader, and a method value is converted once
 (``coerce_hparam``); OpenRLHF's own flags pass through after ``--`` to the Ray engines. What an engine cannot honour is refused by name before
 anything starts (:mod:`openrlhf_div.engines.experiment`). Without ``--toy`` the local engine runs

@@ -2,7 +2,7 @@
 
 An experiment file (``configs/openrlhf/*.yaml``, ``configs/megatron/*.yaml``) names its method
 (``method: {name, hyperparameters}``; the old ``div:`` spelling of those keys is read for one
-release with a one-line deprecation), its task (``task:``), its engine layout (``engine:``), its
+release with a one-line deprecation), its task (``task:``), its micro-batch layout (``layout:``), its
 plug-ins (``plugins:``) and OpenRLHF's own settings (``openrlhf:``, passed through). This module
 
 * finds an experiment by name (:func:`find_experiment`);
@@ -143,7 +143,7 @@ def local_refusals(cfg: Dict[str, Any], toy: bool) -> List[str]:
     from openrlhf_div.engines.layout import EngineLayout, refuse_on_local
 
     out = []
-    layout = EngineLayout.from_mapping(cfg.get("engine"))
+    layout = EngineLayout.from_mapping(cfg.get("layout"))
     msg = refuse_on_local(layout)
     if msg and not toy:
         out.append(msg)
@@ -332,9 +332,9 @@ def to_local(cfg: Dict[str, Any], *, run_dir: str, toy: bool,
                               "no such file here, so the file's number of rollout steps (train.num_episodes x its "
                               "prompts / rollout.batch_size) is unknown; point DATA_DIR (or the override "
                               "openrlhf.data.prompt_dataset=FILE) at the data")
-    layout = cfg.get("engine") or {}
+    layout = cfg.get("layout") or {}
     if toy and layout:
-        notes.append(f"engine layout {dict(layout)} is the Ray engines' (the local engine keeps its own "
+        notes.append(f"layout {dict(layout)} is the Ray engines' (the local engine keeps its own "
                      "micro-batches): not applied to this toy run")
     local = copy.deepcopy((cfg.get("local") or {}))  # the toy overlay's local-engine keys
     for key in ("train", "eval"):  # the toy's data ship with the repository: its paths are the repository's

@@ -188,7 +188,7 @@ def add_div_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
         else:
             kw.update(type=_flag_type(name))
         g.add_argument(f"--div.{name}", **kw)
-    add_engine_arguments(parser)  # --engine.* (the layout), next to the method's flags
+    add_engine_arguments(parser)  # --layout.* (also --engine.*: the micro-batch layout), next to the method's flags
     return g
 
 
@@ -389,7 +389,7 @@ def check_supported(method: Method, args, need_data: bool = True) -> None:
         if train is not None and getattr(train, "dynamic_batch_enable", False):
             raise NotImplementedError(
                 "--train.dynamic_batch_enable with aggregation micro-batch-token-mean is not supported: the "
-                "authors' layout makes its own micro-batches; for token budgets set --engine.micro_batch_tokens N")
+                "authors' layout makes its own micro-batches; for token budgets set --layout.micro_batch_tokens N")
         if method.needs.anchor_batch and method.hparams.get("anchor_weighting") != "microbatch_share":
             raise ValueError(
                 f"method {method.name!r} with aggregation micro-batch-token-mean weights each anchor micro-batch "

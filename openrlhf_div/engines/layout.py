@@ -1,8 +1,10 @@
 """Engine layout: how an engine cuts one rollout step into optimiser steps and micro-batches.
 
 These settings are the engine's, not the method's (the method is the formula,
-docs/ALGORITHMS.md): they live in an experiment's ``engine:`` section (``--engine.*`` on the
-OpenRLHF / Megatron command line) and reach the planner through :class:`EngineLayout`, the one
+docs/ALGORITHMS.md): they live in an experiment's ``layout:`` section (``--layout.*`` on the
+OpenRLHF / Megatron command line, also spelled ``--engine.*``, the spelling printed commands keep;
+the section's old name ``engine:`` still loads with one stderr line: "engine" is the trainer,
+``run --engine``) and reach the planner through :class:`EngineLayout`, the one
 call site both Ray-topology engines (the OpenRLHF policy actor and the Megatron actor) share.
 
 Under aggregation ``micro-batch-token-mean`` (the DPH-RL authors' update loop,
@@ -69,7 +71,7 @@ def deprecation(old: str, new: str) -> str:
 
 @dataclass(frozen=True)
 class EngineLayout:
-    """The ``engine:`` layout settings of a run (see the module docstring)."""
+    """The ``layout:`` settings of a run (see the module docstring)."""
 
     step_layout: str = LAYOUT_KEYS["step_layout"][0]
     micro_batch_tokens: Optional[int] = LAYOUT_KEYS["micro_batch_tokens"][0]
@@ -78,36 +80,35 @@ class EngineLayout:
 
     def __post_init__(self):
         if self.step_layout not in STEP_LAYOUTS:
-            raise unknown_name_error("engine.step_layout", self.step_layout, STEP_LAYOUTS)
+            raise unknown_name_error("layout.step_layout", self.step_layout, STEP_LAYOUTS)
         if self.mixed_micro_batches not in MIXED_MICRO_BATCHES:
-            raise unknown_name_error("engine.mixed_micro_batches", self.mixed_micro_batches, MIXED_MICRO_BATCHES)
+            raise unknown_name_error("layout.mixed_micro_batches", self.mixed_micro_batches, MIXED_MICRO_BATCHES)
         aws = self.authors_world_size
         if isinstance(aws, str) and aws.strip().lower() in ("none", "null"):
             aws = None
             object.__setattr__(self, "authors_world_size", None)
         if aws is not None:
             if int(aws) < 1 or self.step_layout != "authors":
-                raise ValueError(f"engine.authors_world_size must be >= 1 with engine.step_layout: authors (the "
+                raise ValueError(f"layout.authors_world_size must be >= 1 with layout.step_layout: authors (the "
                                  f"authors' GPU count lays out their steps), got {aws} with step_layout "
                                  f"{self.step_layout}")
             object.__setattr__(self, "authors_world_size", int(aws))
         if self.mixed_micro_batches != "separate" and aws is None:
-            raise ValueError("engine.mixed_micro_batches: first_row reproduces the authors' micro-batches at their GPU "
-                             "count; set engine.authors_world_size too (or engine.mixed_micro_batches: separate)")
+            raise ValueError("layout.mixed_micro_batches: first_row reproduces the authors' micro-batches at their GPU "
+                             "count; set layout.authors_world_size too (or layout.mixed_micro_batches: separate)")
         mbt = self.micro_batch_tokens
         if isinstance(mbt, str) and mbt.strip().lower() in ("none", "null"):
             object.__setattr__(self, "micro_batch_tokens", None)
         elif mbt is not None:
             if int(mbt) < 1:
-                raise ValueError(f"engine.micro_batch_tokens must be >= 1 or null (micro-batches of the method's "
+                raise ValueError(f"layout.micro_batch_tokens must be >= 1 or null (micro-batches of the method's "
                                  f"micro_batch_seqs rows), got {mbt}")
             object.__setattr__(self, "micro_batch_tokens", int(mbt))
 
     # -------------------------------------------------------------- reading
     @classmethod
-    def from_mapping(cls, d: Optional[Mapping[str, Any]], where: str = "engine") -> "EngineLayout":
-        """From a mapping (an ``engine:`` section); keys other than the layout's are ignored here
-        (the section also holds engine choice and pass-through flags)."""
+    def from_mapping(cls, d: Optional[Mapping[str, Any]], where: str = "layout") -> "EngineLayout":
+        """From a mapping (a ``layout:`` section); keys other than the layout's are ignored here."""
         d = dict(d or {})
         return cls(**{k: d[k] for k in LAYOUT_KEYS if k in d and d[k] is not None})
 
@@ -148,7 +149,7 @@ def uses_authors_layout(method) -> bool:
 
 def refuse_on_local(layout: EngineLayout) -> Optional[str]:
     """The one-line refusal of a layout the local engine cannot honour (None: it can)."""
-    bad = [f"engine.{k}={v}" for k, v in layout.to_dict().items() if v != LAYOUT_KEYS[k][0]]
+    bad = [f"layout.{k}={v}" for k, v in layout.to_dict().items() if v != LAYOUT_KEYS[k][0]]
     if not bad:
         return None
     return (f"{', '.join(bad)}: the local engine cannot honour this layout (the DPH-RL authors' update loop runs "
@@ -156,7 +157,7 @@ def refuse_on_local(layout: EngineLayout) -> Optional[str]:
             "optim.mini_batches: drop it here or run the experiment on the OpenRLHF or Megatron engine")
 
 
-# ------------------------------------------------------------------ the --engine.* flags
+# ------------------------------------------------------------------ the --layout.* flags
 def _int_or_none(s: str):
     return None if str(s).strip().lower() in ("none", "null", "off") else int(s)
 
@@ -167,15 +168,17 @@ class _Deprecated(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         import sys
 
-        print(deprecation(option_string, option_string.replace("--div.", "--engine.")), file=sys.stderr)
+        print(deprecation(option_string, option_string.replace("--div.", "--layout.")), file=sys.stderr)
         setattr(namespace, self.dest, values)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """The ``--engine.*`` layout flags (and the old ``--div.<key>`` spellings, hidden)."""
-    g = parser.add_argument_group("engine layout (--engine.*)",
+    """The ``--layout.*`` flags, also spelled ``--engine.*`` (the rendered spelling: a printed command
+    stays what it was), and the old ``--div.<key>`` spellings, hidden. The namespace keeps
+    ``engine.<key>`` (``args.engine.*`` after OpenRLHF's ``hierarchize``)."""
+    g = parser.add_argument_group("micro-batch layout (--layout.*, also --engine.*)",
                                   "How the OpenRLHF / Megatron engines cut a rollout step into optimiser steps "
-                                  "and micro-batches (an experiment's `engine:` section).")
+                                  "and micro-batches (an experiment's `layout:` section).")
     for key, (default, text, source) in LAYOUT_KEYS.items():
         kw: Dict[str, Any] = {"default": None, "dest": f"engine.{key}", "metavar": "V",
                               "help": f"{text} (default {default if default is not None else 'none'}; "
@@ -186,14 +189,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentG
             kw.update(choices=list(MIXED_MICRO_BATCHES), metavar=None)
         else:
             kw.update(type=_int_or_none)
-        g.add_argument(f"--engine.{key}", **kw)
+        g.add_argument(f"--layout.{key}", f"--engine.{key}", **kw)
         hidden = dict(kw, help=argparse.SUPPRESS, action=_Deprecated)
         g.add_argument(f"--div.{key}", **hidden)
     return g
 
 
 def layout_argv(section: Mapping[str, Any]) -> List[str]:
-    """The ``--engine.*`` flags of an ``engine:`` section's layout keys."""
+    """The ``--engine.*`` flags of a ``layout:`` section's keys (the spelling printed commands have
+    always had; ``--layout.*`` is read too)."""
     out: List[str] = []
     for k in LAYOUT_KEYS:
         if k in section:

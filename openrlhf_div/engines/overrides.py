@@ -1,13 +1,14 @@
 """``section.key=value`` overrides checked before anything starts, with the same wording on every engine.
 
 An override names a section of an experiment file (``method.anchor_eta=0.1``,
-``engine.step_layout=spread``, ``openrlhf.train.batch_size=64``, ``presample.n_pre=4``,
+``layout.step_layout=spread``, ``openrlhf.train.batch_size=64``, ``presample.n_pre=4``,
 ``div.anchor_ratio=4``, ``task=math``). :func:`check_overrides` judges each against what reads it:
 
 * ``method.*``: the method registry (the name, then each hyperparameter), worded as the local
   engine words it (``config section `method`: method 'dph_js' has no hyperparameter 'anchr_eta'.
   Did you mean 'anchor_eta', ...``);
-* ``engine.*``: the layout keys (:data:`openrlhf_div.engines.layout.LAYOUT_KEYS`);
+* ``layout.*`` (the old ``engine.*`` read as it, :data:`openrlhf_div.config.RENAMED_SECTIONS`): the layout
+  keys (:data:`openrlhf_div.engines.layout.LAYOUT_KEYS`);
 * ``task``: the task registry;
 * ``div.*``, ``openrlhf.*`` and dotted ``presample.*`` keys: the Ray driver's own parser (OpenRLHF's
   flags plus ``--div.*`` / ``--megatron.*``), when OpenRLHF is installed; plain ``presample.*``
@@ -26,7 +27,7 @@ import os
 import re
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from openrlhf_div.config import EXPERIMENT_SECTIONS, ConfigError, unknown_key
+from openrlhf_div.config import EXPERIMENT_SECTIONS, RENAMED_SECTIONS, ConfigError, unknown_key
 
 #: a token that looks like an override: ``word.rest=value`` or ``word=value``
 _OVERRIDE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)((?:\.[^=\s]+)?)=")
@@ -71,6 +72,8 @@ def check_overrides(cfg: Dict[str, Any], overrides: Sequence[str], path: Optiona
     ``method_section``: :func:`openrlhf_div.engines.experiment.method_section` (passed in: the loader
     calls this module)."""
     items = [o.split("=", 1)[0].strip() for o in overrides if "=" in o]
+    items = [RENAMED_SECTIONS.get(k.split(".", 1)[0], k.split(".", 1)[0]) + k[len(k.split(".", 1)[0]):]
+             for k in items]  # engine.x: layout.x (the loader read it so)
     sections = {k.split(".", 1)[0] for k in items}
     for k in items:
         head = k.split(".", 1)[0]
@@ -100,8 +103,8 @@ def check_overrides(cfg: Dict[str, Any], overrides: Sequence[str], path: Optiona
         head, _, rest = k.partition(".")
         if not rest:
             continue
-        if head == "engine" and rest not in LAYOUT_KEYS:
-            raise unknown_key(k, LAYOUT_KEYS, where="engine")
+        if head == "layout" and rest not in LAYOUT_KEYS:
+            raise unknown_key(k, LAYOUT_KEYS, where="layout")
         if head in ("div", "openrlhf", "presample"):
             if flags is None:
                 flags = _driver_flags()
@@ -140,6 +143,7 @@ def overrides_of(argv: Sequence[str]) -> List[str]:
     out: List[str] = []
     for a in argv:
         m = _OVERRIDE.match(a)
-        if m and not a.startswith("-") and (m.group(1) in EXPERIMENT_SECTIONS or m.group(2)):
+        if m and not a.startswith("-") and (m.group(1) in EXPERIMENT_SECTIONS or m.group(1) in RENAMED_SECTIONS
+                                              or m.group(2)):
             out.append(a)
     return out

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
-from openrlhf_div.config import ConfigError, deep_merge, load, parse_overrides, unknown_key
+from openrlhf_div.config import ConfigError, deep_merge, load, parse_overrides, renamed_sections, unknown_key
 
 from openrlhf_div.schema import (CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ModelConfig,  # noqa: F401
                                   OptimConfig, PresampleConfig, RolloutConfig, _f, coerce as _coerce)
@@ -29,9 +29,10 @@ __all__ = ["ConfigError", "TrainConfig", "config_from_dict", "config_help", "dum
            "parse_overrides"]
 
 @dataclass
-class EngineConfig:
-    """Engine layout (:mod:`openrlhf_div.engines.layout`): the OpenRLHF / Megatron engines' micro-batch
-    layout under aggregation micro-batch-token-mean. The local engine lays micro-batches out with
+class LayoutConfig:
+    """Micro-batch layout (:mod:`openrlhf_div.engines.layout`): the OpenRLHF / Megatron engines' micro-batch
+    layout under aggregation micro-batch-token-mean (section ``layout:``; the old name ``engine:`` still
+    loads, with one stderr line). The local engine lays micro-batches out with
     ``optim.micro_batch_size`` / ``optim.mini_batches`` and refuses anything but the defaults here."""
 
     step_layout: str = _f(LAYOUT_KEYS["step_layout"][0], LAYOUT_KEYS["step_layout"][1]
@@ -43,13 +44,13 @@ class EngineConfig:
     mixed_micro_batches: str = _f(LAYOUT_KEYS["mixed_micro_batches"][0], LAYOUT_KEYS["mixed_micro_batches"][1]
                                   + " (source: " + LAYOUT_KEYS["mixed_micro_batches"][2] + ")")
 
-    def layout(self) -> EngineLayout:
+    def to_layout(self) -> EngineLayout:
         try:
             return EngineLayout(step_layout=self.step_layout, micro_batch_tokens=self.micro_batch_tokens,
                                 authors_world_size=self.authors_world_size,
                                 mixed_micro_batches=self.mixed_micro_batches)
         except ValueError as e:
-            raise ConfigError(f"config section `engine`: {e}") from e
+            raise ConfigError(f"config section `layout`: {e}") from e
 
 
 @dataclass
@@ -80,8 +81,8 @@ class TrainConfig:
     checkpoint: CheckpointConfig = _f(factory=CheckpointConfig, help="Checkpoints.")
     logging: LoggingConfig = _f(factory=LoggingConfig, help="Metrics output.")
     presample: PresampleConfig = _f(factory=PresampleConfig, help="DPH pre-sampling (`openrlhf-div presample`).")
-    engine: EngineConfig = _f(factory=EngineConfig, help="Engine layout (the OpenRLHF / Megatron engines' "
-                                                         "micro-batch layout; the local engine keeps the defaults).")
+    layout: LayoutConfig = _f(factory=LayoutConfig, help="Micro-batch layout (the OpenRLHF / Megatron engines'; the "
+                                                         "local engine keeps the defaults). Old name: engine.")
 
     # ------------------------------------------------------------------ helpers
     def build_method(self):
@@ -158,7 +159,12 @@ class TrainConfig:
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ConfigError(f"device must be cpu, cuda[:N] or auto, got {self.device!r}")
         method = self.build_method()  # validates method.name and its hyperparameters
-        refused = refuse_on_local(self.engine.layout())
+        # the section holds what the method holds: each hyperparameter converted once, by the
+        # registry's coerce_hparam (as on the Ray and Megatron drivers), so the saved config.yaml
+        # and run_info.json show the value the run used (a pair as a list: YAML has no tuple)
+        self.method = {k: (list(method.hparams[k]) if isinstance(method.hparams.get(k), tuple) else method.hparams[k])
+                       if k in method.hparams else v for k, v in self.method.items()}
+        refused = refuse_on_local(self.layout.to_layout())
         if refused:
             raise ConfigError(refused)
         from .guards import check_group_size
@@ -209,7 +215,8 @@ def _merge(base: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def config_from_dict(data: Dict[str, Any], overrides: Sequence[str] = ()) -> TrainConfig:
-    merged = _merge(data or {}, parse_overrides(overrides)) if overrides else dict(data or {})
+    data = renamed_sections(data or {})  # a saved run's config.yaml of an earlier release: engine: is layout:
+    merged = _merge(data, parse_overrides(overrides)) if overrides else dict(data)
     cfg = _from_dict(TrainConfig, merged)
     if isinstance(cfg.method, str):
         cfg.method = {"name": cfg.method}

@@ -5,7 +5,8 @@
   (:class:`~openrlhf_div.engines.anchor_data.EmptyAnchorError`, raised by the engine-neutral
   ``D_pef`` reader).
 * ``rollout.group_size < 2`` with a group advantage estimator gives zero advantages: a
-  config error (:func:`check_group_size`).
+  config error (:func:`check_group_size`; the Ray driver's plan refuses
+  ``--rollout.n_samples_per_prompt 1`` with the same guard).
 * A group whose rewards are all equal has zero advantage for every method's estimator; a
   step whose groups are *all* such is degenerate. :func:`degenerate_stats` counts them
   (metrics ``degenerate_groups_frac`` and ``degenerate_step``, and why: every response
@@ -26,15 +27,19 @@ class DegenerateRunError(RuntimeError):
     """Too many consecutive steps without any learning signal."""
 
 
-def check_group_size(method, group_size: int) -> Optional[str]:
-    """The config error for ``group_size < 2`` with a group estimator, else None."""
+def check_group_size(method, group_size: int, key: str = "rollout.group_size") -> Optional[str]:
+    """The config error for fewer than 2 responses per prompt with a group estimator, else None.
+    One guard for every engine; ``key`` names the setting where it was read: the local engine's
+    ``rollout.group_size``, the Ray driver's ``rollout.n_samples_per_prompt`` (its plan calls this
+    before OpenRLHF's own checks; OpenRLHF 0.11.2's driver asserts the same for its estimators rloo,
+    reinforce_baseline, group_norm and dr_grpo, naming its estimator rather than the method)."""
     from openrlhf_div.algorithms.registry import ESTIMATORS
 
     est = ESTIMATORS.get(getattr(method, "estimator", None))
     if int(group_size) < 2 and est is not None and est.group:  # as the estimator declared it
-        return (f"rollout.group_size={group_size}: method {method.name!r} uses the group estimator "
+        return (f"{key}={group_size}: method {method.name!r} uses the group estimator "
                 f"{method.estimator!r}, whose advantages are all zero with fewer than 2 responses per prompt "
-                f"(nothing would be learned); use rollout.group_size >= 2 (DPH-RL and GRPO papers use 8-16)")
+                f"(nothing would be learned); use {key} >= 2 (DPH-RL and GRPO papers use 8-16)")
     return None
 
 

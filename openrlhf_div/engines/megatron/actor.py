@@ -27,10 +27,10 @@ dp`` rows made of micro-batches of ``--train.micro_batch_size`` rows. A row is a
 anchor row when the experience marks it (:mod:`openrlhf_div.engines.contract`); every loss comes from
 the registry method through :func:`.loss.registry_loss`, with the step's global token counts. Under
 aggregation ``micro-batch-token-mean`` (the DPH-RL authors' update loop) the rows are not shuffled:
-:func:`authors_steps` lays them out with the run's engine layout (:class:`~..layout.EngineLayout`,
+:func:`authors_steps` lays them out with the run's micro-batch layout (:class:`~..layout.EngineLayout`,
 the planner call site shared with the OpenRLHF actor: rollouts, then anchors; steps of
 ``--train.batch_size / dp`` rows; the method's ``micro_batch_seqs`` rows or
-``--engine.micro_batch_tokens`` budgets per micro-batch, each with its ``authors_coef``).
+``--layout.micro_batch_tokens`` budgets per micro-batch, each with its ``authors_coef``).
 """
 from __future__ import annotations
 
@@ -119,9 +119,9 @@ def authors_steps(rows: List[Dict[str, torch.Tensor]], method: Method, mini_batc
                   sync=None, layout: Optional[EngineLayout] = None, dp_size: int = 1,
                   rank: int = 0) -> List[List[MicroBatch]]:
     """One replica's optimiser steps in the authors' layout (:meth:`EngineLayout.plan`, the run's
-    ``engine:`` settings; rows in replay order, rollouts before anchors, no shuffle), each
+    ``layout:`` settings; rows in replay order, rollouts before anchors, no shuffle), each
     micro-batch carrying its ``authors_coef`` (and ``authors_ppo_anchors``). With
-    ``engine.authors_world_size`` ``rows`` are the whole rollout step (every replica's, gathered),
+    ``layout.authors_world_size`` ``rows`` are the whole rollout step (every replica's, gathered),
     ``mini_batch_rows`` the authors' rows per GPU and step, and this replica (``rank`` of
     ``dp_size``) keeps its share of each step
     (:func:`~openrlhf_div.algorithms.authors.share_micro_batches`; padding shares weigh 0)."""

@@ -267,11 +267,11 @@ CONFIG_KEYS = {"plan_gpu_fit_gib": ("gpu_fit_gib", 1), "plan_gpu_peak_gib": ("gp
 def config_micro_batch(cfg: dict) -> float:
     """Sequences of ``data.max_len`` tokens per training micro-batch: ``train.micro_batch_size``,
     or under the authors' layout (``method.aggregation: micro-batch-token-mean``) its token budget
-    ``engine.micro_batch_tokens / data.max_len`` (a micro-batch of that many tokens in all) or
+    ``layout.micro_batch_tokens / data.max_len`` (a micro-batch of that many tokens in all) or
     ``micro_batch_seqs`` rows."""
     flags = cfg["openrlhf"]
     if method_key(cfg, "aggregation") == "micro-batch-token-mean":
-        tokens = (cfg.get("engine") or {}).get("micro_batch_tokens")
+        tokens = (cfg.get("layout") or {}).get("micro_batch_tokens")
         return float(tokens) / float(flags["data.max_len"]) if tokens else float(method_key(cfg, "micro_batch_seqs", 2))
     return float(flags.get("train.micro_batch_size", 1))
 
@@ -286,7 +286,7 @@ def method_key(cfg: dict, key: str, default=None):
 
 def config_plan(cfg: dict, world_size: Optional[int] = None, attention: Optional[str] = None) -> Dict[str, float]:
     """:func:`node_plan` of a parsed ``configs/megatron/*.yaml``; ``world_size``: plan the actor
-    on that many GPUs (e.g. the authors' count, ``engine.authors_world_size``: data parallel
+    on that many GPUs (e.g. the authors' count, ``layout.authors_world_size``: data parallel
     ``world_size / (tp x pp)``, the same per-GPU micro-batch) instead of the config's own;
     ``attention``: ``te`` | ``local`` instead of the config's (:func:`attention_impl`)."""
     flags, cluster = cfg["openrlhf"], cfg["cluster"]
@@ -305,11 +305,11 @@ def config_plan(cfg: dict, world_size: Optional[int] = None, attention: Optional
 
 
 def world_size_of(cfg: dict, value) -> int:
-    """``--world_size``: an integer, or ``authors`` (the config's ``engine.authors_world_size``)."""
+    """``--world_size``: an integer, or ``authors`` (the config's ``layout.authors_world_size``)."""
     if str(value).strip().lower() == "authors":
-        aws = (cfg.get("engine") or {}).get("authors_world_size")
+        aws = (cfg.get("layout") or {}).get("authors_world_size")
         if aws is None:
-            raise ValueError("--world_size authors: this config sets no engine.authors_world_size; "
+            raise ValueError("--world_size authors: this config sets no layout.authors_world_size; "
                              "give a GPU count (--world_size 32)")
         return int(aws)
     try:
@@ -320,13 +320,13 @@ def world_size_of(cfg: dict, value) -> int:
 
 def budget_line(cfg: dict) -> str:
     """One line on the config's token budgets: the longest row (``data.max_len`` = prompt budget +
-    ``rollout.max_new_tokens``) against the micro-batch's (``engine.micro_batch_tokens``, or
+    ``rollout.max_new_tokens``) against the micro-batch's (``layout.micro_batch_tokens``, or
     ``micro_batch_seqs`` / ``train.micro_batch_size`` rows of at most ``data.max_len``)."""
     flags = cfg["openrlhf"]
     max_len, new = int(flags["data.max_len"]), flags.get("rollout.max_new_tokens")
     prompt = max_len - int(new) if new is not None else None
     mb = config_micro_batch(cfg)
-    tokens = (cfg.get("engine") or {}).get("micro_batch_tokens")
+    tokens = (cfg.get("layout") or {}).get("micro_batch_tokens")
     if method_key(cfg, "aggregation") == "micro-batch-token-mean" and tokens:
         fit = "holds" if max_len <= int(tokens) else "does NOT hold"
         mb_text = f"micro-batches of {int(tokens)} tokens ({fit} the longest row)"
@@ -415,7 +415,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="a configs/megatron/*.yaml (else the flags below)")
     p.add_argument("--world_size", default=None,
                    help="with --config: plan the actor on this many GPUs instead of the config's "
-                        "(an integer, or 'authors' for the config's engine.authors_world_size)")
+                        "(an integer, or 'authors' for the config's layout.authors_world_size)")
     p.add_argument("--markdown", action="store_true", help="print the tables of docs/scaling_megatron.md")
     # the Megatron actor's own flag names (--megatron.tp, as the driver and the experiment files'
     # openrlhf.megatron.tp); --tp / --pp stay as short aliases

@@ -197,9 +197,9 @@ load_config = load_experiment
 def config_argv(cfg: Dict[str, Any], method_values: bool = True) -> List[str]:
     """The flags a config stands for: ``method:`` (name + hyperparameters) and ``task:`` ->
     ``--div.method`` / ``--div.<key>`` / ``--div.task``, ``div:`` -> ``--div.*`` (its method keys and
-    task: the old spelling, read with a one-line deprecation), ``engine:`` -> ``--engine.*``
-    (the layout, :mod:`openrlhf_div.engines.layout`), ``openrlhf:`` -> ``--<key>``. A layout key
-    still under ``div:`` is read as ``engine.<key>`` with a one-line deprecation.
+    task: the old spelling, read with a one-line deprecation), ``layout:`` -> ``--engine.*``
+    (:mod:`openrlhf_div.engines.layout`), ``openrlhf:`` -> ``--<key>``. A layout key
+    still under ``div:`` is read as ``layout.<key>`` with a one-line deprecation.
 
     ``method_values=False``: the method's hyperparameters (and aggregation, dynamic_sampling) are
     left out; :func:`plan` puts them into the parsed namespace as the values the file holds
@@ -239,15 +239,15 @@ def config_argv(cfg: Dict[str, Any], method_values: bool = True) -> List[str]:
         print(deprecation(", ".join(f"div.{k}" for k in old),
                           ", ".join("method.name" if k == "method" else "task" if k == "task" else f"method.{k}"
                                     for k in old)), file=sys.stderr)
-    engine = dict(cfg.get("engine") or {})
-    unknown = sorted(set(engine) - set(LAYOUT_KEYS))
+    layout = dict(cfg.get("layout") or {})
+    unknown = sorted(set(layout) - set(LAYOUT_KEYS))
     if unknown:
-        raise ValueError(f"config section `engine`: unknown key(s) {unknown}; the OpenRLHF driver reads "
+        raise ValueError(f"config section `layout`: unknown key(s) {unknown}; the OpenRLHF driver reads "
                          f"{sorted(LAYOUT_KEYS)} there")
     for k, v in (cfg.get("div") or {}).items():
         if k in LAYOUT_KEYS:
-            print(deprecation(f"div.{k}", f"engine.{k}"), file=sys.stderr)
-            engine.setdefault(k, v)
+            print(deprecation(f"div.{k}", f"layout.{k}"), file=sys.stderr)
+            layout.setdefault(k, v)
             continue
         if not method_values and k in METHOD_KEYS_IN_DIV():
             continue
@@ -255,7 +255,7 @@ def config_argv(cfg: Dict[str, Any], method_values: bool = True) -> List[str]:
             argv += [f"--div.{k}", EXPLICIT_NONE]
             continue
         argv += _flag_values("div.", k, v, bool_values=True)
-    argv += method_argv + layout_argv(engine)
+    argv += method_argv + layout_argv(layout)
     for k, v in (cfg.get("openrlhf") or {}).items():
         argv += _flag_values("", k, v)
     return argv
@@ -287,12 +287,12 @@ def split_overrides(argv: Sequence[str]):
     into the experiment by the one loader, and everything else."""
     import re
 
-    from openrlhf_div.config import EXPERIMENT_SECTIONS
+    from openrlhf_div.config import EXPERIMENT_SECTIONS, RENAMED_SECTIONS
 
     over, rest = [], []
     for a in argv:
         m = re.match(r"^([A-Za-z_]+)(\.[^=\s]+)?=", a)
-        (over if m and m.group(1) in EXPERIMENT_SECTIONS else rest).append(a)
+        (over if m and (m.group(1) in EXPERIMENT_SECTIONS or m.group(1) in RENAMED_SECTIONS) else rest).append(a)
     return over, rest
 
 
@@ -424,6 +424,12 @@ def plan(argv: Sequence[str], parser: Optional[argparse.ArgumentParser] = None) 
     derived = derive_upstream_flags(method, user_argv, div_namespace(first))
     final_argv = shown_argv + derived.argv
     parsed = parse(user_argv + derived.argv)
+    from openrlhf_div.engines.local.guards import check_group_size  # the local engine's guard: one home
+
+    group_error = check_group_size(method, getattr(parsed, "rollout.n_samples_per_prompt"),
+                                   key="rollout.n_samples_per_prompt")
+    if group_error:  # before OpenRLHF's own assert (finalize), which names its estimator, not the method
+        raise ValueError(group_error)
     if getattr(parsed, "actor.model_name_or_path", None) is None:
         raise ValueError("--actor.model_name_or_path is required (the policy to train)")
     if not getattr(parsed, "reward.remote_url", None):
@@ -464,7 +470,7 @@ def authors_layout_lines(method, args) -> List[str]:
 
 
 def _check_token_budget(method, args) -> None:
-    """Under ``micro-batch-token-mean`` with ``engine.micro_batch_tokens``, a micro-batch must hold
+    """Under ``micro-batch-token-mean`` with ``layout.micro_batch_tokens``, a micro-batch must hold
     the longest row a run can produce (``data.max_len`` = prompt budget + ``rollout.max_new_tokens``),
     as verl's ``rearrange_micro_batches`` asserts (``max_token_len >= max_seq_len``)."""
     if method.aggregation != MICRO_BATCH_TOKEN_MEAN:
@@ -472,9 +478,9 @@ def _check_token_budget(method, args) -> None:
     budget = EngineLayout.from_args(args).micro_batch_tokens
     if budget is not None and int(args.data.max_len) > int(budget):
         raise ValueError(
-            f"engine.micro_batch_tokens {budget} is smaller than data.max_len {args.data.max_len} (the longest row: "
+            f"layout.micro_batch_tokens {budget} is smaller than data.max_len {args.data.max_len} (the longest row: "
             "prompt budget + rollout.max_new_tokens): a micro-batch must hold one whole row (the authors' "
-            "ppo_max_token_len_per_gpu >= max_prompt_length + max_response_length); raise engine.micro_batch_tokens "
+            "ppo_max_token_len_per_gpu >= max_prompt_length + max_response_length); raise layout.micro_batch_tokens "
             "or lower data.max_len")
 
 

@@ -18,8 +18,8 @@ losses of one step add up to ``L_exp + eta * L_pef`` with each part a token mean
 
 Aggregation ``micro-batch-token-mean`` (the DPH-RL authors' update loop, docs/ALGORITHMS.md
 section 9 rows 1, 1b, 2): :func:`authors_micro_batches` replaces OpenRLHF's shuffled micro-batches
-and gas windows with the run's engine layout (:meth:`openrlhf_div.engines.layout.EngineLayout.plan`,
-``engine.step_layout`` / ``engine.micro_batch_tokens`` / ``engine.authors_world_size``) over the replica's rows (rollouts, then anchors; optimiser steps of ``train.batch_size / dp`` rows; anchors and
+and gas windows with the run's micro-batch layout (:meth:`openrlhf_div.engines.layout.EngineLayout.plan`,
+``layout.step_layout`` / ``layout.micro_batch_tokens`` / ``layout.authors_world_size``) over the replica's rows (rollouts, then anchors; optimiser steps of ``train.batch_size / dp`` rows; anchors and
 rollouts in separate micro-batches of ``micro_batch_seqs`` rows or token budgets), and each
 micro-batch's ``loss_batch_info`` carries ``{"authors": {"coef", "gas", "boundary"}}``:
 :func:`div_actor_loss` returns ``gas x Method.loss(..., micro_batch_coef=coef)`` -- DeepSpeed's
@@ -97,17 +97,17 @@ def authors_micro_batches(items: List, method: Method, layout: EngineLayout, *, 
                           sync: Optional[Callable[[int], int]] = None, dp_size: int = 1,
                           rank: int = 0) -> Iterator[Tuple[object, Dict]]:
     """``(micro-batch, loss_batch_info)`` for one epoch over this replica's single-row ``items``
-    in the authors' layout (module docstring; ``layout``: the run's ``engine:`` settings,
+    in the authors' layout (module docstring; ``layout``: the run's ``layout:`` settings,
     planned through :meth:`EngineLayout.plan`). ``anchor_fn(item)`` / ``tokens_fn(item)``: whether
     the row is a ``D_pef`` anchor, and its prompt + response tokens (token budgets);
     ``collate(list of items)`` makes a micro-batch (OpenRLHF's ``make_experience_batch``).
 
-    With ``engine.authors_world_size`` ``items`` are the whole rollout step (every rank's rows,
+    With ``layout.authors_world_size`` ``items`` are the whole rollout step (every rank's rows,
     gathered), ``mini_batch_rows`` the authors' rows per GPU and step
     (``train.batch_size / authors_world_size``), and this rank (``rank`` of ``dp_size``) takes its
     share of each step's micro-batches (:func:`~openrlhf_div.algorithms.authors.share_micro_batches`;
     a padding share has ``coef`` 0). ``info["authors"]["ppo_anchors"]``: the ``[B]`` flags of
-    anchors trained with the PPO loss (``engine.mixed_micro_batches: first_row``)."""
+    anchors trained with the PPO loss (``layout.mixed_micro_batches: first_row``)."""
     world = layout.authors_world_size
     steps = layout.plan(method, [bool(anchor_fn(it)) for it in items], [int(tokens_fn(it)) for it in items],
                         mini_batch_rows=int(mini_batch_rows), sync=sync)
