@@ -32,7 +32,6 @@ its own schema and validation; the loading is this module's.
 from __future__ import annotations
 
 import copy
-import difflib
 import os
 import re
 import sys
@@ -40,11 +39,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import yaml
 
+from openrlhf_div._config_base import ConfigError, expand_env, unknown_key  # noqa: F401 (re-exported)
+
 Merge = Callable[[Dict[str, Any], Dict[str, Any]], Dict[str, Any]]
 
 
-class ConfigError(ValueError):
-    """A bad config file, key or value; the message says which and what to do."""
 
 
 # ------------------------------------------------------------------ one file
@@ -248,24 +247,6 @@ def interpolate_self(cfg: Dict[str, Any]) -> Dict[str, Any]:
     return walk(cfg) if names else cfg
 
 
-_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
-
-
-def expand_env(value: str, environ: Optional[Dict[str, str]] = None) -> str:
-    """``${VAR}`` and ``${VAR:-default}`` from the environment; an unset variable without a
-    default is an error."""
-    env = os.environ if environ is None else environ
-
-    def sub(m):
-        name, default = m.group(1), m.group(2)
-        if name in env:
-            return env[name]
-        if default is not None:
-            return default
-        raise ConfigError(f"config refers to ${{{name}}}, which is not set (export it or write ${{{name}:-default}})")
-    return _VAR.sub(sub, value)
-
-
 def expand_tree(node: Any, environ: Optional[Dict[str, str]] = None) -> Any:
     """:func:`expand_env` on every string of a nested mapping / list (keys untouched)."""
     if isinstance(node, dict):
@@ -276,15 +257,6 @@ def expand_tree(node: Any, environ: Optional[Dict[str, str]] = None) -> Any:
 
 
 # ------------------------------------------------------------------ key checks
-def unknown_key(key: str, valid: Sequence[str], where: str = "", what: str = "config key") -> ConfigError:
-    """The error of an unknown key: the closest valid ones, then all of them."""
-    close = difflib.get_close_matches(key.split(".")[-1], list(valid), n=3, cutoff=0.5)
-    prefix = where + "." if where else ""
-    hint = f" Did you mean {', '.join(repr(prefix + c) for c in close)}?" if close else ""
-    return ConfigError(f"unknown {what} {key!r}.{hint} Valid keys{' in ' + where if where else ''}: "
-                       f"{', '.join(sorted(valid))}")
-
-
 # ------------------------------------------------------------------ experiment configs
 #: the sections of an OpenRLHF / Megatron experiment config (configs/openrlhf/*.yaml)
 EXPERIMENT_SECTIONS = ("experiment", "description", "paper", "plugins", "task", "method", "div", "layout", "openrlhf",

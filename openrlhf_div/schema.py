@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from openrlhf_div.config import ConfigError, expand_env
+from openrlhf_div._config_base import ConfigError, expand_env
 
 def _f(default=None, help: str = "", factory=None):
     if factory is not None:
@@ -210,13 +210,68 @@ class PresampleConfig:
 
 
 
+#: words read as None by a nullable number (``--div.dual_clip none``) and as true / false by a bool
+NONE_WORDS = ("none", "null", "off")
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+class BadValue(ValueError):
+    """``convert_scalar`` could not read the value as its type (the caller words the error)."""
+
+
+def convert_scalar(kind: Any, value: Any, *, none_words: bool = True) -> Any:
+    """The one coercion of a value to a setting's type, for every reader: the schema's fields
+    (:func:`coerce`), the method hyperparameters (``algorithms.registry.coerce_hparam``, which the
+    ``--div.<name>`` flags' argparse type and ``Method.with_overrides`` call), YAML files and
+    ``key=value`` overrides alike. ``kind``: ``bool``, ``int``, ``float``, ``str`` or ``"pair"``
+    (two numbers). ``None`` stays ``None``; with ``none_words`` a number or pair given as
+    ``none`` / ``null`` / ``off`` is ``None`` too. An int accepts ``1e3`` and ``8.0``, not ``8.5``;
+    a bool is never a number. Raises :class:`BadValue`."""
+    if value is None:
+        return None
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        word = str(value).strip().lower()
+        if word in TRUE_WORDS:
+            return True
+        if word in FALSE_WORDS:
+            return False
+        raise BadValue(value)
+    if kind is str:
+        return str(value)
+    if none_words and isinstance(value, str) and value.strip().lower() in NONE_WORDS:
+        return None
+    if kind == "pair":
+        if none_words and isinstance(value, (list, tuple)) and len(value) == 1 \
+                and str(value[0]).strip().lower() in NONE_WORDS:
+            return None
+        if isinstance(value, (list, tuple)) and len(value) == 2 and not any(isinstance(v, bool) for v in value):
+            try:
+                return (float(value[0]), float(value[1]))
+            except (TypeError, ValueError):
+                pass
+        raise BadValue(value)
+    if kind in (int, float) and not isinstance(value, bool):
+        try:
+            f = float(value)
+            if kind is float:
+                return f
+            if f == int(f):
+                return int(f)
+        except (TypeError, ValueError, OverflowError):
+            pass
+    raise BadValue(value)
+
+
 def coerce(key: str, hint: Any, val: Any) -> Any:
-    """The one coercion of a setting: ``val`` converted to a scalar field's type (``hint``: the
-    dataclass field's annotation; a quoted ``"1e-3"`` is a string, for one), or
-    :class:`ConfigError` naming the key, the type and the value."""
+    """A schema field's value converted to its type (``hint``: the dataclass field's annotation) by
+    :func:`convert_scalar`, or :class:`ConfigError` naming the key, the type and the value. A
+    nullable (``Optional``) number also takes ``none`` / ``null``; other types pass as they are."""
     text = str(hint)
+    nullable = "Optional" in text or "None" in text
     if val is None:
-        if "Optional" in text or "None" in text:
+        if nullable:
             return None
         raise ConfigError(f"config key {key!r} may not be null")
     for typ, name in ((bool, "bool"), (int, "int"), (float, "float")):
@@ -224,27 +279,11 @@ def coerce(key: str, hint: Any, val: Any) -> Any:
             break
     else:
         return val
-    if typ is bool:
-        if isinstance(val, bool):
-            return val
-        if str(val).lower() in ("true", "yes", "1", "on"):
-            return True
-        if str(val).lower() in ("false", "no", "0", "off"):
-            return False
-    else:
-        try:
-            if typ is int:
-                f = float(val)
-                if f == int(f) and not isinstance(val, bool):
-                    return int(f)
-            else:
-                if not isinstance(val, bool):
-                    return float(val)
-        except (TypeError, ValueError):
-            pass
-    raise ConfigError(f"config key {key!r} expects {name}, got {val!r}")
-
-
+    try:
+        out = convert_scalar(typ, val, none_words=nullable)
+    except BadValue:
+        raise ConfigError(f"config key {key!r} expects {name}, got {val!r}") from None
+    return out
 
 
 # ---------------------------------------------------------------------- the engines' names
@@ -288,7 +327,7 @@ _NOTED: set = set()
 def field_of(key: str) -> dataclasses.Field:
     """The dataclass field of a neutral key (``rollout.group_size``, ``seed``), or :class:`ConfigError`
     naming the closest keys."""
-    from openrlhf_div.config import unknown_key
+    from openrlhf_div._config_base import unknown_key
 
     if key == "seed":
         return _SEED_FIELD
@@ -404,46 +443,3 @@ def refuse_on_ray(cfg: Dict[str, Any], engine: str = "the Ray engines") -> Optio
     return (f"{keys}: honoured by the local engine only (no OpenRLHF flag carries it: `openrlhf-div config "
             f"fields`); {engine} cannot honour it: remove it, or move it under `local:` (read by the local "
             f"engine only)")
-
-
-# ---------------------------------------------------------------------- help on every field
-@dataclass
-class FieldInfo:
-    key: str
-    type: str
-    default: Any
-    help: str
-    engines: Tuple[str, ...]
-    openrlhf: Optional[str]
-
-
-def _type_name(hint: Any) -> str:
-    text = str(hint).replace("typing.", "")
-    return text
-
-
-def fields() -> List[FieldInfo]:
-    """Every field of the schema (:class:`~openrlhf_div.engines.local.config.TrainConfig`'s tree),
-    with the engines that honour it and, where there is one, the OpenRLHF flag it is rendered to."""
-    from openrlhf_div.engines.local.config import TrainConfig
-
-    out: List[FieldInfo] = []
-
-    def walk(cls, prefix: str) -> None:
-        for f in dataclasses.fields(cls):
-            sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
-            key = prefix + f.name
-            if dataclasses.is_dataclass(sub):
-                walk(sub, key + ".")
-                continue
-            default = f.default if f.default is not dataclasses.MISSING else (sub() if sub else None)
-            flag = OPENRLHF_FLAGS.get(key)
-            engines = ("local", "openrlhf", "megatron") if flag or key in _EVERY_ENGINE else ("local",)
-            out.append(FieldInfo(key, _type_name(f.type), default, str(f.metadata.get("help", "")), engines, flag))
-
-    walk(TrainConfig, "")
-    return out
-
-
-#: top-level keys every engine reads under the same name (an experiment file's own sections)
-_EVERY_ENGINE = ("experiment", "task", "plugins", "method")

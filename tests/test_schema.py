@@ -51,7 +51,8 @@ def _local(path, *over):
 
 
 def test_every_field_has_help_type_and_engines():
-    from openrlhf_div.schema import OPENRLHF_FLAGS, fields
+    from openrlhf_div.engines.local.config import fields
+    from openrlhf_div.schema import OPENRLHF_FLAGS
 
     rows = fields()
     keys = [f.key for f in rows]
@@ -66,7 +67,7 @@ def test_every_field_has_help_type_and_engines():
 
 def test_reference_page_is_generated():
     """docs/config_reference.md is `openrlhf-div config fields --markdown` (regenerate it with that command)."""
-    from openrlhf_div.cli.config import fields_markdown
+    from openrlhf_div.engines.local.config import fields_markdown
 
     with open(os.path.join(ROOT, "docs", "config_reference.md")) as fh:
         page = fh.read()
@@ -250,3 +251,27 @@ def test_a_closed_pipe_is_not_a_traceback(monkeypatch):
         assert main(["config", "fields"]) == 141
     finally:
         os.close(w)
+
+
+def test_one_coercion_for_settings_and_hyperparameters():
+    """Issue 42 item 4: the schema's fields, the method hyperparameters and the driver's bool flags
+    convert through one function (schema.convert_scalar): the same spelling gives the same value.
+    Mutation: convert_scalar reading ints with int() (no '1e3') -> the int cases fail on every reader."""
+    import argparse
+
+    from openrlhf_div.algorithms.registry import coerce_hparam
+    from openrlhf_div.config import ConfigError
+    from openrlhf_div.engines.flags import _bool
+    from openrlhf_div.schema import coerce
+
+    assert coerce("rollout.group_size", "int", "1e1") == 10 and coerce_hparam("micro_batch_seqs", "1e1") == 10
+    assert coerce("optim.learning_rate", "float", "1e-3") == coerce_hparam("anchor_eta", "1e-3") == 0.001
+    assert coerce("eval.max_prompts", "Optional[int]", "none") is None and coerce_hparam("dual_clip", "none") is None
+    for word, val in (("yes", True), ("off", False)):
+        assert coerce("logging.progress", "bool", word) is val and _bool(word) is val
+    with pytest.raises(ConfigError, match="expects int"):
+        coerce("rollout.group_size", "int", "8.5")
+    with pytest.raises(ValueError, match="expected an integer"):
+        coerce_hparam("micro_batch_seqs", "8.5")
+    with pytest.raises(argparse.ArgumentTypeError):
+        _bool("maybe")

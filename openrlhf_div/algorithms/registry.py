@@ -276,8 +276,6 @@ def hparam_help(builtin_only: bool = False) -> Dict[str, Dict[str, Any]]:
 #: the value type of hyperparameters whose registered default is None ("pair": two floats)
 NONE_DEFAULT_TYPES: Dict[str, Any] = {"overlong_max_len": int, "overlong_cache_len": int, "js_def_clamp": float,
                                       "lad_clip": "pair"}
-NONE_WORDS = ("none", "null", "off")
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def hparam_type(name: str) -> Any:
@@ -299,40 +297,22 @@ def coerce_hparam(name: str, value: Any) -> Any:
     whatever read it: a YAML file or ``key=value`` override (a quoted ``"1e-3"`` arrives as a string there),
     a ``--div.<name>`` flag's text (the OpenRLHF / Megatron drivers' argparse type calls this) or a
     Python caller. ``none`` / ``null`` (or YAML null) is None for every non-string type. Every engine
-    gets the same value from the same spelling (:meth:`Method.with_overrides` applies it)."""
+    gets the same value from the same spelling (:meth:`Method.with_overrides` applies it). The
+    conversion is the schema's (:func:`openrlhf_div.schema.convert_scalar`, which the settings' fields
+    use too); this adds the hyperparameter's type and the wording of the error."""
+    from openrlhf_div.schema import BadValue, convert_scalar
+
     kind = hparam_type(name)
     if value is None or kind is None:
         return value
+    try:
+        return convert_scalar(kind, value)
+    except BadValue:
+        pass
     if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if str(value).strip().lower() in _TRUE:
-            return True
-        if str(value).strip().lower() in _FALSE:
-            return False
         raise ValueError(f"method hyperparameter {name}: expected true or false, got {value!r}")
-    if kind is str:
-        return str(value)
-    if isinstance(value, str) and value.strip().lower() in NONE_WORDS:
-        return None
     if kind == "pair":
-        if isinstance(value, (list, tuple)) and len(value) == 1 and str(value[0]).strip().lower() in NONE_WORDS:
-            return None
-        if isinstance(value, (list, tuple)) and len(value) == 2 and not any(isinstance(v, bool) for v in value):
-            try:
-                return (float(value[0]), float(value[1]))
-            except (TypeError, ValueError):
-                pass
         raise ValueError(f"method hyperparameter {name}: expected two numbers [LOW, HIGH] or none, got {value!r}")
-    if not isinstance(value, bool):
-        try:
-            f = float(value)
-            if kind is float:
-                return f
-            if f == int(f):
-                return int(f)
-        except (TypeError, ValueError, OverflowError):
-            pass
     raise ValueError(f"method hyperparameter {name}: expected {'an integer' if kind is int else 'a number'} "
                      f"(or none), got {value!r}")
 

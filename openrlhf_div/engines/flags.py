@@ -96,7 +96,7 @@ def METHOD_KEYS_IN_DIV() -> set:
 #: "flag not given"), so the override reaches the method, which reads it as ``None``
 #: (:meth:`Method.with_overrides`). A plain string keeps the namespace picklable and JSON-safe.
 EXPLICIT_NONE = "none"
-NONE_WORDS = ("none", "null", "off")
+from openrlhf_div.schema import NONE_WORDS  # noqa: E402  (the one coercion's words)
 
 
 def _none_or(conv):
@@ -120,12 +120,12 @@ def _flag_type(name: str):
 
 
 def _bool(s: str) -> bool:
-    v = str(s).lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
+    from openrlhf_div.schema import BadValue, convert_scalar  # the one coercion
+
+    try:
+        return convert_scalar(bool, s)
+    except BadValue:
+        raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}") from None
 
 
 def add_div_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
