@@ -315,6 +315,12 @@ OPENRLHF_FLAGS: Dict[str, str] = {
 }
 #: OpenRLHF's flag -> our name (the old spelling under ``openrlhf:``)
 OUR_NAME: Dict[str, str] = {flag: key for key, flag in OPENRLHF_FLAGS.items()}
+#: our name -> the Ray drivers' own ``--div.<key>`` (rendered into the experiment's ``div:``)
+DIV_FLAGS: Dict[str, str] = {
+    "optim.anchor_ratio": "anchor_ratio",
+}
+#: ``div:``'s key -> our name (the old spelling under ``div:``)
+OUR_NAME_DIV: Dict[str, str] = {flag: key for key, flag in DIV_FLAGS.items()}
 
 #: the sections (and the scalar ``seed``) an experiment file writes in the schema's names
 NEUTRAL_SECTIONS: Tuple[str, ...] = ("seed", "model", "data", "rollout", "optim", "eval", "checkpoint")
@@ -381,14 +387,15 @@ def _flat(section: str, value: Any, where: str) -> Dict[str, Any]:
     return out
 
 
-def note_old_spelling(flag: str, where: str) -> None:
-    """One stderr line per process and key: ``openrlhf.<flag>`` is our ``OUR_NAME[flag]``."""
-    if flag in _NOTED:
+def note_old_spelling(flag: str, where: str, section: str = "openrlhf") -> None:
+    """One stderr line per process and key: ``openrlhf.<flag>`` (or ``div.<key>``) is our name."""
+    ours = (OUR_NAME if section == "openrlhf" else OUR_NAME_DIV)[flag]
+    if (section, flag) in _NOTED:
         return
-    _NOTED.add(flag)
+    _NOTED.add((section, flag))
     hint = f"`openrlhf-div config convert {where}` rewrites the file" if where.endswith((".yaml", ".yml")) \
-        else f"write {OUR_NAME[flag]}=VALUE"
-    print(f"note: {where}: openrlhf.{flag} is spelt {OUR_NAME[flag]} now (the old spelling still loads; {hint})",
+        else f"write {ours}=VALUE"
+    print(f"note: {where}: {section}.{flag} is spelt {ours} now (the old spelling still loads; {hint})",
           file=sys.stderr)
 
 
@@ -409,8 +416,18 @@ def render_file(data: Dict[str, Any], where: str, *, override: bool = False) -> 
     for flag in ours:
         if flag in OUR_NAME:
             note_old_spelling(flag, where)
+    div = data.get("div") if isinstance(data.get("div"), dict) else {}
+    for k in div:
+        if k in OUR_NAME_DIV:
+            note_old_spelling(k, where, "div")
     for key, value in flat.items():
         check_value(key, value)
+        if key in DIV_FLAGS:  # the drivers' own flag
+            if DIV_FLAGS[key] in div:
+                raise ConfigError(f"{where}: {key} and div.{DIV_FLAGS[key]} are one setting written twice; "
+                                  f"write {key} only")
+            data.setdefault("div", {})[DIV_FLAGS[key]] = value
+            continue
         flag = OPENRLHF_FLAGS.get(key)
         if flag is None:  # local-engine only: kept in its section
             if key == "seed":

@@ -63,6 +63,7 @@ def test_every_field_has_help_type_and_engines():
     by_key = {f.key: f for f in rows}
     for key, flag in OPENRLHF_FLAGS.items():
         assert by_key[key].openrlhf == flag and "openrlhf" in by_key[key].engines
+    assert by_key["optim.anchor_ratio"].openrlhf == "div.anchor_ratio"
 
 
 def test_reference_page_is_generated():
@@ -80,7 +81,7 @@ def test_fields_command_prints_a_section(capsys):
 
     assert main(["config", "fields", "--section", "rollout"]) == 0
     out = capsys.readouterr().out
-    assert "rollout.group_size: int = 8" in out and "OpenRLHF --rollout.n_samples_per_prompt" in out
+    assert "rollout.group_size: int = 8" in out and "Ray driver --rollout.n_samples_per_prompt" in out
     assert "rollout.decode_step" in out and "(local)" in out
 
 
@@ -275,3 +276,34 @@ def test_one_coercion_for_settings_and_hyperparameters():
         coerce_hparam("micro_batch_seqs", "8.5")
     with pytest.raises(argparse.ArgumentTypeError):
         _bool("maybe")
+
+
+def test_anchors_per_step_have_one_name(tmp_path, capsys):
+    """`optim.anchor_ratio` (online samples per anchor sample) reaches the Ray driver as --div.anchor_ratio
+    and the local engine as itself; the old div.anchor_ratio loads with one line and converts.
+    Mutation: DIV_FLAGS emptied -> the Ray driver keeps its default 8."""
+    from openrlhf_div import schema
+    from openrlhf_div.cli.config import convert_file
+    from openrlhf_div.config import load_experiment
+
+    p = _experiment(tmp_path, "optim: {anchor_ratio: 4, learning_rate: 1e-4}\n", name="ratio.yaml")
+    with open(p) as fh:
+        text = fh.read().replace("method: {name: grpo}", "method: {name: dph_js}")
+    with open(p, "w") as fh:
+        fh.write(text + "div: {anchor_data: /tmp/none}\nopenrlhf: {train.batch_size: 20}\n")  # 16 online + 4 anchors
+    plan = _ray_plan(p)
+    assert plan.args.div.anchor_ratio == 4.0
+    cfg = load_experiment(p)
+    assert cfg["div"]["anchor_ratio"] == 4
+    schema._NOTED.clear()
+    old = _experiment(tmp_path, "div:\n  anchor_ratio: 4  # per anchor\nopenrlhf:\n  actor.adam.lr: 1e-4\n",
+                      name="oldratio.yaml")
+    before = load_experiment(old)
+    assert "div.anchor_ratio is spelt optim.anchor_ratio" in capsys.readouterr().err
+    new, moved = convert_file(old)
+    assert "div.anchor_ratio -> optim.anchor_ratio" in moved and new.count("optim:") == 1
+    assert "optim:\n  anchor_ratio: 4  # per anchor\n  learning_rate: 1e-4" in new or \
+        "optim:\n  learning_rate: 1e-4\n  anchor_ratio: 4  # per anchor" in new, new
+    with open(old, "w") as fh:
+        fh.write(new)
+    assert load_experiment(old) == before

@@ -170,8 +170,11 @@ def _convert_div(lines: List[str]) -> Tuple[List[str], List[str]]:
         pending = []
     if pending and items:
         items[-1][1].extend(pending)
+    from openrlhf_div.schema import OUR_NAME_DIV
+
     mk = METHOD_KEYS_IN_DIV()
     task, method, layout, rest, moved = [], [], [], [], []
+    neutral: Dict[str, List[str]] = {}
     for key, ls in items:
         if key == "task":
             task += [x[2:] if not x.lstrip().startswith("#") else x.strip() for x in ls]
@@ -185,6 +188,10 @@ def _convert_div(lines: List[str]) -> Tuple[List[str], List[str]]:
         elif key in LAYOUT_KEYS:
             layout += ls
             moved.append(f"div.{key} -> {LAYOUT_SECTION}.{key}")
+        elif key in OUR_NAME_DIV:  # the drivers' flag of a schema setting (div.anchor_ratio -> optim.anchor_ratio)
+            section, _, name = OUR_NAME_DIV[key].partition(".")
+            neutral.setdefault(section, []).extend(re.sub(rf"^  {key}:", f"  {name}:", x) for x in ls)
+            moved.append(f"div.{key} -> {OUR_NAME_DIV[key]}")
         else:
             rest += ls
     if not moved:
@@ -196,7 +203,36 @@ def _convert_div(lines: List[str]) -> Tuple[List[str], List[str]]:
     out += (["method:"] + method) if method else []
     out += ([f"{LAYOUT_SECTION}:"] + layout) if layout else []
     out += (["div:"] + rest) if rest else []
+    for section, ls in neutral.items():
+        out += [f"{section}:"] + ls
     return lines[:s] + out + lines[e:], moved
+
+
+def _merge_blocks(lines: List[str]) -> List[str]:
+    """A top-level section written twice (``optim:`` from ``div:`` and from ``openrlhf:``) merged into
+    its first block."""
+    from openrlhf_div.schema import NEUTRAL_SECTIONS
+
+    seen: Dict[str, int] = {}
+    i = 0
+    while i < len(lines):
+        m = re.match(r"^([A-Za-z_]+):\s*$", lines[i])
+        if not m or m.group(1) not in NEUTRAL_SECTIONS:
+            i += 1
+            continue
+        end = _block_end(lines, i, 0)
+        name = m.group(1)
+        if name not in seen:
+            seen[name] = i
+            i = end
+            continue
+        body = lines[i + 1:end]
+        del lines[i:end]
+        first = seen[name]
+        at = _block_end(lines, first, 0)
+        lines[at:at] = body
+        i = i + len(body) if at < i else i
+    return lines
 
 
 def convert_text(text: str) -> Tuple[str, List[str]]:
@@ -204,7 +240,7 @@ def convert_text(text: str) -> Tuple[str, List[str]]:
     settings under ``openrlhf:``."""
     lines, moved_div = _convert_div(text.split("\n"))
     lines, moved = _convert_lines(lines)
-    return "\n".join(lines), moved_div + moved
+    return "\n".join(_merge_blocks(lines)), moved_div + moved
 
 
 def convert_file(path: str) -> Tuple[str, List[str]]:
