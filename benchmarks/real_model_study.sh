@@ -70,7 +70,7 @@ run nice -n "$NICE" bash examples/scripts/sweep_methods.sh smollm2_arith --engin
 #    in the runs' dtype); a finished evaluation is skipped, so a stopped study resumes here too
 EVAL=(--task math --task-opt extract=lenient --data examples/data/smollm2_arith/eval.jsonl
       --prompt-template "{prompt}" --system-prompt "" --n 64 --k 1,2,4,8,16,32,64 --temperature 1.0
-      --max-new-tokens 32 --engine vllm --vllm-eager --dtype "${EVAL_DTYPE:-bfloat16}" --seed 0 --no-progress)
+      --max-new-tokens 32 --sampler vllm --vllm-eager --dtype "${EVAL_DTYPE:-bfloat16}" --seed 0 --no-progress)
 P64="$OUT/pass64"
 evaluate64() {  # evaluate64 MODEL NAME [--base-results DIR]
   local model="$1" name="$2"

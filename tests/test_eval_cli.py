@@ -90,7 +90,7 @@ def test_eval_command_end_to_end(model_dir, tmp_path, capsys):
     out = tmp_path / "run1"
     rc = main(["eval", "--model", model_dir, "--task", "math", "--data", os.path.join(FIX, "math", "math500.jsonl"),
                "--data", os.path.join(FIX, "math", "aime24.jsonl"), "--n", "4", "--k", "1,2,4", "--temperature", "1.0",
-               "--top-p", "0.95", "--greedy", "--max-new-tokens", "6", "--batch-size", "4", "--engine", "hf",
+               "--top-p", "0.95", "--greedy", "--max-new-tokens", "6", "--batch-size", "4", "--sampler", "hf",
                "--limit", "2",
                "--out", str(out), "--no-progress", "--task-opt", "timeout=2", "--task-opt", "num_workers=2",
                "--role", "base"])
@@ -120,7 +120,7 @@ def test_eval_command_end_to_end(model_dir, tmp_path, capsys):
     # naming the differences (they used to be mixed silently) ...
     out2 = tmp_path / "run2"
     args = ["eval", "--model", model_dir, "--task", "math", "--data", os.path.join(FIX, "math", "aime24.jsonl"),
-            "--n", "2", "--k", "1", "--max-new-tokens", "4", "--engine", "hf", "--out", str(out2),
+            "--n", "2", "--k", "1", "--max-new-tokens", "4", "--sampler", "hf", "--out", str(out2),
             "--no-progress", "--base-results", str(out), "--keep-k", "2", "--top-p", "0.95",
             "--task-opt", "timeout=2", "--task-opt", "num_workers=2"]
     capsys.readouterr()
@@ -151,7 +151,7 @@ def test_eval_command_errors(model_dir, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     # sql without db_root: a clear error before any generation
     assert main(["eval", "--model", model_dir, "--task", "sql", "--data", os.path.join(os.path.dirname(os.path.dirname(FIX)), "examples", "data", "toy_sql", "spider_dev.json"),
-                 "--engine", "hf", "--n", "1", "--k", "1", "--no-progress", "--role", "base"]) == 2
+                 "--sampler", "hf", "--n", "1", "--k", "1", "--no-progress", "--role", "base"]) == 2
     assert "db_root" in capsys.readouterr().err
 
 
@@ -185,7 +185,7 @@ def test_vllm_engine_is_the_registry_sampler_on_the_model_train_loads(model_dir,
     assert [len(g) for g in fn(["a"], n=2, greedy=True)] == [2]
     # a model vLLM cannot take: one line naming why and the engines that can
     monkeypatch.setitem(reg._REGISTRY, "vllm", reg.SamplerSpec("vllm", factory, lambda m, d: "head size 16", "x"))
-    with pytest.raises(RuntimeError, match=r"^--engine vllm: vLLM cannot sample .* here: head size 16; use --engine "
+    with pytest.raises(RuntimeError, match=r"^--sampler vllm: vLLM cannot sample .* here: head size 16; use --sampler "
                                            r"local or hf$"):
         make_generate_fn(model_dir, engine="vllm", device="cpu")
 
@@ -221,7 +221,7 @@ def test_eval_role_is_explicit_or_read_from_a_train_run_folder(model_dir, tmp_pa
     (run / "run_info.json").write_text(json.dumps({"seed": 5, "engine": "local", "experiment": None,
                                                    "method": {"name": "dph_js"}}))
     common = ["--task", "math", "--data", os.path.join(FIX, "math", "math500.jsonl"), "--n", "2", "--k", "1",
-              "--max-new-tokens", "3", "--limit", "1", "--engine", "hf", "--no-progress", "--task-opt", "timeout=2",
+              "--max-new-tokens", "3", "--limit", "1", "--sampler", "hf", "--no-progress", "--task-opt", "timeout=2",
               "--task-opt", "num_workers=1"]
     out = tmp_path / "ev_trained"
     assert main(["eval", "--model", str(run / "final_model"), *common, "--out", str(out)]) == 0
@@ -245,3 +245,15 @@ def test_eval_role_is_explicit_or_read_from_a_train_run_folder(model_dir, tmp_pa
     (tmp_path / "bare" / "config.yaml").write_text("task: math\n")
     with pytest.raises(FileNotFoundError, match=r"openrlhf-div eval --model .* --role trained --out"):
         load_run(str(tmp_path / "bare"))
+
+
+def test_eval_sampler_flag_and_its_old_name(capsys):
+    """Issue 42 item 3: "engine" is the trainer; eval's sampler is --sampler, the old --engine reads as it
+    with one line. Mutation: the old flag's note removed -> this fails."""
+    from openrlhf_div.cli.main import build_parser
+
+    p = build_parser()
+    assert p.parse_args(["eval", "--model", "m", "--task", "math", "--data", "d.jsonl", "--sampler", "hf"]).engine == "hf"
+    assert capsys.readouterr().err == ""
+    assert p.parse_args(["eval", "--model", "m", "--task", "math", "--data", "d.jsonl", "--engine", "local"]).engine == "local"
+    assert "eval --engine is spelt --sampler now" in capsys.readouterr().err

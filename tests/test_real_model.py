@@ -120,7 +120,7 @@ def test_eval_on_gsm8k_style_jsonl(data, tmp_path, engine):
     out = tmp_path / "eval"
     rc = main(["eval", "--model", GGUF, "--task", "math", "--data", str(data / "train.jsonl"), "--n", "2",
                "--k", "1,2", "--max-new-tokens", "16", "--limit", "2", "--out", str(out), "--no-progress",
-               "--task-opt", "num_workers=1", "--engine", engine, "--device", "cpu", "--role", "base"]
+               "--task-opt", "num_workers=1", "--sampler", engine, "--device", "cpu", "--role", "base"]
               + (["--vllm-eager"] if engine == "vllm" else []))
     assert rc == 0
     res = json.load(open(out / "eval.json"))

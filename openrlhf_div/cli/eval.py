@@ -11,7 +11,7 @@ It is inferred only from a train run folder (``--model`` inside one, e.g. ``RUN/
 
 Writes ``eval.json`` (the project's one results format, :mod:`openrlhf_div.eval.results`),
 ``results.md`` and ``samples.jsonl`` into ``--out``. Generation uses
-vLLM when it is installed and a GPU is present (``--engine auto``), else the training engine's KV-cache sampler on
+vLLM when it is installed and a GPU is present (``--sampler auto``), else the training engine's KV-cache sampler on
 the Hugging Face model in-process (``--engine local``; ``--engine hf``: ``model.generate``).
 """
 from __future__ import annotations
@@ -46,6 +46,15 @@ def _parse_opt(text: str):
 
 #: how this command spells the options a data error points to (openrlhf_div.tasks.datasets.HINTS)
 DATA_HINTS = {"on_error": "--on-error skip", "duplicate_ids": "--duplicate-ids rename", "max_prompt": None}
+
+
+class _OldSamplerFlag(argparse.Action):
+    """``eval --engine X``: read as ``--sampler X`` with one line (one word, one meaning: --engine is the trainer)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print("note: eval --engine is spelt --sampler now (--engine names the trainer: run --engine); "
+              f"read as --sampler {values}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
 
 def add_parser(sub) -> None:
@@ -96,11 +105,13 @@ def add_parser(sub) -> None:
     p.add_argument("--on-error", choices=["raise", "skip"], default="raise",
                    help="malformed dataset rows: stop with an error (default) or skip and count them")
     p.add_argument("--limit", type=int, default=None, help="first N problems per dataset")
-    p.add_argument("--engine", choices=["auto", "local", "hf", "vllm"], default="auto",
+    p.add_argument("--sampler", dest="engine", choices=["auto", "local", "hf", "vllm"], default="auto",
                    help="local: the training engine's KV-cache sampler; hf: Hugging Face generate; vllm: the "
                         "training engine's in-process vLLM sampler; auto (default): vllm when installed and a GPU "
-                        "is present, else local. Every engine takes every --model form (the model is loaded once, "
+                        "is present, else local. Every sampler takes every --model form (the model is loaded once, "
                         "as train loads it; a .gguf is de-quantized and cached)")
+    p.add_argument("--engine", dest="engine", choices=["auto", "local", "hf", "vllm"], action=_OldSamplerFlag,
+                   help=argparse.SUPPRESS)  # the old name: "engine" is the trainer (run --engine)
     p.add_argument("--vllm-eager", action="store_true",
                    help="vllm engine without torch.compile (rollout.vllm_enforce_eager): starts in seconds instead "
                         "of minutes on a CPU, samples slower")
@@ -249,7 +260,7 @@ def run(args) -> int:
         return 2
 
     print(f"eval: {len(examples)} problem(s) x {args.n} sample(s){' + greedy' if args.greedy else ''}, up to "
-          f"{args.max_new_tokens} new tokens each (--max-new-tokens), engine {args.engine}", file=sys.stderr)
+          f"{args.max_new_tokens} new tokens each (--max-new-tokens), sampler {args.engine}", file=sys.stderr)
     t0 = time.time()
     try:
         gen_fn, tokenizer, engine = make_generate_fn(args.model, engine=args.engine, device=args.device,

@@ -182,7 +182,7 @@ def make_generate_fn(model_path: str, engine: str = "auto", device: str = "auto"
     try:
         sampler = open_sampler(name, model, tokenizer, rollout, device=device, seed=int(seed or 0))
     except SamplerUnavailable as exc:
-        raise RuntimeError(f"--engine {engine}: vLLM cannot sample {model_path} here: {exc.reason}; use --engine "
+        raise RuntimeError(f"--sampler {engine}: vLLM cannot sample {model_path} here: {exc.reason}; use --sampler "
                            f"local or hf") from None
     gen = torch.Generator(device=device).manual_seed(int(seed or 0))
     fn = local_generate_fn(sampler, gen, batch_size)
