@@ -16,12 +16,12 @@ from openrlhf_div.engines.openrlhf.checkpoints import (
     NonFiniteLossError,
     NonFiniteWeightsError,
     check_finite_scalar,
-    named_fault,
     read_latest,
     resolve_resume_tag,
     save_actor_checkpoint,
     step_tags,
 )
+from openrlhf_div.engines.openrlhf.failures import named_fault
 
 
 class DSLikeStrategy:

@@ -355,3 +355,29 @@ def test_summary_names_the_policy_engine_that_runs(parser):
     ds = plan(["--config", os.path.join(ROOT, "configs", "openrlhf", "llama8b_bird_grpo.yaml")], parser).summary()
     line = next(ln for ln in ds.splitlines() if ln.startswith("policy actor"))
     assert "DeepSpeed ZeRO-" in line and "Megatron" not in line, line
+
+
+def test_launch_split_by_job_keeps_every_name_and_a_dry_run_without_ray():
+    """Issue 42 item 6: launch.py's jobs live in upstream / render / plan / failures; every name they
+    took is still importable from launch (the same object), and ``main --dry-run`` in a fresh
+    interpreter imports neither Ray nor vLLM."""
+    import subprocess
+    import sys
+
+    from openrlhf_div.engines.openrlhf import failures, launch, plan, render, upstream
+
+    homes = {upstream: ["PROG", "upstream_cli_path", "upstream_main", "build_parser", "finalize"],
+             render: ["load_config", "config_argv", "config_values", "split_overrides", "_split_config",
+                      "apply_config_env"],
+             plan: ["Plan", "plan", "count_gpus", "authors_layout_lines", "load_argv_plugins"],
+             failures: ["dead_actor_line", "stopped", "_exit_naming", "named_fault", "DEAD_ACTOR_EXIT",
+                        "INCOMPLETE_FILE", "STOPPED_EXIT"]}
+    for home, names in homes.items():
+        for n in names:
+            assert getattr(launch, n) is getattr(home, n), f"launch.{n} is not {home.__name__}.{n}"
+    code = ("import sys\n"
+            "from openrlhf_div.engines.openrlhf.launch import main\n"
+            f"rc = main(['--config', {os.path.join(ROOT, 'configs', 'openrlhf', 'tiny_cpu_grpo.yaml')!r}, '--dry-run'])\n"
+            "print('LOADED', rc, [m for m in ('ray', 'vllm') if m in sys.modules])\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert "LOADED 0 []" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]

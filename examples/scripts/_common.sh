@@ -150,7 +150,7 @@ ensure_ray_head() {
 }
 
 # The one line of a job stopped by Ctrl-C / SIGTERM: its run folder (marked incomplete, as the driver marks
-# its own: engines/openrlhf/launch.py stopped) and how to resume from its last checkpoint, if any.
+# its own: engines/openrlhf/failures.py stopped) and how to resume from its last checkpoint, if any.
 stopped_job() {
   local how="$1" tag="" resume="no checkpoint was saved yet: the same command starts it again"
   if [[ -n "${RUN_DIR:-}" && -d "$RUN_DIR" ]]; then

@@ -3,7 +3,10 @@
 Modules (import cost grows down the list; the first two need neither Ray, vLLM nor a GPU):
 
 * :mod:`.advantages` — the experience maker's advantage path as a pure function;
-* :mod:`.launch` — parser (OpenRLHF's own + ours), YAML configs, dry run, launch;
+* :mod:`.launch` — the driver's ``main`` and ``run`` (re-exports the names below); its jobs:
+  :mod:`.upstream` (OpenRLHF's parser and validation, from its own source), :mod:`.render` (an
+  experiment file as flags), :mod:`.plan` (the checked plan, dry run), :mod:`.failures` (the one
+  line a failed or stopped run ends with);
 * :mod:`.loss` — the actor loss through OpenRLHF's ``aggregate_loss`` (needs openrlhf);
 * :mod:`.anchors` — ``D_pef`` rows in OpenRLHF's ``Experience`` layout;
 * :mod:`.experience_maker`, :mod:`.actor`, :mod:`.trainer` — the Ray-side classes (import vLLM);

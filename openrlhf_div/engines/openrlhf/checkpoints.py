@@ -47,7 +47,7 @@ from openrlhf_div.io import atomic_write_text
 
 __all__ = ["CheckpointWriteError", "NonFiniteWeightsError", "NonFiniteLossError", "CorruptCheckpointError",
            "save_actor_checkpoint", "resolve_resume_tag", "check_finite_params", "check_finite_scalar",
-           "step_tags", "read_latest", "exception_chain"]
+           "step_tags", "read_latest"]
 
 #: the tags OpenRLHF saves: every --ckpt.save_steps, and the best eval so far (``best_global_stepN``)
 TAG_RE = re.compile(r"^(?:best_)?global_step(\d+)$")
@@ -244,33 +244,3 @@ def resolve_resume_tag(save_dir: str, *, rank0: bool = True, say: Callable[[str]
     raise CorruptCheckpointError(
         f"no intact checkpoint under {save_dir}:\n  " + "\n  ".join(problems)
         + "\nStart a new run (another --ckpt.path) or restore the files.")
-
-
-# ------------------------------------------------------------------ the job's last line
-_NAMED = ("CheckpointWriteError", "NonFiniteLossError", "NonFiniteWeightsError", "CorruptCheckpointError")
-
-
-def exception_chain(exc: BaseException):
-    """``exc`` and every exception behind it, once each: a ``RayTaskError``'s original (Ray keeps it
-    as ``cause``), ``__cause__`` and ``__context__``."""
-    seen = set()
-    stack = [exc]
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        yield e
-        cause = getattr(e, "cause", None)  # ray.exceptions.RayTaskError keeps the original here
-        stack += [cause if isinstance(cause, BaseException) else None, e.__cause__, e.__context__]
-
-
-def named_fault(exc: BaseException) -> Optional[str]:
-    """``"<Error>: <message>"`` when ``exc`` (a ``RayTaskError`` from an actor, its cause, or
-    anything in its ``__cause__`` / ``__context__`` chain) is one of this module's errors."""
-    for e in exception_chain(exc):
-        names = [c.__name__ for c in type(e).__mro__]
-        hit = next((n for n in _NAMED if n in names), None)
-        if hit and not isinstance(getattr(e, "cause", None), BaseException):
-            return f"{hit}: {str(e).strip().splitlines()[-1] if 'Traceback' in str(e) else str(e).strip()}"
-    return None

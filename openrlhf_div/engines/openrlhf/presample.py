@@ -307,7 +307,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from openrlhf_div.engines.experiment import load as load_experiment_with
 
-    from .launch import _split_config, build_parser, config_argv, finalize, load_argv_plugins, split_overrides
+    from .plan import load_argv_plugins
+    from .render import _split_config, config_argv, split_overrides
+    from .upstream import build_parser, finalize
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -349,8 +351,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(json.dumps(settings_from_args(args), indent=2, default=str))
         return 0
     from .jobs import PlacementError, private_cluster_done
-    from .launch import apply_config_env
     from .nodes import SharedPathError
+    from .render import apply_config_env
 
     apply_config_env(cfg)
     try:
@@ -379,7 +381,7 @@ def driver_flag_names():
     """The Ray drivers' option names without ``--`` (OpenRLHF's, ``div.*``, ``megatron.*`` and this
     driver's ``presample.*``): what an override of an ``openrlhf:`` / ``div:`` / ``presample:`` section
     must name (:mod:`openrlhf_div.engines.overrides`)."""
-    from .launch import build_parser
+    from .upstream import build_parser
 
     parser = build_parser()
     add_presample_arguments(parser)
