@@ -172,7 +172,7 @@ def local_refusals(cfg: Dict[str, Any], toy: bool) -> List[str]:
             out.append(f"presample.{k}={pre[k]}: the local pre-sampling stage samples with the rollout's top_p "
                        f"({top_p})")
     if _upstream(cfg, "data.prompt_dataset") is None:
-        out.append("openrlhf.data.prompt_dataset: not set (the training prompts)")
+        out.append("data.train: not set (the training prompts)")
     return out
 
 
@@ -328,10 +328,10 @@ def to_local(cfg: Dict[str, Any], *, run_dir: str, toy: bool,
         elif on_exp:
             out[PENDING_STEPS] = pending  # D_exp does not exist yet: counted after the pre-sampling stage
         else:
-            raise ConfigError(f"the local engine cannot honour openrlhf.data.prompt_dataset={g('data.prompt_dataset')}: "
-                              "no such file here, so the file's number of rollout steps (train.num_episodes x its "
-                              "prompts / rollout.batch_size) is unknown; point DATA_DIR (or the override "
-                              "openrlhf.data.prompt_dataset=FILE) at the data")
+            raise ConfigError(f"the local engine cannot honour data.train={g('data.prompt_dataset')}: "
+                              "no such file here, so the file's number of rollout steps (openrlhf.train.num_episodes x "
+                              "its prompts / rollout.prompts_per_step) is unknown; point DATA_DIR (or the override "
+                              "data.train=FILE) at the data")
     layout = cfg.get("layout") or {}
     if toy and layout:
         notes.append(f"layout {dict(layout)} is the Ray engines' (the local engine keeps its own "
