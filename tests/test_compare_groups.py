@@ -153,3 +153,15 @@ def test_learning_curves_mean_and_sd_over_seeds(tmp_path, base):
     md = open(paths["report"]).read()
     assert "## Held-out pass@k against training steps" in md and "| 8 | 0.400 ± 0.141 | 0.800 ± 0.141 |" in md
     assert os.path.isfile(paths["curves_plot"]) and "![held-out pass@k against training steps](curves.png)" in md
+
+
+def test_predictions_say_what_was_measured_without_a_rare_split(tmp_path, base):
+    """Without a rare split the report has no "pass@16 (rare)" line (it repeated the all-problems pass@16
+    under another label), and one seed is not called "sd 0.000". Mutations: the old fallback of `rare`
+    to pass@16 -> the (rare) line is back; the price line's sd wording -> "larger seed sd 0.000"."""
+    g = run_folder(tmp_path / "g", "grpo", seed=1, pattern=("1" * 16, "1" + "0" * 15, "0" * 16))
+    d = run_folder(tmp_path / "d", "dph_js", seed=1, pattern=("1" * 16, "11" + "0" * 14, "1" + "0" * 15))
+    md = open(compare_runs([base, g, d], str(tmp_path / "out"), allow_mismatch=True)["report"]).read()
+    assert "- dph_js keeps more pass@16 than grpo: 1.000 vs 0.667" in md
+    assert "(rare)" not in md and "larger seed sd 0.000" not in md
+    assert "(the price) dph_js vs grpo, pass@1:" in md and "single seed, spread unknown)" in md
