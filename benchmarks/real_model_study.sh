@@ -3,7 +3,8 @@
 # family, configs/openrlhf/_smollm2_arith.yaml), several seeds each, through the methods x seeds
 # sweep on the local engine, then one `compare` report. How it was sized and the settings fixed
 # before the runs: docs/real_model.md ("Sizing measurements", "Settings fixed before the runs", "Sizing: what the study costs").
-# NOT YET RUN: the figures in docs/real_model.md are the sizing measurements, not the study.
+# Running since 2026-11-28 (seed 1 first: SEEDS="1"; then the default "1 2" continues in the same OUT):
+# docs/real_model.md has the results so far.
 #
 #   bash benchmarks/real_model_study.sh                   # background: nohup ... > study.log 2>&1 &
 #   SEEDS="1 2 3" OUT=runs/study_smollm2 bash benchmarks/real_model_study.sh
