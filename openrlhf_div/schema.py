@@ -280,10 +280,9 @@ def coerce(key: str, hint: Any, val: Any) -> Any:
     else:
         return val
     try:
-        out = convert_scalar(typ, val, none_words=nullable)
+        return convert_scalar(typ, val, none_words=nullable)
     except BadValue:
         raise ConfigError(f"config key {key!r} expects {name}, got {val!r}") from None
-    return out
 
 
 # ---------------------------------------------------------------------- the engines' names

@@ -13,6 +13,7 @@ resolved settings would change (both spellings are loaded and compared first).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -263,16 +264,12 @@ def convert_file(path: str) -> Tuple[str, List[str]]:
         after = yaml.load(new, Loader=_loader())  # noqa: S506 - the project's safe loader
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: the converted text is not valid YAML ({e}); convert this file by hand") from None
-    quiet = sys.stderr
-    try:
-        sys.stderr = open(os.devnull, "w")
-        same = _meaning(render_file(copy.deepcopy(before), path)) == _meaning(render_file(copy.deepcopy(after or {}),
-                                                                                        path))
+    try:  # both spellings loaded quietly (the old one would print its notes)
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
+            same = _meaning(render_file(copy.deepcopy(before), path)) == _meaning(
+                render_file(copy.deepcopy(after or {}), path))
     except ConfigError as e:
         raise ValueError(f"{path}: {e}") from None
-    finally:
-        sys.stderr.close()
-        sys.stderr = quiet
     if not same:
         raise ValueError(f"{path}: the converted file would load differently; convert it by hand "
                          f"(`openrlhf-div config fields` lists the schema's names)")

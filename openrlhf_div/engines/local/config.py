@@ -20,8 +20,7 @@ import yaml
 
 from openrlhf_div.config import ConfigError, deep_merge, load, parse_overrides, renamed_sections, unknown_key
 
-from openrlhf_div.schema import DIV_FLAGS, OPENRLHF_FLAGS  # noqa: E402
-from openrlhf_div.schema import (CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ModelConfig,  # noqa: F401
+from openrlhf_div.schema import (DIV_FLAGS, OPENRLHF_FLAGS, CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ModelConfig,  # noqa: F401
                                   OptimConfig, PresampleConfig, RolloutConfig, _f, coerce as _coerce)
 
 from ..layout import LAYOUT_KEYS, EngineLayout, refuse_on_local
@@ -260,11 +259,6 @@ class FieldInfo:
     openrlhf: Optional[str]
 
 
-def _type_name(hint: Any) -> str:
-    text = str(hint).replace("typing.", "")
-    return text
-
-
 def fields() -> List[FieldInfo]:
     """Every field of the schema (:class:`TrainConfig`'s tree),
     with the engines that honour it and, where there is one, the OpenRLHF flag it is rendered to."""
@@ -280,7 +274,7 @@ def fields() -> List[FieldInfo]:
             default = f.default if f.default is not dataclasses.MISSING else (sub() if sub else None)
             flag = OPENRLHF_FLAGS.get(key) or (f"div.{DIV_FLAGS[key]}" if key in DIV_FLAGS else None)
             engines = ("local", "openrlhf", "megatron") if flag or key in _EVERY_ENGINE else ("local",)
-            out.append(FieldInfo(key, _type_name(f.type), default, str(f.metadata.get("help", "")), engines, flag))
+            out.append(FieldInfo(key, str(f.type).replace("typing.", ""), default, str(f.metadata.get("help", "")), engines, flag))
 
     walk(TrainConfig, "")
     return out
