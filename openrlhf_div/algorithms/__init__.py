@@ -42,7 +42,9 @@ from .registry import (
     compile_losses,
     get_method,
     list_methods,
+    method_from_spec,
     method_table,
+    preset,
     register_adv_reshaping,
     register_anchor,
     register_estimator,
@@ -63,7 +65,7 @@ __all__ = [
     "kl_cov_loss", "entropy_loss", "diff_entropy_loss", "flowrl_loss", "dph_js_def_loss",
     "entropy_from_logits", "LogZHead", "log_probs_from_hidden",
     # the registries: components and methods
-    "Method", "Needs", "LossInputs", "AnchorInputs", "Rollout", "Component", "get_method",
+    "Method", "Needs", "LossInputs", "AnchorInputs", "Rollout", "Component", "get_method", "method_from_spec", "preset",
     "list_methods", "method_table", "register_method", "register_policy_loss",
     "register_regularizer", "register_estimator", "register_reward_shaping",
     "register_adv_reshaping", "register_anchor", "compile_losses",

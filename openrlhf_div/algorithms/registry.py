@@ -438,6 +438,14 @@ class Method:
                                          for r in AUTHORS_RUN_SETTINGS]} if self.anchor is not None else {}),
         }
 
+    def spec(self) -> Dict[str, Any]:
+        """The resolved method as data: its name, every hyperparameter's value (defaults included,
+        each already through the one coercion), its aggregation and dynamic sampling. What a driver
+        hands to its workers (``args.div.method_spec``): :func:`method_from_spec` rebuilds the same
+        method from it, once per process, without reading a flag again."""
+        return {"name": self.name, "hparams": dict(self.hparams), "aggregation": self.aggregation,
+                "dynamic_sampling": bool(self.dynamic_sampling)}
+
     def with_overrides(self, **overrides) -> "Method":
         """A copy with hyperparameters (or ``aggregation`` / ``dynamic_sampling``) replaced."""
         m = copy.deepcopy(self)
@@ -722,10 +730,59 @@ def register_method(method: Method, overwrite: bool = False) -> Method:
 
 
 def get_method(name: str, **overrides) -> Method:
-    """A fresh copy of the named preset, with hyperparameter ``overrides`` applied."""
+    """A fresh copy of the named preset, with hyperparameter ``overrides`` applied (a build: a run
+    builds its method once per process, through :func:`method_from_spec` or an engine's cache)."""
     if name not in _REGISTRY:
         raise unknown_name_error("method", name, _REGISTRY)
     return _REGISTRY[name].with_overrides(**overrides)
+
+
+def preset(name: str) -> Method:
+    """The registered preset itself, to read (its needs, its defaults), not to train with: no copy,
+    no build. An unknown name: the registry's one-line error."""
+    if name not in _REGISTRY:
+        raise unknown_name_error("method", name, _REGISTRY)
+    return _REGISTRY[name]
+
+
+#: the methods this process built from a resolved spec (:func:`method_from_spec`), by the spec's text
+_BUILT: Dict[str, Method] = {}
+
+
+def spec_key(spec: Mapping[str, Any]) -> str:
+    """The text a spec is cached under: its hyperparameters through the one coercion first, so a
+    file's ``anchor_eta: 0.3``, a flag's ``"0.3"`` and a resolved 0.3 are one key."""
+    import json
+
+    def norm(k: str, v: Any) -> Any:
+        try:
+            v = coerce_hparam(k, v)
+        except (ValueError, TypeError):
+            return v  # the build reports it
+        return list(v) if isinstance(v, tuple) else v
+
+    hp = {str(k): norm(str(k), v) for k, v in dict(spec.get("hparams") or {}).items()}
+    return json.dumps({**dict(spec), "hparams": hp}, sort_keys=True, default=repr)
+
+
+def method_from_spec(spec: Mapping[str, Any]) -> Method:
+    """The method of a resolved spec (:meth:`Method.spec`), built once per process: a second call
+    with an equal spec returns the same object (methods are data; nothing in the engines changes
+    one after it is built). A spec naming a plug-in method needs the plug-in imported first
+    (``OPENRLHF_DIV_PLUGINS``, which the engines export to their workers)."""
+    name = str(spec["name"])
+    # the registered preset's identity is part of the key: a plug-in that registers the name anew
+    # (a test, a reloaded module) gets a build of the new preset, not the old one
+    key = f"{id(_REGISTRY.get(name))}:{spec_key(spec)}"
+    method = _BUILT.get(key)
+    if method is None:
+        extra = {k: spec[k] for k in ("aggregation", "dynamic_sampling") if k in spec}
+        method = get_method(name, **dict(spec.get("hparams") or {}), **extra)
+        _BUILT[key] = method
+        # also under its full spec: a partial spec (the flags' overrides) and the resolved spec the
+        # driver then hands on name one method
+        _BUILT.setdefault(f"{id(_REGISTRY.get(name))}:{spec_key(method.spec())}", method)
+    return method
 
 
 def list_methods() -> Tuple[str, ...]:

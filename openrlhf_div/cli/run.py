@@ -249,10 +249,10 @@ def toy_on_ray_refusal(name: str, cfg, engine: str) -> str:
 
 def _sql_anchor_toy(cfg, method: str) -> bool:
     """The local engine refuses this toy: an anchor method on the SQL toy (its tiny model writes no correct SQL)."""
-    from openrlhf_div.algorithms import get_method
+    from openrlhf_div.algorithms import preset
 
     try:
-        anchors = get_method(method).needs.anchor_batch
+        anchors = preset(method).needs.anchor_batch
     except ValueError:
         return False
     return bool(anchors and (cfg.get("local") or {}).get("toy_sql_scripts"))

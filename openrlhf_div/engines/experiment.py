@@ -178,10 +178,10 @@ def local_refusals(cfg: Dict[str, Any], toy: bool) -> List[str]:
 
 def method_needs_anchors(cfg: Dict[str, Any]) -> bool:
     try:
-        from openrlhf_div.algorithms import get_method
+        from openrlhf_div.algorithms import preset
 
         m = method_section(cfg)
-        return bool(get_method(str(m.get("name") or "grpo")).needs.anchor_batch)
+        return bool(preset(str(m.get("name") or "grpo")).needs.anchor_batch)
     except Exception:  # noqa: BLE001 - a plug-in method not loaded yet: the TrainConfig decides later
         return False
 

@@ -44,10 +44,10 @@ from openrlhf_div.algorithms.registry import (
     REWARD_SHAPING,
     Method,
     coerce_hparam,
-    get_method,
     hparam_help,
     hparam_type,
     list_methods,
+    method_from_spec,
 )
 
 from openrlhf_div.plugins import load_plugins
@@ -202,11 +202,17 @@ def div_namespace(args) -> Any:
 
 
 def method_from_args(args) -> Method:
-    """The :class:`Method` selected by ``--div.method`` with every ``--div.<hparam>`` applied
-    (after importing the plug-ins of ``OPENRLHF_DIV_PLUGINS``: every Ray worker resolves its
-    method here)."""
+    """The run's :class:`Method`, built once per process (after importing the plug-ins of
+    ``OPENRLHF_DIV_PLUGINS``). A driver's ``args`` carry the resolved method
+    (``args.div.method_spec``, set by :func:`openrlhf_div.engines.openrlhf.plan.plan` and pickled
+    with the args to every Ray worker): a worker builds it from that spec, reading no ``--div.*``
+    flag again. Without one (the driver's own first build, a stand-alone evaluation): the method
+    selected by ``--div.method`` with every ``--div.<hparam>`` applied."""
     load_plugins()
     div = div_namespace(args)
+    spec = getattr(div, "method_spec", None)
+    if spec is not None:
+        return method_from_spec(spec)
     overrides: Dict[str, Any] = {}
     for name in hparam_table():
         v = getattr(div, name, None)
@@ -220,11 +226,12 @@ def method_from_args(args) -> Method:
             else:
                 raise ValueError(f"--div.{name} takes two numbers (LOW HIGH) or none, got {' '.join(map(str, v))}")
         overrides[name] = v  # an explicit none reaches the method as None (Method.with_overrides)
+    partial: Dict[str, Any] = {"name": div.method, "hparams": overrides}
     if getattr(div, "aggregation", None) is not None:
-        overrides["aggregation"] = div.aggregation
+        partial["aggregation"] = div.aggregation
     if getattr(div, "dynamic_sampling", None) is not None:
-        overrides["dynamic_sampling"] = div.dynamic_sampling
-    method = get_method(div.method, **overrides)
+        partial["dynamic_sampling"] = div.dynamic_sampling
+    method = method_from_spec(partial)  # the flags' values as a (partial) spec: once per process too
     if method.aggregation not in TOKEN_LEVEL:
         raise ValueError(
             f"method {method.name!r} aggregates with {method.aggregation!r}, which OpenRLHF's "

@@ -119,7 +119,7 @@ def check_overrides(cfg: Dict[str, Any], overrides: Sequence[str], path: Optiona
 
 def _check_method(cfg: Dict[str, Any], method_section: Callable[[Dict[str, Any]], Dict[str, Any]]) -> None:
     """The experiment's method (name + hyperparameters) through the registry, as the local engine does."""
-    from openrlhf_div.algorithms import get_method
+    from openrlhf_div.algorithms import method_from_spec
     from openrlhf_div.config import expand_tree
 
     opts = method_section(cfg)
@@ -131,7 +131,7 @@ def _check_method(cfg: Dict[str, Any], method_section: Callable[[Dict[str, Any]]
     except ConfigError:
         return  # an unset ${VAR}: the driver names it where the value is used
     try:
-        get_method(str(name), **opts)
+        method_from_spec({"name": str(name), "hparams": opts})  # built here once: the driver's plan reuses it
     except ValueError as e:
         raise ConfigError(f"config section `method`: {e}") from None
 

@@ -86,8 +86,10 @@ class TrainConfig:
 
     # ------------------------------------------------------------------ helpers
     def build_method(self):
-        """The registry method named by ``method.name`` with the section's other keys as overrides."""
-        from openrlhf_div.algorithms import get_method
+        """The registry method named by ``method.name`` with the section's other keys as overrides,
+        built once per process (:func:`~openrlhf_div.algorithms.method_from_spec`: every config with
+        this method section -- the validation, the trainer, the run record -- shares one build)."""
+        from openrlhf_div.algorithms import method_from_spec
         from openrlhf_div.plugins import load_plugins
 
         load_plugins([self.plugins] if isinstance(self.plugins, str) else list(self.plugins or ()))  # + OPENRLHF_DIV_PLUGINS
@@ -96,7 +98,7 @@ class TrainConfig:
         if not name:
             raise ConfigError("method.name is required (see `openrlhf-div methods`)")
         try:
-            method = get_method(str(name), **opts)
+            method = method_from_spec({"name": str(name), "hparams": opts})
         except ValueError as e:  # name the config section the bad key came from
             raise ConfigError(f"config section `method`: {e}") from e
         return method

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from openrlhf_div.algorithms.authors import share_micro_batches
-from openrlhf_div.algorithms.registry import Method, get_method
+from openrlhf_div.algorithms.registry import Method, method_from_spec
 from openrlhf_div.compat.flash_attn_standin import install as _install_flash_attn_standin
 
 from ..contract import gather_step_rows, rows_from_experience
@@ -87,7 +87,7 @@ def resolve_method(args) -> Method:
         from openrlhf_div.config import parse_overrides
 
         overrides = parse_overrides(overrides, example="anchor_eta=0.1")
-    return get_method(str(m), **dict(overrides))
+    return method_from_spec({"name": str(m), "hparams": dict(overrides)})  # once per process
 
 
 # ---------------------------------------------------------------------- experience -> rows

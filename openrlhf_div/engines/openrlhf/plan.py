@@ -47,9 +47,9 @@ class Plan:
     def summary(self) -> str:
         a = self.args
         lines = [f"method      : {self.method.name} ({self.method.summary})"]
-        from openrlhf_div.algorithms import get_method
+        from openrlhf_div.algorithms import preset as method_preset
 
-        preset = get_method(self.method.name).hparams  # the summary is the preset's: say what this run sets
+        preset = method_preset(self.method.name).hparams  # the summary is the preset's: say what this run sets
         changed = [f"{k}={v}" for k, v in sorted(self.method.hparams.items()) if preset.get(k) != v]
         if changed:
             lines.append("  hyperparameters set: " + ", ".join(changed))
@@ -143,6 +143,9 @@ def plan(argv: Sequence[str], parser: Optional[argparse.ArgumentParser] = None) 
 
         raise ValueError(f"no reward: pass --div.task {'|'.join(list_tasks())} or --reward.remote_url FILE.py")
     args = finalize(parsed)
+    # the resolved method travels with the args (pickled to every Ray worker): each process builds
+    # it once from this spec (flags.method_from_args), never again from the --div.* flags
+    div_namespace(args).method_spec = method.spec()
     check_supported(method, args)
     _check_batches(method, args)
     gpus = count_gpus(args, derived.reference_actor)
