@@ -257,3 +257,29 @@ def test_eval_sampler_flag_and_its_old_name(capsys):
     assert capsys.readouterr().err == ""
     assert p.parse_args(["eval", "--model", "m", "--task", "math", "--data", "d.jsonl", "--engine", "local"]).engine == "local"
     assert "eval --engine is spelt --sampler now" in capsys.readouterr().err
+
+
+def test_eval_takes_the_schemas_names_as_key_value(model_dir, tmp_path, capsys):
+    """Issue 42: one override syntax on every command. eval's settings the schema owns are also
+    ``key=value`` in the schema's names (as on run/train), anywhere on the line; the two spellings give
+    the same evaluation. Mutation: apply_settings not called in run -> this fails."""
+    data = os.path.join(FIX, "math", "aime24.jsonl")
+    common = ["--sampler", "hf", "--no-progress", "--role", "base", "--task-opt", "timeout=2"]
+    assert main(["eval", "--model", model_dir, "--task", "math", "--data", data, "--n", "2", "--k", "1,2",
+                 "--temperature", "0.7", "--max-new-tokens", "4", "--limit", "2", "--seed", "3",
+                 "--out", str(tmp_path / "flags")] + common) == 0
+    assert main(["eval", f"model.path={model_dir}", "task=math", f"data.eval={data}", "eval.n_samples=2"] + common
+                + ["eval.k=1,2", "eval.temperature=0.7", "eval.max_new_tokens=4", "eval.max_prompts=2", "seed=3",
+                   "--out", str(tmp_path / "keys")]) == 0
+    a, b = (json.load(open(tmp_path / d / "eval.json")) for d in ("flags", "keys"))
+    assert a["settings"] == b["settings"] and a["settings"]["n"] == 2 and a["settings"]["temperature"] == 0.7
+    assert a["by_source"] == b["by_source"]
+    capsys.readouterr()
+    assert main(["eval", "--model", model_dir, "--task", "math", "--data", data, "--n", "2", "eval.n_samples=4"]) == 2
+    assert "eval.n_samples and --n are one setting given twice" in capsys.readouterr().err
+    assert main(["eval", "--model", model_dir, "--task", "math", "--data", data, "eval.nsamples=4"]) == 2
+    assert "Did you mean eval.n_samples" in capsys.readouterr().err
+    assert main(["eval", "--model", model_dir, "--task", "math"]) == 2
+    assert "--data (or data.eval=...) required" in capsys.readouterr().err
+    assert main(["eval", "--model", model_dir, "--task", "math", "--data", data, "--nn", "3"]) == 2
+    assert "unrecognized argument '--nn'" in capsys.readouterr().err

@@ -9,10 +9,18 @@ It is inferred only from a train run folder (``--model`` inside one, e.g. ``RUN/
 ``--out`` being one: ``trained``, and the run's seed is recorded) or from ``--base-results``
 (``trained``); otherwise it is required.
 
+The settings the schema owns may also be given as ``key=value`` in the schema's names, the way
+``run`` and ``train`` take them (``openrlhf-div config fields``): the same evaluation as above is
+
+    openrlhf-div eval model.path=PATH task=math data.eval=aime24.jsonl eval.n_samples=16 eval.k=1,8,16 \
+        eval.temperature=0.6 eval.top_p=0.95 --greedy --role base --out runs/eval/qwen
+
+(:data:`SCHEMA_KEYS` lists them; a setting given both as a flag and as ``key=value`` is refused).
+
 Writes ``eval.json`` (the project's one results format, :mod:`openrlhf_div.eval.results`),
 ``results.md`` and ``samples.jsonl`` into ``--out``. Generation uses
 vLLM when it is installed and a GPU is present (``--sampler auto``), else the training engine's KV-cache sampler on
-the Hugging Face model in-process (``--engine local``; ``--engine hf``: ``model.generate``).
+the Hugging Face model in-process (``--sampler local``; ``--sampler hf``: ``model.generate``).
 """
 from __future__ import annotations
 
@@ -44,6 +52,91 @@ def _parse_opt(text: str):
     return key.strip().replace("-", "_"), val
 
 
+#: the schema's names (an experiment file's, ``run``'s and ``train``'s ``key=value``) this command takes
+#: as ``key=value``, and the flag each one is: one name per setting on every command
+SCHEMA_KEYS = {
+    "model.path": "--model", "task": "--task", "data.eval": "--data", "eval.n_samples": "--n", "eval.k": "--k",
+    "eval.temperature": "--temperature", "eval.top_p": "--top-p", "eval.max_new_tokens": "--max-new-tokens",
+    "eval.max_prompts": "--limit", "data.prompt_field": "--prompt-field", "data.label_field": "--label-field",
+    "data.id_field": "--id-field", "data.duplicate_ids": "--duplicate-ids", "data.eval_split": "--split",
+    "data.prompt_template": "--prompt-template", "data.system_prompt": "--system-prompt", "seed": "--seed",
+}
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+class _Given(argparse.Action):
+    """A flag that records that it was given (``key=value`` and the flag together are refused)."""
+
+    def __init__(self, *a, append: bool = False, **kw):
+        self.append = append
+        super().__init__(*a, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = set(getattr(namespace, "flags_given", None) or ())
+        given.add(self.dest)
+        namespace.flags_given = given
+        if self.append:
+            values = list(getattr(namespace, self.dest, None) or []) + [values]
+        setattr(namespace, self.dest, values)
+
+
+def apply_settings(args) -> None:
+    """``args.settings`` (``key=value`` in the schema's names) onto the flags' values, each through the
+    schema's one coercion; an unknown key, a malformed item or a setting also given as its flag: a
+    ``ValueError`` of one line."""
+    from openrlhf_div.config import ConfigError, yaml_value
+
+    given = set(getattr(args, "flags_given", None) or ())
+    flags = [a for a in getattr(args, "settings", None) or () if a.startswith("-")]
+    if flags:
+        raise ValueError(f"unrecognized argument {flags[0]!r} (`openrlhf-div eval --help` lists the flags)")
+    for item in getattr(args, "settings", None) or ():
+        key, eq, raw = item.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise ValueError(f"{item!r}: settings are key=value in the schema's names (e.g. eval.n_samples=64); "
+                             f"this command's: {', '.join(SCHEMA_KEYS)}")
+        flag = SCHEMA_KEYS.get(key)
+        if flag is None:
+            import difflib
+
+            close = difflib.get_close_matches(key, list(SCHEMA_KEYS), n=2)
+            hint = f" Did you mean {' or '.join(close)}?" if close else ""
+            raise ValueError(f"{key}: not a setting of eval.{hint} It takes {', '.join(SCHEMA_KEYS)} "
+                             "(`openrlhf-div config fields` explains each)")
+        dest = _dest(flag)
+        if dest in given:
+            raise ValueError(f"{key} and {flag} are one setting given twice; give one")
+        try:
+            val = yaml_value(raw) if raw.strip() else ""
+        except Exception:  # noqa: BLE001 - a YAML error: the text as it is
+            val = raw
+        if key == "eval.k":
+            val = _parse_ks(",".join(str(v) for v in val) if isinstance(val, list) else str(val))
+        elif key == "data.eval":
+            val = [str(v) for v in val] if isinstance(val, list) else [str(val)]
+        elif key in ("model.path", "task"):
+            val = str(val)
+        else:
+            from openrlhf_div.schema import coerce, field_of
+
+            try:
+                val = coerce(key, field_of(key).type, val)
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
+            if isinstance(val, str) and dest in ("n", "limit", "seed", "max_new_tokens"):
+                raise ValueError(f"{key}: expected an integer, got {val!r}")
+        setattr(args, dest, val)
+        given.add(dest)
+    missing = [f"{flag} (or {key}=...)" for key, flag in SCHEMA_KEYS.items()
+               if flag in ("--model", "--task", "--data") and getattr(args, _dest(flag), None) in (None, [])]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} required")
+
+
 #: how this command spells the options a data error points to (openrlhf_div.tasks.datasets.HINTS)
 DATA_HINTS = {"on_error": "--on-error skip", "duplicate_ids": "--duplicate-ids rename", "max_prompt": None}
 
@@ -60,17 +153,23 @@ class _OldSamplerFlag(argparse.Action):
 def add_parser(sub) -> None:
     p = sub.add_parser("eval", help="evaluate a model: pass@k, mean@k, greedy, diversity, keep/explore",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="model: a Hugging Face folder, a .gguf file, or a Hub id already in "
-                                                  "the local Hugging Face cache")
-    p.add_argument("--task", required=True, help="task name (math, sql, countdown, ...)")
-    p.add_argument("--data", required=True, action="append",
-                   help="dataset file or folder (.jsonl/.json/.parquet/saved HF dataset); repeat for several")
-    p.add_argument("--n", type=int, default=16, help="samples per problem (default 16)")
-    p.add_argument("--k", type=_parse_ks, default=None, help="pass@k values, comma-separated (default 1,8,16 up to n)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("settings", nargs="*", metavar="KEY=VALUE",
+                   help="settings in the schema's names instead of their flags, anywhere on the line: " + ", ".join(
+                       f"{k} ({f})" for k, f in SCHEMA_KEYS.items()))
+    p.set_defaults(takes_settings=True)
+    p.add_argument("--model", action=_Given, help="model: a Hugging Face folder, a .gguf file, or a Hub id already in "
+                                                  "the local Hugging Face cache (required; model.path=)")
+    p.add_argument("--task", action=_Given, help="task name (math, sql, countdown, ...) (required; task=)")
+    p.add_argument("--data", action=_Given, append=True,
+                   help="dataset file or folder (.jsonl/.json/.parquet/saved HF dataset); repeat for several "
+                        "(required; data.eval=)")
+    p.add_argument("--n", type=int, default=16, action=_Given, help="samples per problem (default 16)")
+    p.add_argument("--k", type=_parse_ks, default=None, action=_Given,
+                   help="pass@k values, comma-separated (default 1,8,16 up to n)")
+    p.add_argument("--temperature", type=float, default=1.0, action=_Given)
+    p.add_argument("--top-p", type=float, default=1.0, action=_Given)
     p.add_argument("--greedy", action="store_true", help="also decode greedily and report greedy accuracy")
-    p.add_argument("--max-new-tokens", type=int, default=None,
+    p.add_argument("--max-new-tokens", type=int, default=None, action=_Given,
                    help="longest response in tokens (default: the task's: 1024 for math, sql and countdown, 16 for "
                         "demo). On a CPU long responses are slow: the progress lines give tokens/s and the ETA; "
                         "--limit and a lower value shorten a trial run")
@@ -92,19 +191,19 @@ def add_parser(sub) -> None:
     p.add_argument("--task-opt", type=_parse_opt, action="append", default=[], metavar="KEY=VALUE",
                    help="task option, e.g. db_root=/data/bird/dev_databases or template=llama3 (repeatable)")
     p.add_argument("--source", default=None, help="dataset name to report (default: from the file name)")
-    p.add_argument("--prompt-field", default=None, help="question field name, if not a usual one")
-    p.add_argument("--label-field", default=None, help="answer/label field name (dotted for nested)")
-    p.add_argument("--id-field", default=None, help="id field name")
-    p.add_argument("--split", default=None, help="split of a saved Hugging Face DatasetDict (required when it has "
+    p.add_argument("--prompt-field", default=None, action=_Given, help="question field name, if not a usual one")
+    p.add_argument("--label-field", default=None, action=_Given, help="answer/label field name (dotted for nested)")
+    p.add_argument("--id-field", default=None, action=_Given, help="id field name")
+    p.add_argument("--split", default=None, action=_Given, help="split of a saved Hugging Face DatasetDict (required when it has "
                                                  "several)")
-    p.add_argument("--duplicate-ids", choices=["error", "rename"], default="error",
+    p.add_argument("--duplicate-ids", choices=["error", "rename"], default="error", action=_Given,
                    help="a repeated id: stop with an error naming both lines (default) or rename it id#k")
-    p.add_argument("--prompt-template", default=None,
+    p.add_argument("--prompt-template", default=None, action=_Given,
                    help="user message with {prompt} where the question goes (replaces the task's template)")
-    p.add_argument("--system-prompt", default=None, help="system message replacing the task's ('' for none)")
+    p.add_argument("--system-prompt", default=None, action=_Given, help="system message replacing the task's ('' for none)")
     p.add_argument("--on-error", choices=["raise", "skip"], default="raise",
                    help="malformed dataset rows: stop with an error (default) or skip and count them")
-    p.add_argument("--limit", type=int, default=None, help="first N problems per dataset")
+    p.add_argument("--limit", type=int, default=None, action=_Given, help="first N problems per dataset")
     p.add_argument("--sampler", dest="engine", choices=["auto", "local", "hf", "vllm"], default="auto",
                    help="local: the training engine's KV-cache sampler; hf: Hugging Face generate; vllm: the "
                         "training engine's in-process vLLM sampler; auto (default): vllm when installed and a GPU "
@@ -117,7 +216,7 @@ def add_parser(sub) -> None:
                         "of minutes on a CPU, samples slower")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, action=_Given)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run)
 
@@ -195,6 +294,7 @@ def run(args) -> int:
     from openrlhf_div.tasks import get_task
     from openrlhf_div.tasks.datasets import DatasetError, load_examples
 
+    apply_settings(args)  # key=value in the schema's names (a bad one: one line, exit 2)
     ks = args.k if args.k is not None else [k for k in (1, 8, 16) if k <= args.n]
     if args.keep_k is None:
         args.keep_k = min(8, args.n)

@@ -60,7 +60,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"openrlhf-div: error: {exc}", file=sys.stderr)
         return 2
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and getattr(args, "takes_settings", False):  # eval: key=value in the schema's names, anywhere
+        args.settings = list(getattr(args, "settings", None) or []) + unknown
+    elif unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
