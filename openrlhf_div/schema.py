@@ -161,6 +161,9 @@ class OptimConfig:
                                     "(micro-batch-token-mean, Clip-Cov, KL-Cov).")
     anchor_ratio: float = _f(8.0, "Online samples per D_pef anchor sample in each optimizer step (DPH-RL: "
                                   "128 x 16 : 256 = 8).")
+    anchor_batch_size: Optional[int] = _f(None, "D_pef anchor samples per rollout step, split evenly over its "
+                                                "mini-batches (null: anchor_ratio decides: each mini-batch's "
+                                                "online rows / anchor_ratio, rounded up).")
     log_z_lr: Optional[float] = _f(None, "Learning rate of FlowRL's log Z head (null: learning_rate).")
     stop_after_degenerate_steps: int = _f(10, "Stop the run after this many consecutive steps in which every group's "
                                               "rewards were equal (all truncated / all 0: zero advantages, nothing "
@@ -317,6 +320,7 @@ OUR_NAME: Dict[str, str] = {flag: key for key, flag in OPENRLHF_FLAGS.items()}
 #: our name -> the Ray drivers' own ``--div.<key>`` (rendered into the experiment's ``div:``)
 DIV_FLAGS: Dict[str, str] = {
     "optim.anchor_ratio": "anchor_ratio",
+    "optim.anchor_batch_size": "anchor_batch_size",
 }
 #: ``div:``'s key -> our name (the old spelling under ``div:``)
 OUR_NAME_DIV: Dict[str, str] = {flag: key for key, flag in DIV_FLAGS.items()}

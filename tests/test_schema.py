@@ -220,7 +220,7 @@ def test_converter_takes_the_old_div_spelling_too(tmp_path):
     new, moved = convert_file(p)
     assert "div.method -> method.name" in moved and "div.anchor_eta -> method.anchor_eta" in moved
     assert "method:\n  name: dph_js\n  # the anchor weight\n  anchor_eta: 0.3\n" in new
-    assert "div:\n  anchor_batch_size: 4\n" in new and "task: math\n" in new
+    assert "optim:\n  anchor_batch_size: 4\n" in new and "task: math\n" in new
     with open(p, "w") as fh:
         fh.write(new)
     after = load_experiment(p)

@@ -147,8 +147,6 @@ def _eval_ks(n: int):
 
 
 def _local(cfg) -> Dict[str, Any]:
-    from openrlhf_div.engines.anchor_data import anchor_count
-
     method = cfg.build_method()
     r, o, d, e = cfg.rollout, cfg.optim, cfg.data, cfg.eval
     out = _method_keys(method)
@@ -191,7 +189,7 @@ def _local(cfg) -> Dict[str, Any]:
     if method.needs.anchor_batch:
         online = int(r.prompts_per_step) * int(r.group_size)
         per_mb = [len(x) for x in _split_sizes(online, int(o.mini_batches))]
-        out["anchor.per_step"] = sum(anchor_count(k, None, float(o.anchor_ratio)) for k in per_mb if k)
+        out["anchor.per_step"] = sum(cfg.anchors_per_mini_batch(k, i) for i, k in enumerate(per_mb) if k)
         out["data.train_on_exp"] = bool(d.train_on_exp) and not d.anchor
         p = cfg.presample
         out.update({"presample.n_pre": int(p.n_pre), "presample.tau": int(p.n_pre if p.tau is None else p.tau),

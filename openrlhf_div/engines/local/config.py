@@ -103,6 +103,18 @@ class TrainConfig:
             raise ConfigError(f"config section `method`: {e}") from e
         return method
 
+    def anchors_per_mini_batch(self, online_rows: int, index: int) -> int:
+        """D_pef anchors drawn for mini-batch ``index`` of a rollout step holding ``online_rows`` online
+        rows: ``optim.anchor_batch_size`` split evenly over ``optim.mini_batches`` (the first ones take
+        the remainder; they sum to it), else ``ceil(online_rows / optim.anchor_ratio)``."""
+        from openrlhf_div.engines.anchor_data import anchor_count
+
+        o = self.optim
+        if o.anchor_batch_size is None:
+            return anchor_count(online_rows, None, o.anchor_ratio, flags=("optim.anchor_batch_size", "optim.anchor_ratio"))
+        q, r = divmod(int(o.anchor_batch_size), max(1, int(o.mini_batches)))
+        return q + (1 if index < r else 0)
+
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -137,6 +149,8 @@ class TrainConfig:
             raise ConfigError(f"rollout.temperature must be >= 0, got {r.temperature}")
         if o.anchor_ratio <= 0:
             raise ConfigError(f"optim.anchor_ratio must be > 0, got {o.anchor_ratio}")
+        if o.anchor_batch_size is not None and int(o.anchor_batch_size) < 0:
+            raise ConfigError(f"optim.anchor_batch_size must be >= 0 (or null: anchor_ratio), got {o.anchor_batch_size}")
         if self.optim.lr_schedule not in ("constant", "cosine"):
             raise ConfigError(f"optim.lr_schedule must be constant or cosine, got {self.optim.lr_schedule!r}")
         if self.optim.warmup_steps < 0 or not 0.0 <= self.optim.min_lr_ratio <= 1.0:

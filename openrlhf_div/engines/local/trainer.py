@@ -92,7 +92,7 @@ from .realmodel import (absolute_paths, apply_lora,  # noqa: E402
                         lr_factor, merged_for_saving, resolve_num_threads)
 from .precision import MasterWeights  # noqa: E402
 from .guards import DegenerateMonitor, DegenerateRunError, EmptyAnchorError, degenerate_stats  # noqa: E402,F401
-from ..anchor_data import AnchorRecord, anchor_count, check_anchor_temperature, read_pef  # noqa: E402
+from ..anchor_data import AnchorRecord, check_anchor_temperature, read_pef  # noqa: E402
 
 
 # =============================================================================== helpers
@@ -438,7 +438,7 @@ class Trainer:
                     continue
                 anchors = []
                 if self.anchor_cursor is not None:
-                    anchors = self.anchor_cursor.next(anchor_count(len(rows), None, o.anchor_ratio))
+                    anchors = self.anchor_cursor.next(self.cfg.anchors_per_mini_batch(len(rows), mb_i))
                 if self.length_buckets:  # micro-batches of rows of similar length (.speed; same loss)
                     rows = bucketed(rows, exp.attention_mask.sum(1).tolist())
                     anchors = sorted(anchors, key=lambda a: len(a.prompt_ids) + len(a.response_ids))

@@ -1,0 +1,79 @@
+"""Issue 42: anchors per step have one name, ``optim.anchor_batch_size`` (the Ray drivers'
+``--div.anchor_batch_size`` is its rendering), honoured by the local engine too; and no shipped file
+loads with an old-spelling note (the ``toy:`` overlays included, which ``config convert`` does not see).
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _experiment(tmp_path, body: str, name: str = "exp.yaml") -> str:
+    d = tmp_path / "configs"
+    d.mkdir(exist_ok=True)
+    shutil.copy(os.path.join(ROOT, "configs", "openrlhf", "_tiny_cpu.yaml"), d / "_tiny_cpu.yaml")
+    (tmp_path / "toy").mkdir(exist_ok=True)
+    shutil.copy(os.path.join(ROOT, "configs", "toy", "math.yaml"), tmp_path / "toy" / "math.yaml")
+    p = d / name
+    p.write_text("extends: _tiny_cpu.yaml\nexperiment: exp\nmethod: {name: dph_js}\n"
+                 "div: {anchor_data: /tmp/none}\nopenrlhf: {train.batch_size: 20}\n" + body)
+    return str(p)
+
+
+def test_anchor_batch_size_reaches_the_ray_driver_and_the_local_engine(tmp_path, capsys):
+    """Mutation: "optim.anchor_batch_size" removed from schema.DIV_FLAGS -> the Ray driver keeps None here."""
+    from openrlhf_div import schema
+    from openrlhf_div.config import load_experiment
+    from openrlhf_div.engines import experiment as E
+    from openrlhf_div.engines.local.config import config_from_dict
+    from openrlhf_div.engines.openrlhf import launch
+    from openrlhf_div.engines.provenance import settings_of
+
+    p = _experiment(tmp_path, "optim: {anchor_batch_size: 4}\n")  # 8 prompts x 2 samples + 4 anchors = 20
+    plan = launch.plan(["--config", p, "--dry-run"])
+    assert plan.args.div.anchor_batch_size == 4
+    data, _ = E.to_local(E.load(p), run_dir=str(tmp_path / "run"), toy=False)
+    local = config_from_dict(data)
+    assert settings_of(local)["anchor.per_step"] == 4 == settings_of(plan)["anchor.per_step"]
+    schema._NOTED.clear()
+    old = _experiment(tmp_path, "", name="old.yaml")
+    with open(old) as fh:
+        text = fh.read().replace("div: {anchor_data: /tmp/none}", "div: {anchor_data: /tmp/none, anchor_batch_size: 4}")
+    with open(old, "w") as fh:
+        fh.write(text)
+    assert load_experiment(old)["div"]["anchor_batch_size"] == 4
+    assert "div.anchor_batch_size is spelt optim.anchor_batch_size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("size,mini,want", [(6, 4, [2, 2, 1, 1]), (4, 1, [4]), (0, 2, [0, 0]), (None, 2, [4, 4])])
+def test_the_local_engine_splits_the_steps_anchors_over_its_mini_batches(size, mini, want):
+    """``optim.anchor_batch_size`` anchors per rollout step, split over the mini-batches (they sum to it);
+    unset: each mini-batch's rows / anchor_ratio, rounded up (32 online rows, ratio 4)."""
+    from openrlhf_div.engines.local.config import config_from_dict
+    from openrlhf_div.engines.provenance import settings_of
+
+    cfg = config_from_dict({"task": "math", "method": {"name": "dph_js"},
+                            "rollout": {"prompts_per_step": 8, "group_size": 4},
+                            "optim": {"mini_batches": mini, "anchor_ratio": 4, "anchor_batch_size": size}})
+    got = [cfg.anchors_per_mini_batch(32 // mini, i) for i in range(mini)]
+    assert got == want
+    assert settings_of(cfg)["anchor.per_step"] == sum(want)
+
+
+def test_no_shipped_file_loads_with_an_old_spelling_note(capsys):
+    """Every experiment under configs/ (with its toy overlay) loads without a "spelt ... now" note.
+    Mutation: configs/toy/math.yaml back to `div: {anchor_batch_size: 2}` -> this fails."""
+    from openrlhf_div import schema
+    from openrlhf_div.engines import experiment as E
+
+    schema._NOTED.clear()
+    for p in sorted(glob.glob(os.path.join(ROOT, "configs", "*", "[!_]*.yaml"))):
+        if os.path.basename(os.path.dirname(p)) != "toy":
+            E.load(p)  # the file, its family base and the base's toy overlay, each rendered
+    err = capsys.readouterr().err
+    assert "now (the old spelling still loads" not in err, err[:2000]
