@@ -321,6 +321,7 @@ OUR_NAME: Dict[str, str] = {flag: key for key, flag in OPENRLHF_FLAGS.items()}
 DIV_FLAGS: Dict[str, str] = {
     "optim.anchor_ratio": "anchor_ratio",
     "optim.anchor_batch_size": "anchor_batch_size",
+    "eval.top_p": "eval_top_p",
 }
 #: ``div:``'s key -> our name (the old spelling under ``div:``)
 OUR_NAME_DIV: Dict[str, str] = {flag: key for key, flag in DIV_FLAGS.items()}

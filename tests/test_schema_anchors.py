@@ -1,4 +1,5 @@
-"""Issue 42: anchors per step have one name, ``optim.anchor_batch_size`` (the Ray drivers'
+"""Issue 42: the drivers' own settings the schema owns have one name: anchors per step are
+``optim.anchor_batch_size`` (the Ray drivers'
 ``--div.anchor_batch_size`` is its rendering), honoured by the local engine too; and no shipped file
 loads with an old-spelling note (the ``toy:`` overlays included, which ``config convert`` does not see).
 """
@@ -77,3 +78,26 @@ def test_no_shipped_file_loads_with_an_old_spelling_note(capsys):
             E.load(p)  # the file, its family base and the base's toy overlay, each rendered
     err = capsys.readouterr().err
     assert "now (the old spelling still loads" not in err, err[:2000]
+
+
+def test_the_eval_top_p_has_one_name(tmp_path, capsys):
+    """`eval.top_p` is the Ray drivers' --div.eval_top_p (the run's and the final evaluation's nucleus)
+    and the local engine's eval.top_p; the old div.eval_top_p loads with one line.
+    Mutation: "eval.top_p" removed from schema.DIV_FLAGS -> the Ray plan refuses it as local-only."""
+    from openrlhf_div import schema
+    from openrlhf_div.config import load_experiment
+    from openrlhf_div.engines import experiment as E
+    from openrlhf_div.engines.openrlhf import launch
+
+    p = _experiment(tmp_path, "optim: {anchor_batch_size: 4}\neval: {top_p: 0.95}\n")
+    assert launch.plan(["--config", p, "--dry-run"]).args.div.eval_top_p == 0.95
+    data, _ = E.to_local(E.load(p), run_dir=str(tmp_path / "run"), toy=False)
+    assert data["eval"]["top_p"] == 0.95
+    schema._NOTED.clear()
+    old = _experiment(tmp_path, "optim: {anchor_batch_size: 4}\n", name="old.yaml")
+    with open(old) as fh:
+        text = fh.read().replace("div: {anchor_data: /tmp/none}", "div: {anchor_data: /tmp/none, eval_top_p: 0.95}")
+    with open(old, "w") as fh:
+        fh.write(text)
+    assert load_experiment(old)["div"]["eval_top_p"] == 0.95
+    assert "div.eval_top_p is spelt eval.top_p" in capsys.readouterr().err
