@@ -478,9 +478,8 @@ def presample_folder(cfg: Dict[str, Any], where: str) -> Optional[str]:
     folder = (cfg.get("div") or {}).get("anchor_data") if isinstance(cfg.get("div"), dict) else None
     out = (cfg.get("presample") or {}).get("out") if isinstance(cfg.get("presample"), dict) else None
     if out is not None and folder is not None and not _same_folder(out, folder):
-        raise ConfigError(f"{where}: presample.out={out} but data.presample_dir={folder}: training reads D_pef from "
-                          f"data.presample_dir, so the pre-sampling stage must write there; remove presample.out "
-                          f"(the stage writes to data.presample_dir)")
+        raise ConfigError(f"{where}: the pre-sampling stage would write to presample.out {out} but training reads "
+                          f"data.presample_dir {folder}; remove presample.out (the stage writes to data.presample_dir)")
     return folder if folder is not None else out
 
 

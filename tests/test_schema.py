@@ -379,14 +379,14 @@ def test_the_old_presample_names_note_or_refuse(tmp_path, capsys):
     assert cfg["div"]["anchor_data"] == "/d/pre"
     assert _presample_out(old) == "/d/pre" and _ray_plan(old).args.div.anchor_data == "/d/pre"
     bad = _dph(tmp_path, "data: {presample_dir: /d/pre}\npresample: {out: /d/other}\n", "bad.yaml")
-    with pytest.raises(ConfigError, match=r"presample.out=/d/other but data.presample_dir=/d/pre: training reads"):
+    with pytest.raises(ConfigError, match=r"write to presample.out /d/other but training reads data.presample_dir /d/pre; remove presample.out"):
         load_experiment(bad)
     child = tmp_path / "configs" / "child.yaml"  # the folder in the file it extends, the old out in the child
     child.write_text("extends: old.yaml\npresample: {out: /d/other}\n")
-    with pytest.raises(ConfigError, match="presample.out=/d/other but data.presample_dir=/d/pre"):
+    with pytest.raises(ConfigError, match="presample.out /d/other but training reads data.presample_dir /d/pre"):
         load_experiment(str(child))
     new = _dph(tmp_path, "data: {presample_dir: /d/pre}\n", "new.yaml")
-    with pytest.raises(ConfigError, match="presample.out=/d/other but data.presample_dir=/d/pre"):
+    with pytest.raises(ConfigError, match="presample.out /d/other but training reads data.presample_dir /d/pre"):
         E.load(new, ["presample.out=/d/other"])
     assert "\n" not in str(pytest.raises(ConfigError, load_experiment, bad).value)
 
