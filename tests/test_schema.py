@@ -447,7 +447,9 @@ def test_the_converter_gives_the_folder_one_name(tmp_path):
                     "openrlhf: {train.batch_size: 18}\npresample:\n  out: /d/pre\n")
     new, moved = convert_file(str(lone))
     assert moved == ["presample.out -> data.presample_dir"]
-    assert "presample: {}\n" in new and "data:\n  presample_dir: /d/pre" in new
+    assert new.endswith("presample: {}\ndata:\n  presample_dir: /d/pre\n"), new
+    lone.write_text(new)
+    assert _presample_out(str(lone)) == "/d/pre" and _ray_plan(str(lone)).args.div.anchor_data == "/d/pre"
 
 
 def test_the_local_presample_writes_where_training_reads():

@@ -284,7 +284,10 @@ def _convert_presample(lines: List[str]) -> Tuple[List[str], List[str]]:
         line = lines.pop(j)
         if folder is None:  # a lone presample.out: the folder's one name
             folder = pre["out"]
-            lines += ["data:", re.sub(r"^  out:", "  presample_dir:", line)]
+            at = len(lines)
+            while at and not lines[at - 1].strip():  # before the file's trailing blank lines
+                at -= 1
+            lines[at:at] = ["data:", re.sub(r"^  out:", "  presample_dir:", line)]
             moved.append("presample.out -> data.presample_dir")
         else:
             moved.append("presample.out (= data.presample_dir, the stage's default) dropped")
