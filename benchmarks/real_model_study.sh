@@ -28,7 +28,7 @@ OUT="${OUT:-runs/sweep_smollm2_arith}"
 METHODS="${METHODS:-grpo dph_js ds_grpo lad_js}"
 SEEDS="${SEEDS:-1 2}"
 NICE="${NICE:-10}"
-PRESAMPLE="runs/smollm2_arith_presample"  # = div.anchor_data / local.data.presample_dir of smollm2_arith_dph_js.yaml
+PRESAMPLE="runs/smollm2_arith_presample"  # = data.presample_dir of smollm2_arith_dph_js.yaml
 
 say() { printf '[real_model_study] %s\n' "$*" >&2; }
 run() {

@@ -270,7 +270,7 @@ def load_experiment(path: str) -> Dict[str, Any]:
     is its family base plus the method's lines) with its sections checked; ``${VAR:-default}``
     is expanded later, where values become flags. Light on purpose (YAML only, no torch): the
     launchers call it in a fresh process before every job."""
-    from openrlhf_div.schema import render_file
+    from openrlhf_div.schema import presample_folder, render_file
 
     key = os.path.realpath(path)
     hit = _READ.get(key)
@@ -281,6 +281,7 @@ def load_experiment(path: str) -> Dict[str, Any]:
     for section in cfg:
         if section not in EXPERIMENT_SECTIONS:
             raise unknown_key(section, EXPERIMENT_SECTIONS, what=f"section in {path}:")
+    presample_folder(cfg, path)  # one folder across the extends chain: the old presample.out = data.presample_dir
     _READ[key] = ([(f, _mtime(f)) for f in files], copy.deepcopy(cfg))
     return cfg
 

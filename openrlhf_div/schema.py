@@ -85,9 +85,13 @@ class DataConfig:
                                                 "length).")
     anchor: Optional[str] = _f(None, "D_pef JSONL from `openrlhf-div presample` (anchor samples with stored base "
                                      "log-probs). Read only when the method needs an anchor batch.")
-    presample_dir: Optional[str] = _f(None, "Output directory of `openrlhf-div presample`. For methods that need an "
-                                            "anchor batch it supplies d_pef.jsonl (unless `anchor` is set) and, with "
-                                            "train_on_exp, the training prompts d_exp.jsonl. Other methods ignore it.")
+    presample_dir: Optional[str] = _f(None, "The pre-sampling output folder (d_pef.jsonl, d_exp.jsonl, summary.json), "
+                                            "one name for both sides: the pre-sampling stage writes it (`openrlhf-div "
+                                            "presample`, the Ray stage's --presample.out) and training reads it: for "
+                                            "methods that need an anchor batch it supplies d_pef.jsonl (unless `anchor` "
+                                            "is set) and, with train_on_exp, the training prompts d_exp.jsonl. Other "
+                                            "methods ignore it. `openrlhf-div run` pre-samples into it when it holds no "
+                                            "d_pef.jsonl yet (`--toy` pre-samples its own, into the run folder).")
     train_on_exp: bool = _f(True, "Anchor methods train on D_exp prompts only (DPH-RL's online stage).")
 
 
@@ -207,8 +211,9 @@ class PresampleConfig:
                                                 "sample, kept only if correct) instead of reusing its first "
                                                 "correct pre-sample, as seamoke/DPH-RL's generate_sft pass does.")
     chunk_size: int = _f(32, "Prompts per resumable chunk.")
-    output_dir: Optional[str] = _f(None, "Where d_pef.jsonl, d_exp.jsonl and summary.json go "
-                                         "(null: OUTPUT_DIR/presample).")
+    output_dir: Optional[str] = _f(None, "The local `openrlhf-div presample`'s write-side override: where d_pef.jsonl, "
+                                         "d_exp.jsonl and summary.json go (null: data.presample_dir, the folder "
+                                         "training reads, when set; else OUTPUT_DIR/presample).")
     max_new_tokens: Optional[int] = _f(None, "Response length (null: rollout.max_new_tokens).")
 
 
@@ -322,9 +327,14 @@ DIV_FLAGS: Dict[str, str] = {
     "optim.anchor_ratio": "anchor_ratio",
     "optim.anchor_batch_size": "anchor_batch_size",
     "eval.top_p": "eval_top_p",
+    "data.presample_dir": "anchor_data",  # the folder training reads; the Ray pre-sampling stage writes it
 }
 #: ``div:``'s key -> our name (the old spelling under ``div:``)
 OUR_NAME_DIV: Dict[str, str] = {flag: key for key, flag in DIV_FLAGS.items()}
+#: ``presample:``'s key -> our name (the old spelling under ``presample:``): the Ray pre-sampling stage's
+#: ``--presample.out`` is the folder training reads, ``data.presample_dir`` (:func:`presample_folder`)
+OUR_NAME_PRESAMPLE: Dict[str, str] = {"out": "data.presample_dir"}
+_OLD_NAMES = {"openrlhf": OUR_NAME, "div": OUR_NAME_DIV, "presample": OUR_NAME_PRESAMPLE}
 
 #: the sections (and the scalar ``seed``) an experiment file writes in the schema's names
 NEUTRAL_SECTIONS: Tuple[str, ...] = ("seed", "model", "data", "rollout", "optim", "eval", "checkpoint")
@@ -392,8 +402,9 @@ def _flat(section: str, value: Any, where: str) -> Dict[str, Any]:
 
 
 def note_old_spelling(flag: str, where: str, section: str = "openrlhf") -> None:
-    """One stderr line per process and key: ``openrlhf.<flag>`` (or ``div.<key>``) is our name."""
-    ours = (OUR_NAME if section == "openrlhf" else OUR_NAME_DIV)[flag]
+    """One stderr line per process and key: ``openrlhf.<flag>`` (or ``div.<key>``, ``presample.out``) is
+    our name."""
+    ours = _OLD_NAMES[section][flag]
     if (section, flag) in _NOTED:
         return
     _NOTED.add((section, flag))
@@ -424,6 +435,10 @@ def render_file(data: Dict[str, Any], where: str, *, override: bool = False) -> 
     for k in div:
         if k in OUR_NAME_DIV:
             note_old_spelling(k, where, "div")
+    pre = data.get("presample") if isinstance(data.get("presample"), dict) else {}
+    for k in pre:
+        if k in OUR_NAME_PRESAMPLE:
+            note_old_spelling(k, where, "presample")
     for key, value in flat.items():
         check_value(key, value)
         if key in DIV_FLAGS:  # the drivers' own flag
@@ -443,7 +458,34 @@ def render_file(data: Dict[str, Any], where: str, *, override: bool = False) -> 
         if flag in ours:
             raise ConfigError(f"{where}: {key} and openrlhf.{flag} are one setting written twice; write {key} only")
         data.setdefault("openrlhf", {})[flag] = value
+    presample_folder(data, where)  # the old presample.out: the same folder as this file's data.presample_dir
     return data
+
+
+def _same_folder(a: Any, b: Any) -> bool:
+    """Two spellings of one folder: equal as written, or equal once ``${VAR:-default}`` is expanded
+    and the path normalised (an unset variable without a default: as written)."""
+    import os
+
+    if str(a) == str(b):
+        return True
+    try:
+        return os.path.normpath(expand_env(str(a))) == os.path.normpath(expand_env(str(b)))
+    except ConfigError:
+        return False
+
+
+def presample_folder(cfg: Dict[str, Any], where: str) -> Optional[str]:
+    """The pre-sampling output folder of a rendered experiment (as written, ``${VAR}`` unexpanded):
+    ``data.presample_dir`` (rendered as ``div.anchor_data``, the folder training reads), else the old
+    ``presample.out``. One folder: a ``presample.out`` other than ``data.presample_dir`` is a
+    :class:`ConfigError` (training would not read what the stage writes)."""
+    folder = (cfg.get("div") or {}).get("anchor_data") if isinstance(cfg.get("div"), dict) else None
+    out = (cfg.get("presample") or {}).get("out") if isinstance(cfg.get("presample"), dict) else None
+    if out is not None and folder is not None and not _same_folder(out, folder):
+        raise ConfigError(f"{where}: the pre-sampling stage would write to presample.out {out} but training reads "
+                          f"data.presample_dir {folder}; remove presample.out (the stage writes to data.presample_dir)")
+    return folder if folder is not None else out
 
 
 def local_only(cfg: Dict[str, Any]) -> Dict[str, Any]:

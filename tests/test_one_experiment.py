@@ -204,3 +204,36 @@ def test_an_anchor_method_trained_on_d_exp_counts_its_steps_after_pre_sampling(f
     assert "steps" not in data.get("optim", {})
     assert E.apply_steps(data, pending, 5)["optim"]["steps"] == 1  # 5 D_exp prompts // 4 per step
     assert E.apply_steps(data, pending, 9)["optim"]["steps"] == 2
+
+
+def test_the_local_run_pre_samples_into_the_experiments_folder(fixed_env, monkeypatch):
+    """The pre-sampling folder has one name (data.presample_dir): `openrlhf-div run tiny_cpu_dph_js
+    --engine local` pre-samples into the experiment's folder (PRESAMPLE_DIR here, as the Ray launcher's
+    stage would) when it holds no D_pef, and trains on it; a second run reads it without pre-sampling.
+    (Pre-sampling and training stubbed: what is checked is where they are pointed.)
+    Mutations: run.py's folder back to RUN_DIR/presample -> the first assert fails; its `d_pef.jsonl
+    exists` check removed -> the second run pre-samples again."""
+    from openrlhf_div.cli.main import main
+    from openrlhf_div.engines.local import presample as LP
+    from openrlhf_div.engines.local import trainer as LT
+    from openrlhf_div.engines.openrlhf import prepare
+
+    calls = []
+
+    def presample(tc, out, **kw):
+        calls.append(("presample", out))
+        os.makedirs(out, exist_ok=True)
+        for f in ("d_pef.jsonl", "d_exp.jsonl"):
+            open(os.path.join(out, f), "w").close()
+        return {}
+
+    monkeypatch.setattr(prepare, "ensure_tiny", lambda *a, **k: None)  # no tiny model needed: nothing samples
+    monkeypatch.setattr(LP, "presample", presample)
+    monkeypatch.setattr(LP, "format_summary", lambda s: "pre-sampling done")
+    monkeypatch.setattr(LT, "train", lambda cfg: calls.append(("train", cfg.data.presample_dir)) or {"run_dir": "r"})
+    folder = str(fixed_env / "presample")
+    assert main(["run", "tiny_cpu_dph_js", "--engine", "local", "--run-dir", str(fixed_env / "r1")]) == 0
+    assert calls == [("presample", folder), ("train", folder)]
+    calls.clear()
+    assert main(["run", "tiny_cpu_dph_js", "--engine", "local", "--run-dir", str(fixed_env / "r2")]) == 0
+    assert calls == [("train", folder)]

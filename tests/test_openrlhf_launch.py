@@ -5,6 +5,7 @@ No Ray, vLLM or GPU: the dry run uses OpenRLHF's own parser and validation state
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shlex
 import shutil
@@ -215,6 +216,10 @@ def test_presample_sections_parse(capsys, monkeypatch):
         assert P.main(["--config", path, "--dry-run"]) == 0, path
         out = capsys.readouterr().out
         name = os.path.basename(path)[:-5]
+        from openrlhf_div.config import expand_env
+
+        # the stage writes where training reads: the experiment's data.presample_dir (--div.anchor_data)
+        assert json.loads(out)["out"] == expand_env(L.load_config(path)["div"]["anchor_data"]), path
         if name.startswith("llama8b_bird_") and not name.endswith("_spec"):
             # data/sql/process_data/exact_correct_id.py (4 of 4) + generate_sft's fresh anchor draw
             assert '"n_pre": 4' in out and '"tau": 4' in out and '"resample_anchor_responses": true' in out

@@ -290,7 +290,7 @@ def test_anchors_per_step_have_one_name(tmp_path, capsys):
     with open(p) as fh:
         text = fh.read().replace("method: {name: grpo}", "method: {name: dph_js}")
     with open(p, "w") as fh:
-        fh.write(text + "div: {anchor_data: /tmp/none}\nopenrlhf: {train.batch_size: 20}\n")  # 16 online + 4 anchors
+        fh.write(text + "data: {presample_dir: /tmp/none}\nopenrlhf: {train.batch_size: 20}\n")  # 16 online + 4 anchors
     plan = _ray_plan(p)
     assert plan.args.div.anchor_ratio == 4.0
     cfg = load_experiment(p)
@@ -307,3 +307,160 @@ def test_anchors_per_step_have_one_name(tmp_path, capsys):
     with open(old, "w") as fh:
         fh.write(new)
     assert load_experiment(old) == before
+
+
+def _dph(tmp_path, body: str, name: str) -> str:
+    """A dph_js experiment over the tiny CPU family (16 online + 2 anchor rows per step)."""
+    p = _experiment(tmp_path, body + "openrlhf: {train.batch_size: 18}\n", name=name)
+    with open(p) as fh:
+        text = fh.read().replace("method: {name: grpo}", "method: {name: dph_js}")
+    with open(p, "w") as fh:
+        fh.write(text)
+    return p
+
+
+def _presample_out(path, *over):
+    """The Ray pre-sampling stage's output folder, as its driver parses it (its --dry-run's "out")."""
+    import json
+
+    from openrlhf_div.engines.openrlhf import presample as P
+
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert P.main(["--config", path, *over, "--dry-run"]) == 0
+    return json.loads(buf.getvalue())["out"]
+
+
+def test_the_presample_folder_has_one_name(tmp_path, monkeypatch):
+    """`data.presample_dir` (issue 42: one name for the pre-sampling output): the Ray driver's
+    --div.anchor_data, the Ray pre-sampling stage's output (--presample.out, not written in the file) and
+    the local engine's data.presample_dir, all from the one key, ${VAR} expanded as the Ray side sees it;
+    `--toy` pre-samples its own (no folder in its translation).
+    Mutations: the DIV_FLAGS entry removed -> the Ray plan refuses data.presample_dir as local-only;
+    presample_argv's default removed -> the stage has no output folder; to_local's line removed -> the
+    local translation has none."""
+    from openrlhf_div.engines import experiment as E
+
+    monkeypatch.setenv("PRESAMPLE_DIR", str(tmp_path / "pre"))
+    p = _dph(tmp_path, "data:\n  presample_dir: ${PRESAMPLE_DIR:-/nowhere}\npresample: {n_pre: 4, tau: 1}\n", "one.yaml")
+    want = str(tmp_path / "pre")
+    assert _ray_plan(p).args.div.anchor_data == want
+    assert _presample_out(p) == want
+    _, local = _local(p)
+    assert local["data"]["presample_dir"] == want
+    toy, _ = E.to_local(E.load(p, toy=True), run_dir="/tmp/x", toy=True)
+    assert "presample_dir" not in (toy.get("data") or {})
+    # an override moves all three
+    assert _ray_plan(p, "data.presample_dir=/o").args.div.anchor_data == "/o"
+    assert _presample_out(p, "data.presample_dir=/o") == "/o"
+    assert _local(p, "data.presample_dir=/o")[1]["data"]["presample_dir"] == "/o"
+
+
+def test_the_old_presample_names_note_or_refuse(tmp_path, capsys):
+    """The old names of the folder still load, one stderr line each naming data.presample_dir:
+    div.anchor_data, and presample.out when it is the same folder; a presample.out elsewhere (in the
+    file, across its extends chain, or from an override) is refused in one line: training would not read
+    what the stage writes. Mutation: presample_folder's comparison made to accept any pair -> the three
+    refusals are not raised."""
+    from openrlhf_div import schema
+    from openrlhf_div.config import ConfigError, load_experiment
+    from openrlhf_div.engines import experiment as E
+
+    schema._NOTED.clear()
+    old = _dph(tmp_path, "div: {anchor_data: /d/pre}\npresample: {out: /d/pre, n_pre: 4}\n", "old.yaml")
+    cfg = load_experiment(old)
+    err = capsys.readouterr().err.splitlines()
+    for name in ("div.anchor_data", "presample.out"):
+        lines = [ln for ln in err if name in ln]
+        assert len(lines) == 1 and "is spelt data.presample_dir now" in lines[0] and "config convert" in lines[0], err
+    assert cfg["div"]["anchor_data"] == "/d/pre"
+    assert _presample_out(old) == "/d/pre" and _ray_plan(old).args.div.anchor_data == "/d/pre"
+    bad = _dph(tmp_path, "data: {presample_dir: /d/pre}\npresample: {out: /d/other}\n", "bad.yaml")
+    with pytest.raises(ConfigError, match=r"write to presample.out /d/other but training reads data.presample_dir /d/pre; remove presample.out"):
+        load_experiment(bad)
+    child = tmp_path / "configs" / "child.yaml"  # the folder in the file it extends, the old out in the child
+    child.write_text("extends: old.yaml\npresample: {out: /d/other}\n")
+    with pytest.raises(ConfigError, match="presample.out /d/other but training reads data.presample_dir /d/pre"):
+        load_experiment(str(child))
+    new = _dph(tmp_path, "data: {presample_dir: /d/pre}\n", "new.yaml")
+    with pytest.raises(ConfigError, match="presample.out /d/other but training reads data.presample_dir /d/pre"):
+        E.load(new, ["presample.out=/d/other"])
+    assert "\n" not in str(pytest.raises(ConfigError, load_experiment, bad).value)
+
+
+def test_the_converter_gives_the_folder_one_name(tmp_path):
+    """`config convert`: div.anchor_data -> data.presample_dir, presample.out (the same folder) dropped,
+    a local.data.presample_dir equal to it dropped; the toy overlay's `presample_dir: null` kept (the toy
+    pre-samples its own); every engine reads the converted file as before.
+    Mutation: _convert_presample's body skipped -> `out:` and the local line stay (this test fails);
+    _one_folder's normalisation skipped -> convert refuses (the file would load differently)."""
+    from openrlhf_div import schema
+    from openrlhf_div.cli.config import convert_file
+    from openrlhf_div.engines import experiment as E
+    from openrlhf_div.engines.openrlhf.presample import presample_argv
+
+    schema._NOTED.clear()
+    body = ("div:\n  anchor_data: runs/pre  # D_pef\n  anchor_batch_size: 4\n"
+            "presample:\n  out: runs/pre\n  n_pre: 8\n"
+            "local:\n  data:\n    presample_dir: runs/pre  # keep it equal\n    train_on_exp: false\n"
+            "toy:\n  local:\n    data: {presample_dir: null}\nopenrlhf: {train.batch_size: 20}\n")
+    p = _experiment(tmp_path, body, name="conv.yaml")
+    with open(p) as fh:
+        text = fh.read().replace("method: {name: grpo}", "method: {name: dph_js}")
+    with open(p, "w") as fh:
+        fh.write(text)
+
+    def seen(path):
+        out = {}
+        for toy in (False, True):
+            cfg = E.load(path, toy=toy)
+            out[toy] = E.to_local(cfg, run_dir="/tmp/x", toy=toy)[0]
+        cfg = E.load(path)
+        flags, flag = {}, None  # the driver's command line as {flag: values} (its order is the file's)
+        for tok in _ray_plan(path).argv:
+            if tok.startswith("--"):
+                flag = tok
+                flags.setdefault(flag, [])
+            else:
+                flags[flag].append(tok)
+        return out, presample_argv(cfg), flags
+
+    before = seen(p)
+    new, moved = convert_file(p)
+    assert moved == ["div.anchor_data -> data.presample_dir",
+                     "presample.out (= data.presample_dir, the stage's default) dropped",
+                     "local.data.presample_dir (= data.presample_dir) dropped"], moved
+    assert "data:\n  presample_dir: runs/pre  # D_pef\n" in new
+    assert "anchor_data" not in new and "  out:" not in new and "keep it equal" not in new
+    assert "local:\n  data:\n    train_on_exp: false\n" in new and "data: {presample_dir: null}" in new
+    with open(p, "w") as fh:
+        fh.write(new)
+    after = seen(p)
+    assert after == before
+    assert before[0][False]["data"]["presample_dir"] == "runs/pre" and before[0][True]["data"]["presample_dir"] is None
+    assert before[1][:2] == ["--presample.out", "runs/pre"]
+    lone = tmp_path / "configs" / "lone.yaml"  # a presample.out without the folder: the folder's one name
+    lone.write_text("extends: _tiny_cpu.yaml\nexperiment: lone\nmethod: {name: dph_js}\n"
+                    "openrlhf: {train.batch_size: 18}\npresample:\n  out: /d/pre\n")
+    new, moved = convert_file(str(lone))
+    assert moved == ["presample.out -> data.presample_dir"]
+    assert new.endswith("presample: {}\ndata:\n  presample_dir: /d/pre\n"), new
+    lone.write_text(new)
+    assert _presample_out(str(lone)) == "/d/pre" and _ray_plan(str(lone)).args.div.anchor_data == "/d/pre"
+
+
+def test_the_local_presample_writes_where_training_reads():
+    """The local `openrlhf-div presample`'s folder: --out, else presample.output_dir (the write side's
+    override), else data.presample_dir (the folder training reads), else OUTPUT_DIR/presample.
+    Mutation: data.presample_dir left out of output_folder -> OUTPUT_DIR/presample (this test fails)."""
+    from openrlhf_div.engines.local.config import load_config
+    from openrlhf_div.engines.local.presample import output_folder
+
+    base = ["output_dir=/r", "task=math"]
+    assert output_folder(load_config(None, base)) == "/r/presample"
+    assert output_folder(load_config(None, base + ["data.presample_dir=/d"])) == "/d"
+    assert output_folder(load_config(None, base + ["data.presample_dir=/d", "presample.output_dir=/w"])) == "/w"
+    assert output_folder(load_config(None, base + ["data.presample_dir=/d"]), "/o") == "/o"

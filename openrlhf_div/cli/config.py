@@ -236,12 +236,90 @@ def _merge_blocks(lines: List[str]) -> List[str]:
     return lines
 
 
+def _top_block(lines: List[str], name: str):
+    """``(start, end)`` of the top-level ``name:`` block (a mapping written as indented lines), or None."""
+    for i, line in enumerate(lines):
+        if re.match(rf"^{name}:\s*(#.*)?$", line):
+            return i, _block_end(lines, i, 0)
+    return None
+
+
+def _key_line(lines: List[str], start: int, end: int, indent: int, key: str):
+    """Index of the ``key:`` line at ``indent`` inside ``lines[start:end]``, or None."""
+    for j in range(start, end):
+        if re.match(rf"^{' ' * indent}{key}:(\s|$)", lines[j]):
+            return j
+    return None
+
+
+def _has_keys(lines: List[str]) -> bool:
+    return any(line.strip() and not line.lstrip().startswith("#") for line in lines)
+
+
+def _convert_presample(lines: List[str]) -> Tuple[List[str], List[str]]:
+    """The pre-sampling folder's other names (after :func:`_convert_div`: ``div.anchor_data`` is already
+    ``data.presample_dir``): ``presample.out`` equal to the file's ``data.presample_dir`` is dropped (the
+    stage writes there by default), a lone one becomes ``data.presample_dir``; ``local.data.presample_dir``
+    equal to it is dropped (the local translation reads the folder). A ``toy:`` overlay's own
+    ``presample_dir`` (``null``: the toy pre-samples its own) is left as it is."""
+    import yaml
+
+    try:
+        cfg = yaml.load("\n".join(lines), Loader=_loader())  # noqa: S506 - the project's safe loader
+    except yaml.YAMLError:
+        return lines, []
+    if not isinstance(cfg, dict):
+        return lines, []
+    data = cfg.get("data") if isinstance(cfg.get("data"), dict) else {}
+    pre = cfg.get("presample") if isinstance(cfg.get("presample"), dict) else {}
+    folder = data.get("presample_dir")
+    moved: List[str] = []
+    blk = _top_block(lines, "presample")
+    j = _key_line(lines, blk[0] + 1, blk[1], 2, "out") if blk and "out" in pre else None
+    if j is not None:
+        from openrlhf_div.schema import _same_folder
+
+        if folder is not None and not _same_folder(pre["out"], folder):
+            return lines, []  # two folders: the loader refuses the file, the user decides which one is meant
+        line = lines.pop(j)
+        if folder is None:  # a lone presample.out: the folder's one name
+            folder = pre["out"]
+            at = len(lines)
+            while at and not lines[at - 1].strip():  # before the file's trailing blank lines
+                at -= 1
+            lines[at:at] = ["data:", re.sub(r"^  out:", "  presample_dir:", line)]
+            moved.append("presample.out -> data.presample_dir")
+        else:
+            moved.append("presample.out (= data.presample_dir, the stage's default) dropped")
+        start, end = _top_block(lines, "presample")
+        if not _has_keys(lines[start + 1:end]):
+            lines[start] = re.sub(r"^presample:", "presample: {}", lines[start])
+    blk = _top_block(lines, "local")
+    if blk and folder is not None:
+        d = _key_line(lines, blk[0] + 1, blk[1], 2, "data")
+        if d is not None and re.match(r"^  data:\s*(#.*)?$", lines[d]):
+            d_end = _block_end(lines, d, 2)
+            k = _key_line(lines, d + 1, d_end, 4, "presample_dir")
+            local_data = ((cfg.get("local") or {}).get("data") or {}) if isinstance(cfg.get("local"), dict) else {}
+            if k is not None and str(local_data.get("presample_dir")) == str(folder):
+                del lines[k]
+                moved.append("local.data.presample_dir (= data.presample_dir) dropped")
+                if not _has_keys(lines[d + 1:_block_end(lines, d, 2)]):
+                    del lines[d]
+                start, end = _top_block(lines, "local")
+                if not _has_keys(lines[start + 1:end]):
+                    del lines[start]
+    return lines, moved
+
+
 def convert_text(text: str) -> Tuple[str, List[str]]:
-    """Both old spellings: ``div:``'s method / task / layout keys and OpenRLHF's names of the schema's
-    settings under ``openrlhf:``."""
+    """Every old spelling: ``div:``'s method / task / layout keys, OpenRLHF's names of the schema's
+    settings under ``openrlhf:``, and the pre-sampling folder's other names (``div.anchor_data``,
+    ``presample.out``, a ``local.data.presample_dir`` equal to it): ``data.presample_dir``."""
     lines, moved_div = _convert_div(text.split("\n"))
     lines, moved = _convert_lines(lines)
-    return "\n".join(_merge_blocks(lines)), moved_div + moved
+    lines, moved_pre = _convert_presample(_merge_blocks(lines))
+    return "\n".join(_merge_blocks(lines)), moved_div + moved + moved_pre
 
 
 def convert_file(path: str) -> Tuple[str, List[str]]:
@@ -269,7 +347,7 @@ def convert_file(path: str) -> Tuple[str, List[str]]:
             same = _meaning(render_file(copy.deepcopy(before), path)) == _meaning(
                 render_file(copy.deepcopy(after or {}), path))
     except ConfigError as e:
-        raise ValueError(f"{path}: {e}") from None
+        raise ValueError(str(e) if str(e).startswith(path) else f"{path}: {e}") from None
     if not same:
         raise ValueError(f"{path}: the converted file would load differently; convert it by hand "
                          f"(`openrlhf-div config fields` lists the schema's names)")
@@ -282,6 +360,7 @@ def _meaning(cfg):
     from openrlhf_div.engines.flags import METHOD_KEYS_IN_DIV
     from openrlhf_div.engines.layout import LAYOUT_KEYS
 
+    cfg = _one_folder(cfg)
     div = dict(cfg.get("div") or {})
     layout = dict(cfg.get(LAYOUT_SECTION) or {})
     layout.update({k: v for k, v in div.items() if k in LAYOUT_KEYS and k not in layout})
@@ -289,6 +368,31 @@ def _meaning(cfg):
     rest["div"] = {k: v for k, v in div.items() if k not in ("method", "task") and k not in METHOD_KEYS_IN_DIV()
                    and k not in LAYOUT_KEYS}
     return rest, method_section(cfg), task_of(cfg), layout
+
+
+def _one_folder(cfg):
+    """``cfg`` with the pre-sampling folder under its one name: a ``presample.out`` (equal to
+    ``div.anchor_data``, or alone) read as ``div.anchor_data``, a ``local.data.presample_dir`` equal to it
+    left out (the local translation reads the folder)."""
+    import copy
+
+    cfg = copy.deepcopy(cfg)
+    div = cfg.get("div") if isinstance(cfg.get("div"), dict) else {}
+    pre = cfg.get("presample")
+    if isinstance(pre, dict) and "out" in pre:
+        out = pre.pop("out")
+        if div.get("anchor_data") is None:
+            cfg["div"] = div = dict(div, anchor_data=out)
+    local = cfg.get("local")
+    folder = div.get("anchor_data")
+    if isinstance(local, dict) and isinstance(local.get("data"), dict) and folder is not None \
+            and str(local["data"].get("presample_dir")) == str(folder):
+        del local["data"]["presample_dir"]
+        if not local["data"]:
+            del local["data"]
+        if not local:
+            del cfg["local"]
+    return cfg
 
 
 def _loader():

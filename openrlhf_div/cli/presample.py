@@ -16,7 +16,8 @@ def add_parser(sub):
                                    "correct response with its base log-probs for near-perfect prompts (D_pef) "
                                    "and the rest as D_exp. Resumable.")
     p.add_argument("--config", "-c", required=True, help="YAML config (model, task, data.train, rollout)")
-    p.add_argument("--out", help="output directory (default: presample.output_dir or OUTPUT_DIR/presample)")
+    p.add_argument("--out", help="output directory (default: presample.output_dir, else data.presample_dir (the "
+                                 "folder training reads), else OUTPUT_DIR/presample)")
     p.add_argument("--n-pre", type=int, help="samples per prompt (presample.n_pre, default 8)")
     p.add_argument("--tau", type=int, help="near-perfect threshold #correct >= tau (default n_pre)")
     p.add_argument("--drop-unsolved", action="store_true", help="leave prompts with 0 correct out of D_exp")

@@ -176,12 +176,16 @@ def _run_local(cfg, name, args, passthrough) -> int:
     from openrlhf_div.engines.local.presample import format_summary, presample
     from openrlhf_div.engines.local.trainer import train
 
-    if method.needs.anchor_batch and not (tc.data.presample_dir or tc.data.anchor):
-        pre_dir = os.path.join(run_dir, "presample")
-        print(f"openrlhf-div run: pre-sampling D_pef / D_exp into {pre_dir}", file=sys.stderr)
-        summary = presample(tc, pre_dir, overwrite=False, progress=False,
-                            hint=f"remove {pre_dir}, or give another --run-dir")
-        print(format_summary(summary), file=sys.stderr)
+    if method.needs.anchor_batch and not tc.data.anchor:
+        # the pre-sampling stage, as on Ray: into the experiment's data.presample_dir (the folder training
+        # reads) when it holds no D_pef yet, or into the run folder (--toy, or no folder named)
+        pre_dir = tc.data.presample_dir or os.path.join(run_dir, "presample")
+        if not os.path.isfile(os.path.join(pre_dir, "d_pef.jsonl")):
+            print(f"openrlhf-div run: pre-sampling D_pef / D_exp into {pre_dir}", file=sys.stderr)
+            hint = (f"remove {pre_dir}, or give another --run-dir" if not tc.data.presample_dir else
+                    f"remove {pre_dir}, or name another folder: data.presample_dir=DIR")
+            summary = presample(tc, pre_dir, overwrite=False, progress=False, hint=hint)
+            print(format_summary(summary), file=sys.stderr)
         data.setdefault("data", {})["presample_dir"] = pre_dir
         if pending:
             from openrlhf_div.engines.provenance import count_prompts

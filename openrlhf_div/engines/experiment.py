@@ -104,9 +104,10 @@ def load(path: str, overrides: Sequence[str] = (), toy: bool = False) -> Dict[st
         for section in FLAT_SECTIONS:  # OpenRLHF's flags are dotted keys there: openrlhf.train.batch_size=64
             if isinstance(over.get(section), dict):
                 over[section] = _flatten(over[section])
-        from openrlhf_div.schema import render_file
+        from openrlhf_div.schema import presample_folder, render_file
 
         cfg = deep_merge(cfg, render_file(over, "the command line", override=True))  # rollout.group_size=4 -> its flag
+        presample_folder(cfg, f"{path} with the command line's overrides")
         from openrlhf_div.engines.overrides import check_overrides
 
         check_overrides(cfg, overrides, path, method_section=method_section)  # a typo: one line, on every engine
@@ -215,7 +216,8 @@ def to_local(cfg: Dict[str, Any], *, run_dir: str, toy: bool,
     prompts); the data file and fields, the prompt rendering (``data.apply_chat_template`` /
     ``data.input_template``: raw text or the chat template); the grading options of the file's
     ``env:`` (``OPENRLHF_DIV_MATH_EXTRACT`` -> ``task_options.extract``); the evaluation data,
-    cadence, samples, temperature, top-p; the anchor batch and pre-sampling split."""
+    cadence, samples, temperature, top-p; the anchor batch, the pre-sampling split and its folder
+    (``data.presample_dir``, which the Ray engines read as ``div.anchor_data``; not under ``--toy``)."""
     from openrlhf_div.engines.provenance import count_prompts, grading_options, rollout_steps
 
     refused = local_refusals(cfg, toy)
@@ -298,6 +300,10 @@ def to_local(cfg: Dict[str, Any], *, run_dir: str, toy: bool,
         _set(out, "optim.anchor_ratio", online / float(div["anchor_batch_size"]))
     elif div.get("anchor_ratio"):
         _set(out, "optim.anchor_ratio", float(div["anchor_ratio"]))
+    if div.get("anchor_data") and not toy:
+        # the pre-sampling folder (data.presample_dir, rendered as the Ray driver's --div.anchor_data), as the Ray
+        # side sees it; the toy's tiny model pre-samples its own (a D_pef holds the base model's log-probs)
+        _set(out, "data.presample_dir", expand_env(str(div["anchor_data"])))
     save = (cfg.get("openrlhf") or {}).get("ckpt.save_steps")
     if not toy and save is not None and int(save) > 0:  # checkpoints as often as on Ray: a killed run resumes there
         _set(out, "checkpoint.every", int(save))

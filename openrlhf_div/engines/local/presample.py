@@ -118,6 +118,14 @@ def _resample_anchors(model, tokenizer, task, examples, prompt_ids, hot: List[in
     return fresh
 
 
+def output_folder(cfg: TrainConfig, output_dir: Optional[str] = None) -> str:
+    """Where the local pre-sampling writes: ``output_dir`` (``--out``), else ``presample.output_dir`` (the
+    write side's own override), else ``data.presample_dir`` (the folder training reads), else
+    ``OUTPUT_DIR/presample``."""
+    return os.path.abspath(output_dir or cfg.presample.output_dir or cfg.data.presample_dir
+                           or os.path.join(cfg.output_dir, "presample"))
+
+
 def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: bool = False,
               max_new_chunks: Optional[int] = None, progress: bool = True,
               hint: str = "use another output directory or --overwrite") -> Dict[str, Any]:
@@ -132,7 +140,7 @@ def presample(cfg: TrainConfig, output_dir: Optional[str] = None, *, overwrite: 
     from .realmodel import resolve_num_threads
 
     torch.set_num_threads(resolve_num_threads(cfg.num_threads))
-    out_dir = os.path.abspath(output_dir or cfg.presample.output_dir or os.path.join(cfg.output_dir, "presample"))
+    out_dir = output_folder(cfg, output_dir)
     if cfg.data.train is None:
         raise ValueError("presample needs data.train (the JSONL of training examples to split)")
     examples, data_summary = load_task_examples(cfg, cfg.data.train, split=cfg.data.split)

@@ -49,7 +49,9 @@ def response_log_probs(action_log_probs: Sequence[float], prompt_len: int, respo
 
 def add_presample_arguments(parser) -> None:
     g = parser.add_argument_group("pre-sampling (--presample.*)")
-    g.add_argument("--presample.out", default=None, metavar="DIR", help="output directory (required)")
+    g.add_argument("--presample.out", default=None, metavar="DIR",
+                   help="output directory (default with --config: the experiment's data.presample_dir, the folder "
+                        "training reads as --div.anchor_data)")
     g.add_argument("--presample.n_pre", type=int, default=8, help="samples per prompt (default 8)")
     g.add_argument("--presample.tau", type=int, default=None, help="near-perfect: #correct >= tau (default n_pre)")
     g.add_argument("--presample.drop_unsolved", action="store_true",
@@ -286,10 +288,16 @@ def run(args) -> Dict[str, Any]:
 def presample_argv(cfg: Dict[str, Any]) -> List[str]:
     """A config's ``presample:`` section as flags: plain keys are ``--presample.<key>``; dotted
     keys are OpenRLHF flags that override the training layout for this stage (e.g.
-    ``vllm.num_engines: 6``, ``ref.num_gpus_per_node: 2``, ``data.prompt_dataset: full.jsonl``)."""
+    ``vllm.num_engines: 6``, ``ref.num_gpus_per_node: 2``, ``data.prompt_dataset: full.jsonl``).
+    The output folder is the experiment's ``data.presample_dir`` (rendered as ``div.anchor_data``, the
+    folder training reads): ``--presample.out`` defaults to it."""
     from openrlhf_div.config import expand_env
+    from openrlhf_div.schema import presample_folder
 
     out: List[str] = []
+    folder = presample_folder(cfg, "config")
+    if folder is not None and "out" not in (cfg.get("presample") or {}):
+        out += ["--presample.out", expand_env(str(folder))]
     for k, v in (cfg.get("presample") or {}).items():
         flag = f"--{k}" if "." in k else f"--presample.{k}"
         if v is True:
@@ -340,7 +348,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             setattr(parsed, "reward.remote_url", reward_func_path(task))
         if not getattr(parsed, "presample.out", None):
-            raise ValueError("--presample.out DIR is required")
+            raise ValueError("no output folder: set data.presample_dir in the experiment (the folder training "
+                             "reads) or pass --presample.out DIR")
         if not getattr(parsed, "reward.remote_url", None):
             raise ValueError("no reward: pass --div.task math|sql|countdown or --reward.remote_url FILE.py")
         args = finalize(parsed)
@@ -348,7 +357,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if getattr(parsed, "dry_run", False):
-        print(json.dumps(settings_from_args(args), indent=2, default=str))
+        # the output folder (the experiment's data.presample_dir) and the settings its chunk store keeps
+        print(json.dumps({"out": getattr(parsed, "presample.out"), **settings_from_args(args)}, indent=2, default=str))
         return 0
     from .jobs import PlacementError, private_cluster_done
     from .nodes import SharedPathError
