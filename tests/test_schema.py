@@ -430,7 +430,7 @@ def test_the_converter_gives_the_folder_one_name(tmp_path):
 
     before = seen(p)
     new, moved = convert_file(p)
-    assert moved == ["div.anchor_data -> data.presample_dir",
+    assert moved == ["div.anchor_data -> data.presample_dir", "div.anchor_batch_size -> optim.anchor_batch_size",
                      "presample.out (= data.presample_dir, the stage's default) dropped",
                      "local.data.presample_dir (= data.presample_dir) dropped"], moved
     assert "data:\n  presample_dir: runs/pre  # D_pef\n" in new

@@ -98,7 +98,7 @@ def test_every_method_file_resolves_on_the_local_engine(method, capsys, monkeypa
     if method == "dph_js":
         exp = yaml.safe_load(open(os.path.join(ROOT, "configs", "openrlhf", "smollm2_arith_dph_js.yaml")))
         assert cfg["data"]["presample_dir"] == exp["data"]["presample_dir"]  # one name (the stage writes there)
-        assert "out" not in exp["presample"] and "anchor_data" not in exp["div"] and "presample_dir" not in exp["local"]["data"]
+        assert "out" not in exp["presample"] and "anchor_data" not in exp.get("div", {}) and "presample_dir" not in exp["local"]["data"]
         study = open(os.path.join(ROOT, "benchmarks", "real_model_study.sh")).read()
         assert f'PRESAMPLE="{cfg["data"]["presample_dir"]}"' in study
         assert (cfg["presample"]["n_pre"], cfg["presample"]["tau"], cfg["data"]["train_on_exp"]) == (8, 1, False)

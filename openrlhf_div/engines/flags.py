@@ -146,10 +146,10 @@ def add_div_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
                         "without its own file (sets --reward.remote_url unless given)")
     g.add_argument("--div.anchor_data", default=None, metavar="PATH",
                    help="D_pef from presample_ray (a presample output directory or its d_pef.jsonl); "
-                        "required by anchor methods (dph_*)")
+                        "required by anchor methods (dph_*). An experiment file writes it as data.presample_dir")
     g.add_argument("--div.anchor_batch_size", type=int, default=None, metavar="N",
                    help="D_pef anchor samples added per rollout step (default: online samples / "
-                        "--div.anchor_ratio, rounded up)")
+                        "--div.anchor_ratio, rounded up). An experiment file writes it as optim.anchor_batch_size")
     g.add_argument("--div.anchor_ratio", type=float, default=DEFAULT_ANCHOR_RATIO, metavar="R",
                    help="online samples per anchor sample when --div.anchor_batch_size is unset "
                         "(default 8, DPH-RL's 128x16 : 256)")
