@@ -91,7 +91,7 @@ for m in $METHODS; do
       continue
     fi
     evaluate64 "$final" "${m}_seed$s" --role method --base-results "$P64/base"
-    dirs+=("$P64/${m}_seed$s")
+    dirs+=("$m=$P64/${m}_seed$s")  # labelled by method: compare puts a method's seeds in one row (mean, sd)
   done
 done
 
