@@ -327,6 +327,7 @@ DIV_FLAGS: Dict[str, str] = {
     "optim.anchor_ratio": "anchor_ratio",
     "optim.anchor_batch_size": "anchor_batch_size",
     "eval.top_p": "eval_top_p",
+    "optim.log_z_lr": "log_z_lr",
     "data.presample_dir": "anchor_data",  # the folder training reads; the Ray pre-sampling stage writes it
 }
 #: ``div:``'s key -> our name (the old spelling under ``div:``)

@@ -68,11 +68,11 @@ def test_every_field_has_help_type_and_engines():
 
 def test_reference_page_is_generated():
     """docs/config_reference.md is `openrlhf-div config fields --markdown` (regenerate it with that command)."""
-    from openrlhf_div.engines.local.config import fields_markdown
+    from openrlhf_div.cli.config import reference_markdown
 
     with open(os.path.join(ROOT, "docs", "config_reference.md")) as fh:
         page = fh.read()
-    assert page == fields_markdown(), ("docs/config_reference.md drifted from the schema: run "
+    assert page == reference_markdown(), ("docs/config_reference.md drifted from the schema: run "
                                        "`openrlhf-div config fields --markdown > docs/config_reference.md`")
 
 

@@ -101,3 +101,34 @@ def test_the_eval_top_p_has_one_name(tmp_path, capsys):
         fh.write(text)
     assert load_experiment(old)["div"]["eval_top_p"] == 0.95
     assert "div.eval_top_p is spelt eval.top_p" in capsys.readouterr().err
+
+
+def test_flowrls_log_z_learning_rate_has_one_name(tmp_path):
+    """`optim.log_z_lr` is the drivers' --div.log_z_lr and the local engine's optim.log_z_lr (before: the
+    local translation dropped a file's div.log_z_lr). Mutation: to_local's log_z_lr line removed -> fails."""
+    from openrlhf_div.engines import experiment as E
+    from openrlhf_div.engines.openrlhf import launch
+
+    p = _experiment(tmp_path, "optim: {log_z_lr: 0.01, anchor_batch_size: 4}\n")
+    assert launch.plan(["--config", p, "--dry-run"]).args.div.log_z_lr == 0.01
+    data, _ = E.to_local(E.load(p), run_dir=str(tmp_path / "run"), toy=False)
+    assert data["optim"]["log_z_lr"] == 0.01
+
+
+def test_the_ray_drivers_own_settings_are_listed_and_refused_locally(tmp_path, capsys):
+    """`config fields` lists the drivers' own div: settings (no local counterpart), and the local engine
+    refuses each one by name instead of dropping it. Mutation: RAY_ONLY_DIV emptied -> fails."""
+    from openrlhf_div.cli.main import main
+    from openrlhf_div.engines import experiment as E
+
+    assert main(["config", "fields", "--section", "div"]) == 0
+    out = capsys.readouterr().out
+    for key in ("anchor_seed", "truncate_prompts", "drop_long_prompts", "eval_greedy", "actor_backend"):
+        assert f"div.{key}:" in out
+    p = _experiment(tmp_path, "optim: {anchor_batch_size: 4}\n")
+    with open(p) as fh:
+        text = fh.read().replace("div: {anchor_data: /tmp/none}", "div: {anchor_data: /tmp/none, eval_greedy: true}")
+    with open(p, "w") as fh:
+        fh.write(text)
+    refusals = E.local_refusals(E.load(p), toy=False)
+    assert any(r.startswith("div.eval_greedy=True: the local engine's evaluation samples only") for r in refusals)

@@ -36,11 +36,69 @@ def add_parser(sub):
     return p
 
 
+#: the Ray drivers' own ``div:`` settings the schema has no section field for (no local counterpart):
+#: listed by ``config fields`` under ``[div]``; the local engine refuses each one by name
+#: (:data:`openrlhf_div.engines.experiment.RAY_ONLY_DIV`), except the engine choice ``actor_backend``
+RAY_ONLY_KEYS = ("anchor_seed", "truncate_prompts", "drop_long_prompts", "eval_greedy", "actor_backend")
+
+
+def ray_only_rows() -> List[Tuple[str, str, str, str]]:
+    """``(key, type, default, help)`` of :data:`RAY_ONLY_KEYS`, read from the drivers' own parser."""
+    import argparse
+
+    from openrlhf_div.engines.flags import add_div_arguments
+    from openrlhf_div.engines.megatron.config import add_megatron_arguments
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_div_arguments(parser)
+    add_megatron_arguments(parser)
+    acts = {a.dest: a for a in parser._actions}
+    rows = []
+    for key in RAY_ONLY_KEYS:
+        a = acts[f"div.{key}"]
+        kind = "bool" if a.metavar == "BOOL" else ("int" if a.type is int else ("str" if a.choices else "float"))
+        default = "null" if a.default is None else str(a.default).replace("False", "false").replace("True", "true")
+        local = ("the engine choice (`run --engine megatron` / `openrlhf`)" if key == "actor_backend"
+                 else "refused on the local engine")
+        rows.append((f"div.{key}", kind, default, f"{(a.help or '').rstrip('.')}. Local: {local}."))
+    return rows
+
+
+def ray_only_text() -> str:
+    lines = ["", "[div]  (the Ray drivers' own settings: no local counterpart)"]
+    for key, kind, default, help_ in ray_only_rows():
+        lines.append(f"  {key}: {kind} = {default}   (openrlhf, megatron; Ray driver --{key})\n      {help_}")
+    return "\n".join(lines) + "\n"
+
+
+def ray_only_markdown() -> str:
+    out = ["", "## div (the Ray drivers' own settings)", "",
+           "Settings of the Ray drivers that the local engine has no counterpart of; an experiment file writes "
+           "them under `div:`. The local engine refuses each one by name when it is set (the engine choice "
+           "`actor_backend` aside).", "",
+           "| setting | type | default | engines | Ray driver flag | help |", "|---|---|---|---|---|---|"]
+    for key, kind, default, help_ in ray_only_rows():
+        out.append(f"| `{key}` | {kind} | `{default}` | openrlhf, megatron | `--{key}` | {help_.replace('|', '&#124;')} |")
+    return "\n".join(out) + "\n"
+
+
+def reference_markdown() -> str:
+    """docs/config_reference.md: the schema's fields, then the Ray drivers' own ``div:`` settings."""
+    from openrlhf_div.engines.local.config import fields_markdown
+
+    return fields_markdown() + ray_only_markdown()
+
+
 def run(args) -> int:
     if args.config_command == "fields":
-        from openrlhf_div.engines.local.config import fields_markdown, fields_text
+        from openrlhf_div.engines.local.config import fields_text
 
-        text = fields_markdown() if args.markdown else fields_text(args.section)
+        if args.markdown:
+            text = reference_markdown()
+        elif args.section == "div":
+            text = ray_only_text().lstrip("\n")
+        else:
+            text = fields_text(args.section) + ("" if args.section else ray_only_text())
         sys.stdout.write(text)
         return 0
     if args.config_command == "convert":

@@ -139,6 +139,18 @@ def _upstream(cfg: Dict[str, Any], key: str) -> Any:
     return expand_env(v) if isinstance(v, str) else v
 
 
+#: the Ray drivers' own ``div:`` settings that the local engine has no counterpart of, and why (each
+#: refused on the local engine when set, listed by ``openrlhf-div config fields``)
+RAY_ONLY_DIV: Dict[str, str] = {
+    "eval_greedy": "the local engine's evaluation samples only (its greedy column is the `eval --greedy` "
+                   "command's)",
+    "drop_long_prompts": "the local engine stops on an over-long prompt naming it (data.max_prompt_tokens); "
+                         "cut the file instead",
+    "truncate_prompts": "the local engine stops on an over-long prompt naming it (data.max_prompt_tokens); "
+                        "cut the file instead",
+}
+
+
 def local_refusals(cfg: Dict[str, Any], toy: bool) -> List[str]:
     """What the local engine cannot honour, by name (empty: it can run the experiment)."""
     from openrlhf_div.engines.layout import EngineLayout, refuse_on_local
@@ -166,6 +178,10 @@ def local_refusals(cfg: Dict[str, Any], toy: bool) -> List[str]:
                    "file (cut the file instead)")
     if div.get("anchor_seed") is not None:
         out.append("div.anchor_seed: the local engine draws anchors from the run's seed")
+    # the Ray drivers' own settings with no local counterpart: refused by name, never dropped
+    for key, why in RAY_ONLY_DIV.items():
+        if div.get(key) not in (None, False):
+            out.append(f"div.{key}={div[key]}: {why}")
     pre = cfg.get("presample") or {}
     top_p = float(_upstream(cfg, "rollout.top_p"))
     for k in ("rollout.top_p", "anchor_top_p"):
@@ -300,6 +316,8 @@ def to_local(cfg: Dict[str, Any], *, run_dir: str, toy: bool,
         _set(out, "optim.anchor_ratio", online / float(div["anchor_batch_size"]))
     elif div.get("anchor_ratio"):
         _set(out, "optim.anchor_ratio", float(div["anchor_ratio"]))
+    if div.get("log_z_lr") is not None:  # optim.log_z_lr, rendered as the drivers' --div.log_z_lr
+        _set(out, "optim.log_z_lr", float(expand_env(str(div["log_z_lr"]))))
     if div.get("anchor_data") and not toy:
         # the pre-sampling folder (data.presample_dir, rendered as the Ray driver's --div.anchor_data), as the Ray
         # side sees it; the toy's tiny model pre-samples its own (a D_pef holds the base model's log-probs)
