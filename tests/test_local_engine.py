@@ -378,6 +378,13 @@ def test_resume_reproduces_the_uninterrupted_run(data_dir, presample_dir, tmp_pa
     ma = [json.loads(x) for x in open(tmp_path / "a" / "metrics.jsonl")]
     mb = [json.loads(x) for x in open(tmp_path / "b" / "metrics.jsonl")]
     assert [m["step"] for m in mb] == [1, 2, 3] and mb[2]["loss"] == ma[2]["loss"]
+    # the anchor_samples metric is the rollout step's D_pef count (the Ray engine's rollout/num_anchor_samples),
+    # not a per-micro-batch mean (before: 1.0 here, with 2 anchors a step over 2 mini-batches x 2 micro-batches)
+    drawn = {}
+    for e in ev_a:
+        if e["epoch"] == 0:
+            drawn[e["step"]] = drawn.get(e["step"], 0) + len(e["anchors"])
+    assert [m["anchor_samples"] for m in ma] == [float(drawn[s]) for s in (1, 2, 3)] and drawn[1] == 2
 
 
 def test_nan_loss_stops_with_step_and_keeps_last_good_checkpoint(data_dir, tmp_path):

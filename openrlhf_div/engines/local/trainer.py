@@ -430,6 +430,7 @@ class Trainer:
         for group, base_lr in zip(self.optimizer.param_groups, self._base_lrs):
             group["lr"] = base_lr * lr_f
         acc = StepMetrics()
+        step_anchors = 0
         for epoch in range(o.ppo_epochs):
             perm = torch.randperm(len(exp), generator=self.train_rng)
             for mb_i, rows in enumerate(torch.tensor_split(perm, o.mini_batches)):
@@ -439,6 +440,8 @@ class Trainer:
                 anchors = []
                 if self.anchor_cursor is not None:
                     anchors = self.anchor_cursor.next(self.cfg.anchors_per_mini_batch(len(rows), mb_i))
+                    if epoch == 0:  # the rollout step's anchors (the Ray engine's rollout/num_anchor_samples)
+                        step_anchors += len(anchors)
                 if self.length_buckets:  # micro-batches of rows of similar length (.speed; same loss)
                     rows = bucketed(rows, exp.attention_mask.sum(1).tolist())
                     anchors = sorted(anchors, key=lambda a: len(a.prompt_ids) + len(a.response_ids))
@@ -472,6 +475,8 @@ class Trainer:
                 acc.end_optimizer_step()
         out = acc.result()
         out["lr"] = float(self._base_lrs[0] * lr_f)
+        if self.anchor_cursor is not None:
+            out["anchor_samples"] = float(step_anchors)  # D_pef samples in this rollout step (not per micro-batch)
         return out
 
     def _anchor_parts(self, anchors: List[AnchorRecord], n_micro: int) -> List[List[AnchorRecord]]:
@@ -524,8 +529,6 @@ class Trainer:
         metrics = dict(metrics)
         if fo.entropy is not None and n_on:
             metrics["entropy"] = float(masked_mean(fo.entropy[:n_on].detach(), mask[:n_on]))
-        if anchors:
-            metrics["anchor_samples"] = float(len(anchors))
         for h in self.hooks:
             h(dict(step=self.step + 1, online=online, anchor=anchor, num_online_tokens=num_online_tokens,
                    num_anchor_tokens=num_anchor_tokens, num_online_seqs=num_online_seqs,
