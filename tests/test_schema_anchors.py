@@ -26,6 +26,16 @@ def _experiment(tmp_path, body: str, name: str = "exp.yaml") -> str:
     return str(p)
 
 
+def _with_div(tmp_path, body: str, div_extra: str, name: str) -> str:
+    """:func:`_experiment` with more keys in its `div:` (an old spelling, a driver-only setting)."""
+    p = _experiment(tmp_path, body, name=name)
+    with open(p) as fh:
+        text = fh.read().replace("div: {anchor_data: /tmp/none}", "div: {anchor_data: /tmp/none, " + div_extra + "}")
+    with open(p, "w") as fh:
+        fh.write(text)
+    return p
+
+
 def test_anchor_batch_size_reaches_the_ray_driver_and_the_local_engine(tmp_path, capsys):
     """Mutation: "optim.anchor_batch_size" removed from schema.DIV_FLAGS -> the Ray driver keeps None here."""
     from openrlhf_div import schema
@@ -42,11 +52,7 @@ def test_anchor_batch_size_reaches_the_ray_driver_and_the_local_engine(tmp_path,
     local = config_from_dict(data)
     assert settings_of(local)["anchor.per_step"] == 4 == settings_of(plan)["anchor.per_step"]
     schema._NOTED.clear()
-    old = _experiment(tmp_path, "", name="old.yaml")
-    with open(old) as fh:
-        text = fh.read().replace("div: {anchor_data: /tmp/none}", "div: {anchor_data: /tmp/none, anchor_batch_size: 4}")
-    with open(old, "w") as fh:
-        fh.write(text)
+    old = _with_div(tmp_path, "", "anchor_batch_size: 4", "old.yaml")
     assert load_experiment(old)["div"]["anchor_batch_size"] == 4
     assert "div.anchor_batch_size is spelt optim.anchor_batch_size" in capsys.readouterr().err
 
@@ -94,11 +100,7 @@ def test_the_eval_top_p_has_one_name(tmp_path, capsys):
     data, _ = E.to_local(E.load(p), run_dir=str(tmp_path / "run"), toy=False)
     assert data["eval"]["top_p"] == 0.95
     schema._NOTED.clear()
-    old = _experiment(tmp_path, "optim: {anchor_batch_size: 4}\n", name="old.yaml")
-    with open(old) as fh:
-        text = fh.read().replace("div: {anchor_data: /tmp/none}", "div: {anchor_data: /tmp/none, eval_top_p: 0.95}")
-    with open(old, "w") as fh:
-        fh.write(text)
+    old = _with_div(tmp_path, "optim: {anchor_batch_size: 4}\n", "eval_top_p: 0.95", "old.yaml")
     assert load_experiment(old)["div"]["eval_top_p"] == 0.95
     assert "div.eval_top_p is spelt eval.top_p" in capsys.readouterr().err
 
@@ -125,10 +127,6 @@ def test_the_ray_drivers_own_settings_are_listed_and_refused_locally(tmp_path, c
     out = capsys.readouterr().out
     for key in ("anchor_seed", "truncate_prompts", "drop_long_prompts", "eval_greedy", "actor_backend"):
         assert f"div.{key}:" in out
-    p = _experiment(tmp_path, "optim: {anchor_batch_size: 4}\n")
-    with open(p) as fh:
-        text = fh.read().replace("div: {anchor_data: /tmp/none}", "div: {anchor_data: /tmp/none, eval_greedy: true}")
-    with open(p, "w") as fh:
-        fh.write(text)
+    p = _with_div(tmp_path, "optim: {anchor_batch_size: 4}\n", "eval_greedy: true", "greedy.yaml")
     refusals = E.local_refusals(E.load(p), toy=False)
     assert any(r.startswith("div.eval_greedy=True: the local engine's evaluation samples only") for r in refusals)
