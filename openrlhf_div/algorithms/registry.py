@@ -766,9 +766,11 @@ def spec_key(spec: Mapping[str, Any]) -> str:
 
 
 def method_from_spec(spec: Mapping[str, Any]) -> Method:
-    """The method of a resolved spec (:meth:`Method.spec`), built once per process: a second call
-    with an equal spec returns the same object (methods are data; nothing in the engines changes
-    one after it is built). A spec naming a plug-in method needs the plug-in imported first
+    """The method of a resolved spec (:meth:`Method.spec`), built once per process: the build (the
+    preset copied, every hyperparameter through the one coercion, the method validated) happens at
+    the first call; a later call with an equal spec gets its own shallow copy of that build (its own
+    ``hparams`` dict), so a caller that changes its method -- a test patching ``loss``, a hook --
+    changes no other caller's. A spec naming a plug-in method needs the plug-in imported first
     (``OPENRLHF_DIV_PLUGINS``, which the engines export to their workers)."""
     name = str(spec["name"])
     # the registered preset's identity is part of the key: a plug-in that registers the name anew
@@ -782,7 +784,7 @@ def method_from_spec(spec: Mapping[str, Any]) -> Method:
         # also under its full spec: a partial spec (the flags' overrides) and the resolved spec the
         # driver then hands on name one method
         _BUILT.setdefault(f"{id(_REGISTRY.get(name))}:{spec_key(method.spec())}", method)
-    return method
+    return dataclasses.replace(method, hparams=dict(method.hparams))  # a copy, not a build
 
 
 def list_methods() -> Tuple[str, ...]:
