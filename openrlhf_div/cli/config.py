@@ -36,14 +36,19 @@ def add_parser(sub):
     return p
 
 
-#: the Ray drivers' own ``div:`` settings the schema has no section field for (no local counterpart):
-#: listed by ``config fields`` under ``[div]``; the local engine refuses each one by name
-#: (:data:`openrlhf_div.engines.experiment.RAY_ONLY_DIV`), except the engine choice ``actor_backend``
-RAY_ONLY_KEYS = ("anchor_seed", "truncate_prompts", "drop_long_prompts", "eval_greedy", "actor_backend")
+# the Ray drivers' own ``div:`` settings the schema has no section field for (no local counterpart):
+# listed by ``config fields`` under ``[div]``; the local engine refuses each one by name, except the
+# engine choice ``actor_backend``
+def ray_only_keys() -> Tuple[str, ...]:
+    """The refused ones (``anchor_seed`` and :data:`~openrlhf_div.engines.experiment.RAY_ONLY_DIV`), then the
+    engine choice ``actor_backend``: one list, the local engine's."""
+    from openrlhf_div.engines.experiment import RAY_ONLY_DIV
+
+    return ("anchor_seed", *RAY_ONLY_DIV, "actor_backend")
 
 
 def ray_only_rows() -> List[Tuple[str, str, str, str]]:
-    """``(key, type, default, help)`` of :data:`RAY_ONLY_KEYS`, read from the drivers' own parser."""
+    """``(key, type, default, help)`` of :func:`ray_only_keys`, read from the drivers' own parser."""
     import argparse
 
     from openrlhf_div.engines.flags import add_div_arguments
@@ -54,7 +59,7 @@ def ray_only_rows() -> List[Tuple[str, str, str, str]]:
     add_megatron_arguments(parser)
     acts = {a.dest: a for a in parser._actions}
     rows = []
-    for key in RAY_ONLY_KEYS:
+    for key in ray_only_keys():
         a = acts[f"div.{key}"]
         kind = "bool" if a.metavar == "BOOL" else ("int" if a.type is int else ("str" if a.choices else "float"))
         default = "null" if a.default is None else str(a.default).replace("False", "false").replace("True", "true")
