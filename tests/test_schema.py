@@ -359,6 +359,22 @@ def test_the_presample_folder_has_one_name(tmp_path, monkeypatch):
     assert _local(p, "data.presample_dir=/o")[1]["data"]["presample_dir"] == "/o"
 
 
+def test_a_presample_out_flag_elsewhere_is_refused(tmp_path, capsys):
+    """`--presample.out DIR` given to the Ray stage beside an experiment whose data.presample_dir is
+    another folder used to win silently (the stage wrote where training does not read): now one line
+    naming both folders and the override that moves both. The same folder, or a flag without an
+    experiment, still runs. Mutation: the _refuse_second_folder call removed -> /elsewhere is accepted."""
+    from openrlhf_div.engines.openrlhf import presample as P
+
+    p = _dph(tmp_path, "data:\n  presample_dir: /d/pre\npresample: {n_pre: 4, tau: 1}\n", "flag.yaml")
+    for flag in (["--presample.out", "/elsewhere"], ["--presample.out=/elsewhere"]):
+        assert P.main(["--config", p, *flag, "--dry-run"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == ("error: --presample.out /elsewhere: the experiment's data.presample_dir is /d/pre (the folder "
+                       "training reads); pass data.presample_dir=/elsewhere instead (it moves both)"), err
+    assert _presample_out(p, "--presample.out", "/d/pre/") == "/d/pre/"
+
+
 def test_the_old_presample_names_note_or_refuse(tmp_path, capsys):
     """The old names of the folder still load, one stderr line each naming data.presample_dir:
     div.anchor_data, and presample.out when it is the same folder; a presample.out elsewhere (in the

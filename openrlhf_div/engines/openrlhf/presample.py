@@ -309,6 +309,27 @@ def presample_argv(cfg: Dict[str, Any]) -> List[str]:
     return out
 
 
+def _refuse_second_folder(cfg: Dict[str, Any], rest: Sequence[str]) -> None:
+    """A ``--presample.out DIR`` flag beside an experiment whose ``data.presample_dir`` is another folder:
+    ValueError (one line). The stage would write where training does not read; the override
+    ``data.presample_dir=DIR`` moves both."""
+    from openrlhf_div.schema import _same_folder, presample_folder
+
+    folder = presample_folder(cfg, "config") if cfg else None
+    if folder is None:
+        return
+    for i, a in enumerate(rest):
+        if a == "--presample.out" and i + 1 < len(rest):
+            flag = rest[i + 1]
+        elif a.startswith("--presample.out="):
+            flag = a.split("=", 1)[1]
+        else:
+            continue
+        if not _same_folder(flag, folder):
+            raise ValueError(f"--presample.out {flag}: the experiment's data.presample_dir is {folder} (the folder "
+                             f"training reads); pass data.presample_dir={flag} instead (it moves both)")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m openrlhf_div.cli.presample_ray``: OpenRLHF flags + ``--presample.*``."""
     import sys
@@ -340,6 +361,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if overrides and not cfg_path:
             raise ValueError(f"{overrides[0]}: a section.key=value override needs --config EXPERIMENT.yaml")
         cfg = load_experiment_with(cfg_path, overrides) if cfg_path else {}
+        _refuse_second_folder(cfg, rest)
         user = config_argv(cfg) + presample_argv(cfg) + rest
         parsed = parser.parse_args(user)
         task = getattr(parsed, "div.task", None)
