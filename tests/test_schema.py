@@ -407,6 +407,46 @@ def test_the_old_presample_names_note_or_refuse(tmp_path, capsys):
     assert "\n" not in str(pytest.raises(ConfigError, load_experiment, bad).value)
 
 
+def test_the_converter_rewrites_the_toy_overlay(tmp_path, capsys):
+    """A `toy:` overlay written in the old spelling (div.anchor_batch_size, div.anchor_eta, openrlhf's
+    rollout.batch_size) loaded with notes telling the user to run `config convert`, which left it as it
+    was: the overlay is converted one level down now, reported as `toy: ...`, and the converted file loads
+    without a note and reads the same (the local translation with and without --toy, the toy's method).
+    Mutation: the _convert_toy call removed -> the toy's div: stays (fails)."""
+    from openrlhf_div import schema
+    from openrlhf_div.cli.config import convert_file
+    from openrlhf_div.engines import experiment as E
+
+    body = ("toy:\n  # the toy's own scale\n  div:\n    anchor_batch_size: 2\n    anchor_eta: 0.3\n"
+            "  openrlhf:\n    rollout.batch_size: 4\n    train.batch_size: 16\n\ndata: {presample_dir: runs/pre}\n")
+    p = _experiment(tmp_path, body, name="toyold.yaml")
+    with open(p) as fh:
+        text = fh.read().replace("method: {name: grpo}", "method: {name: dph_js}")
+    with open(p, "w") as fh:
+        fh.write(text)
+
+    def seen(path):
+        return ({toy: E.to_local(E.load(path, toy=toy), run_dir="/tmp/x", toy=toy)[0] for toy in (False, True)},
+                E.method_section(E.load(path, toy=True)))
+
+    schema._NOTED.clear()
+    before = seen(p)
+    assert "toy:): div.anchor_batch_size is spelt optim.anchor_batch_size" in capsys.readouterr().err
+    new, moved = convert_file(p)
+    assert sorted(moved) == ["openrlhf.rollout.batch_size -> rollout.prompts_per_step",
+                             "toy: div.anchor_batch_size -> optim.anchor_batch_size",
+                             "toy: div.anchor_eta -> method.anchor_eta"], moved
+    assert ("toy:\n  # the toy's own scale\n  method:\n    anchor_eta: 0.3\n  optim:\n    anchor_batch_size: 2\n"
+            in new), new
+    assert "  div:" not in new and "\ndata: {presample_dir: runs/pre}\n" in new
+    with open(p, "w") as fh:
+        fh.write(new)
+    schema._NOTED.clear()
+    after = seen(p)
+    assert "spelt" not in capsys.readouterr().err
+    assert after == before and before[1]["anchor_eta"] == 0.3
+
+
 def test_the_converter_gives_the_folder_one_name(tmp_path):
     """`config convert`: div.anchor_data -> data.presample_dir, presample.out (the same folder) dropped,
     a local.data.presample_dir equal to it dropped; the toy overlay's `presample_dir: null` kept (the toy

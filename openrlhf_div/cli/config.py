@@ -382,7 +382,33 @@ def convert_text(text: str) -> Tuple[str, List[str]]:
     lines, moved_div = _convert_div(text.split("\n"))
     lines, moved = _convert_lines(lines)
     lines, moved_pre = _convert_presample(_merge_blocks(lines))
-    return "\n".join(_merge_blocks(lines)), moved_div + moved + moved_pre
+    lines, moved_toy = _convert_toy(_merge_blocks(lines))
+    return "\n".join(lines), moved_div + moved + moved_pre + moved_toy
+
+
+def _convert_toy(lines: List[str]) -> Tuple[List[str], List[str]]:
+    """A ``toy:`` overlay (written as an indented block) is a small experiment: its ``div:`` and
+    ``openrlhf:`` old spellings are converted the same way, one level down (the pre-sampling folder is
+    the experiment's, never the overlay's: left as written). Reported as ``toy: <what moved>``."""
+    blk = _top_block(lines, "toy")
+    if blk is None:
+        return lines, []
+    start, end = blk
+    body = lines[start + 1:end]
+    while body and not body[-1].strip():  # the blank lines after the block stay outside it
+        body.pop()
+        end -= 1
+    if any(line.strip() and not line.startswith("  ") for line in body):
+        return lines, []  # a comment at column 0 inside the block: leave it to the user
+    inner = [line[2:] if line.startswith("  ") else line for line in body]
+    inner, moved_div = _convert_div(inner)
+    inner, moved = _convert_lines(inner)
+    moved_all = moved_div + moved
+    if not moved_all:
+        return lines, []
+    inner = _merge_blocks(inner)
+    return (lines[:start + 1] + [("  " + line) if line.strip() else line for line in inner] + lines[end:],
+            [f"toy: {m}" for m in moved_all])
 
 
 def convert_file(path: str) -> Tuple[str, List[str]]:
@@ -430,6 +456,8 @@ def _meaning(cfg):
     rest = {k: v for k, v in cfg.items() if k not in ("div", "method", "task", LAYOUT_SECTION)}
     rest["div"] = {k: v for k, v in div.items() if k not in ("method", "task") and k not in METHOD_KEYS_IN_DIV()
                    and k not in LAYOUT_KEYS}
+    if isinstance(rest.get("toy"), dict):  # the overlay, whichever spelling, by the same reading
+        rest["toy"] = _meaning(rest["toy"])
     return rest, method_section(cfg), task_of(cfg), layout
 
 
