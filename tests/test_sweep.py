@@ -3,7 +3,8 @@
 * A two-seed tiny sweep on the local engine (hf sampler) runs on a CPU, records two different
   seeds and draws two different sample sets, writes the base evaluation (role base) and the
   comparison report; run again it keeps the finished runs, resumes an interrupted one from its
-  checkpoint and starts again one interrupted before its first checkpoint (about 40 s).
+  checkpoint and starts again one interrupted before its first checkpoint (about 40 s); the ETA of
+  a continued sweep counts the kept runs' whole times, never a resumed run's remainder.
 * The base-model evaluation on a CPU: vLLM's KV cache is sized (1 GiB), not vLLM's 92% of RAM.
 * The dry run of every engine names one `openrlhf-div run` per (method, seed), with its seed.
 """
@@ -70,7 +71,12 @@ def test_a_two_seed_local_sweep_runs_on_a_cpu_and_continues_when_run_again(tmp_p
     assert "run 1/2: grpo seed 1 done earlier, kept" in r.stderr
     assert "run 2/2: grpo seed 2 (interrupted: resuming from its latest checkpoint)" in r.stderr
     assert "resuming" in r.stderr and (s2 / "sweep_done.json").exists()
-    assert json.load(open(s1 / "sweep_done.json")) == before
+    assert json.load(open(s1 / "sweep_done.json")) == before and before["resumed"] is False
+    # the ETA from the start of a continued sweep: the kept run's whole time (was: none until a run of this
+    # invocation finished, then a resumed run's remainder taken for a whole run's time)
+    line = next(x for x in r.stderr.splitlines() if "run 2/2: grpo seed 2 (interrupted" in x)
+    assert ", ETA " in line, line
+    assert json.load(open(s2 / "sweep_done.json"))["resumed"] is True
     assert [json.loads(x)["step"] for x in open(s2 / "metrics.jsonl")] == [1, 2]  # not trained twice
 
     import shutil

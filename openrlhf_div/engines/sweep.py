@@ -15,8 +15,9 @@
   yet, its folder is moved to ``OUT/attempts/`` and the run starts again. Killing a sweep and
   starting it again with the same arguments therefore continues it.
 * **Progress.** One line before each run: its place in the sweep, the runs done and kept, the time
-  so far and the overall ETA (the mean time of the runs finished by this invocation x the runs
-  left); the engine prints its own per-step line with the run's ETA.
+  so far and the overall ETA (the mean time of the whole runs finished, by this invocation or kept
+  from an earlier one, x the runs left; a resumed run's time, only its remainder, is not counted:
+  ``sweep_done.json`` says ``resumed`` and its ``seconds`` are this invocation's); the engine prints its own per-step line with the run's ETA.
 * **Report.** The base model's evaluation (``OUT/runs/base/eval.json``, ``role: base``) is the first
   run's step-0 evaluation (the same settings, prompts and sampler as every run's; no second engine
   start), and ``openrlhf-div compare OUT/runs/*/seed* --base OUT/runs/base --out
@@ -199,10 +200,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         st = status(run_dir)
         if st == "done":
             with open(os.path.join(run_dir, DONE)) as fh:
-                was = json.load(fh).get("engine")
+                done = json.load(fh)
+            was = done.get("engine")
             if was != a.engine:
                 say(f"error: {run_dir} is a finished run of the {was} engine; give this sweep its own --out")
                 return 2
+            if not done.get("resumed") and isinstance(done.get("seconds"), (int, float)):
+                took.append(float(done["seconds"]))  # a whole run's time: the ETA's measure from the start
             kept += 1
             say(f"run {i}/{len(runs)}: {method} seed {seed} done earlier, kept ({run_dir})")
             continue
@@ -250,11 +254,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             say(f"error: run {method} seed {seed} trained with seed {recorded} ({info_path}): the experiment does not "
                 "take the sweep's seed")
             return 3
-        took.append(time.time() - start)
+        seconds = time.time() - start
+        if st != "resume":  # a resumed run's time is only its remainder: not a whole run's, so not the ETA's
+            took.append(seconds)
         from openrlhf_div.io import atomic_write_json
 
         atomic_write_json(os.path.join(run_dir, DONE), {"method": method, "experiment": experiment, "seed": seed,
-                                                        "engine": a.engine, "seconds": round(took[-1], 1)})
+                                                        "engine": a.engine, "seconds": round(seconds, 1),
+                                                        "resumed": st == "resume"})
     dirs = [r[3] for r in runs]
     base = os.path.join(out, "runs", BASE)
     report = os.path.join(out, "report")
