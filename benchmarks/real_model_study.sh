@@ -19,7 +19,8 @@
 #
 # Environment: OUT (default runs/sweep_smollm2_arith), METHODS (default "grpo dph_js ds_grpo lad_js"),
 # SEEDS (default "1 2"), PYTHON (default the repository's .venv), NICE (default 10: the machine is
-# shared), EVAL_DTYPE (default bfloat16: the runs' dtype on an AVX-512 BF16 host), DRY_RUN=1.
+# shared), EVAL_DTYPE (default bfloat16: the runs' dtype on an AVX-512 BF16 host), STEP32 (default 1:
+# the step-32 checkpoints' pass@1..64 too), DRY_RUN=1.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -98,4 +99,27 @@ done
 # 4. the report of the pass@1..64 evaluations (the sweep's own report, OUT/report, has the in-run
 #    pass@1..16 against steps)
 run "$PY" -m openrlhf_div.cli.main compare "${dirs[@]}" --out "$OUT/report_pass64"
-say "done in $(( $(date +%s) - t0 )) s wall: reports in $OUT/report and $OUT/report_pass64"
+
+# 5. the evaluation's own noise: the base model again with evaluation seed 1 (same model, prompts and
+#    settings; the difference to step 3's base is what one evaluation's sampling moves pass@k by)
+evaluate64 "$SMOLLM2_GGUF" base_evalseed1 --role base --seed 1
+
+# 6. pass@1..64 during training: every run's step-32 checkpoint (the last but one the family keeps:
+#    checkpoint.every 8, the newest two), evaluated as in step 3, with its report; with steps 0 (the
+#    base) and 40 (step 3) it gives pass@64 at three points of training. STEP32=0 skips it.
+if [[ "${STEP32:-1}" == "1" ]]; then
+  dirs=("$P64/base")
+  for m in $METHODS; do
+    for s in $SEEDS; do
+      ckpt="$OUT/runs/$m/seed$s/checkpoints/step_000032/model"
+      if [[ "${DRY_RUN:-0}" != "1" && ! -d "$ckpt" ]]; then
+        say "no $ckpt: left out of the step-32 report"
+        continue
+      fi
+      evaluate64 "$ckpt" "${m}_seed${s}_step32" --role method --base-results "$P64/base"
+      dirs+=("$m=$P64/${m}_seed${s}_step32")
+    done
+  done
+  run "$PY" -m openrlhf_div.cli.main compare "${dirs[@]}" --out "$OUT/report_pass64_step32"
+fi
+say "done in $(( $(date +%s) - t0 )) s wall: reports in $OUT/report, $OUT/report_pass64 and $OUT/report_pass64_step32"
