@@ -165,3 +165,34 @@ def test_predictions_say_what_was_measured_without_a_rare_split(tmp_path, base):
     assert "- dph_js keeps more pass@16 than grpo: 1.000 vs 0.667" in md
     assert "(rare)" not in md and "larger seed sd 0.000" not in md
     assert "(the price) dph_js vs grpo, pass@1:" in md and "single seed, spread unknown)" in md
+
+
+def test_pass_at_k_past_16_gets_its_table(tmp_path):
+    """An evaluation with k up to 32 (the real-model study's is 64): the report has every evaluated k
+    in a table, mean ± sd over seeds (the comparison table stops at pass@16: pass@32 / 64 were in the
+    plot only); an evaluation that stops at 16 gets no such table. Mutation: passk_markdown returning []
+    -> this test fails."""
+    s32 = {**SETTINGS, "n": 32, "ks": [1, 2, 4, 8, 16, 32]}
+    base_p = problems(["1" + "0" * 31, "0" * 32, "0" * 32])
+    write_eval_json(str(tmp_path / "base"), task="math", name="base", role="base",
+                    metrics=model_metrics(base_p, is_base=True), problems=base_p, settings=s32)
+    runs = []
+    for seed, pat in ((1, ("1" * 32, "1" + "0" * 31, "0" * 32)), (2, ("1" * 32, "0" * 32, "0" * 32))):
+        probs = problems(pat)
+        d = tmp_path / f"s{seed}"
+        write_eval_json(str(d), task="math", name="grpo", role="trained", metrics=model_metrics(probs),
+                        problems=probs, settings=s32, seed=seed, info={"source": "train", "step": 2})
+        (d / "run_info.json").write_text(json.dumps({"seed": seed, "engine": "local", "experiment": "x_grpo",
+                                                     "settings": {**TRAIN, "method.name": "grpo"}}))
+        runs.append(str(d))
+    md = open(compare_runs([str(tmp_path / "base"), *runs], str(tmp_path / "out"))["report"]).read()
+    table = md.split("## pass@k against k")[1].split("##")[0]
+    assert "| model | pass@1 | pass@2 | pass@4 | pass@8 | pass@16 | pass@32 |" in table
+    # base: 1 of 32 samples right on one problem of 3 -> pass@32 = 1/3; grpo: 2/3 and 1/3 -> 0.5 ± 0.236
+    assert "| base | 0.010 |" in table and table.split("| base |")[1].split("\n")[0].strip().endswith("0.333 |")
+    assert table.split("| grpo |")[1].split("\n")[0].strip().endswith("0.500 ± 0.236 |"), table
+    short = run_folder(tmp_path / "short", "grpo", seed=1)
+    write_eval_json(str(tmp_path / "b4"), task="math", name="base", role="base",
+                    metrics=model_metrics(BASE, is_base=True), problems=BASE, settings={**SETTINGS, "ks": [1, 2, 4]})
+    assert "## pass@k against k" not in open(compare_runs([str(tmp_path / "b4"), short],
+                                                          str(tmp_path / "o4"))["report"]).read()

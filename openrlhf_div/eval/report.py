@@ -159,6 +159,23 @@ def _table(rows: Sequence[Tuple[str, Mapping[str, Any]]], cols: Sequence[Tuple[s
     return "\n".join(lines)
 
 
+def passk_markdown(metrics: Mapping[str, Any], rows: Sequence[Tuple[str, Mapping[str, Any]]]) -> List[str]:
+    """Where the evaluation went past k = 16 (``eval --k ...,64``): pass@k at every k it evaluated, mean ±
+    sd over the seeds (the comparison table stops at pass@16; the plot alone would leave pass@64 unread)."""
+    ks = sorted(int(k) for k in ((metrics.get("evaluation") or {}).get("ks") or []))
+    if not ks or max(ks) <= 16:
+        return []
+    ks = [k for k in ks if _get(metrics["base"], f"pass_at_k::{k}") is not None]
+    if not ks:
+        return []
+    head = "| model | " + " | ".join(f"pass@{k}" for k in ks) + " |"
+    lines = [head, "|---|" + "---:|" * len(ks)]
+    for name, M in rows:
+        lines.append(f"| {name} | " + " | ".join(_fmt(M, f"pass_at_k::{k}") for k in ks) + " |")
+    return ["## pass@k against k", "", f"Every k the evaluation computed (up to its {metrics['base'].get('n_samples', '?')} "
+            "samples per problem), mean ± sd over the row's seeds.", ""] + lines + [""]
+
+
 def _style_table(rows: Sequence[Tuple[str, Mapping[str, Any]]], split: Optional[str]) -> str:
     pref = f"splits::{split}::" if split else ""
     styles = [s for s in (_get(rows[0][1], pref + "style_mix") or {})]
@@ -420,6 +437,7 @@ def write_report(out_dir: str, metrics: Mapping[str, Any], *, settings: Optional
            f"keep / explore use the first {keep_k} samples of each problem (one pass@{keep_k} draw) against the base.",
            ""]
     md += ["## Comparison", "", _table(rows, _columns(metrics, style_split)), ""]
+    md += passk_markdown(metrics, rows)
     md += provenance_markdown(metrics)
     if has_styles:
         md += [f"## Style mix{f' (split {style_split})' if style_split else ''}", "",
