@@ -1,0 +1,47 @@
+"""benchmarks/pool_evals.py (issue 40): two evaluations of one model that differ only in their
+evaluation seed pool into one evaluation with their samples together (pass@k up to the pooled n);
+anything else is refused in one line."""
+import importlib.util
+import json
+import os
+
+import pytest
+
+from openrlhf_div.eval.results import model_metrics, pass_at_k, write_eval_json
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+spec = importlib.util.spec_from_file_location("pool_evals", os.path.join(ROOT, "benchmarks", "pool_evals.py"))
+P = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(P)
+
+SETTINGS = {"n": 4, "ks": [1, 2, 4], "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 8, "model": "/m",
+            "data": {"hash": "h"}}
+
+
+def _eval(path, pattern, eval_seed, role="base", settings=SETTINGS, seed=None):
+    probs = [{"id": f"p{i}", "source": "s", "correct": [int(c) for c in pat]} for i, pat in enumerate(pattern)]
+    write_eval_json(str(path), task="math", name="m", role=role, metrics=model_metrics(probs, is_base=role == "base"),
+                    problems=probs, settings=settings, seed=seed, info={"eval_seed": eval_seed})
+    return str(path)
+
+
+def test_two_seeds_pool_into_one_evaluation_and_mismatches_are_refused(tmp_path, capsys):
+    """Mutations: the 'given twice' check removed -> a repeated seed pools (this test fails); the
+    correct lists taken from the first input only -> pass@8 is not computed (fails)."""
+    a = _eval(tmp_path / "a", ["1000", "0000"], 0)
+    b = _eval(tmp_path / "b", ["0000", "0001"], 1)
+    assert P.main(["--out", str(tmp_path / "ab"), a, b]) == 0
+    e = json.load(open(tmp_path / "ab" / "eval.json"))
+    assert e["settings"]["n"] == 8 and e["settings"]["ks"] == [1, 2, 4, 8]
+    assert e["problems"][0]["correct"] == [1, 0, 0, 0, 0, 0, 0, 0] and e["problems"][1]["n_correct"] == 1
+    assert e["metrics"]["pass@8"] == pytest.approx(1.0)
+    assert e["metrics"]["pass@4"] == pytest.approx(pass_at_k(8, 1, 4))  # 0.5 each: one right of 8
+    assert [x["eval_seed"] for x in e["info"]["pooled_from"]] == [0, 1]
+    capsys.readouterr()
+    for bad, msg in (([a, _eval(tmp_path / "c", ["1111", "0000"], 0)], "evaluation seed 0 given twice"),
+                     ([a, _eval(tmp_path / "d", ["0000", "0000"], 1, settings={**SETTINGS, "temperature": 0.7})],
+                      "settings temperature differ"),
+                     ([a, _eval(tmp_path / "e", ["0000", "0000"], 1, role="trained", seed=1)], "role 'trained' differs")):
+        assert P.main(["--out", str(tmp_path / "x"), *bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert msg in err and len(err.splitlines()) == 1, err
