@@ -196,3 +196,25 @@ def test_pass_at_k_past_16_gets_its_table(tmp_path):
                     metrics=model_metrics(BASE, is_base=True), problems=BASE, settings={**SETTINGS, "ks": [1, 2, 4]})
     assert "## pass@k against k" not in open(compare_runs([str(tmp_path / "b4"), short],
                                                           str(tmp_path / "o4"))["report"]).read()
+
+
+def test_a_method_has_one_colour_in_both_figures(tmp_path, base):
+    """passk.png drew the methods from the second colour on (the base took the first index) and curves.png
+    from the first, so GRPO was orange in one and blue in the other; and a row without a curve shifted
+    the colours after it. Now a method's colour and marker are its row's in both. Mutation: passk's
+    `j = i - 1` back to `i` -> the colours differ (this test fails)."""
+    from openrlhf_div.eval.report import curves_figure, passk_figure
+
+    c = run_folder(tmp_path / "c", "dph_js", seed=1)  # first row, no eval.jsonl: no curve
+    a = run_folder(tmp_path / "a", "grpo", seed=1)
+    with open(os.path.join(a, "eval.jsonl"), "w") as fh:
+        for st in (0, 8):
+            fh.write(json.dumps({"step": st, "pass@1": 0.1 + st / 100, "pass@4": 0.5, "n_samples": 4}) + "\n")
+    m = json.load(open(compare_runs([base, c, a], str(tmp_path / "out"))["metrics"]))
+    assert list(m["methods"]) == ["dph_js", "grpo"] and list(m["curves"]) == ["grpo"]
+
+    def colours(fig):
+        return {ln.get_label().split(" (")[0]: (ln.get_color(), ln.get_marker()) for ln in fig.axes[0].get_lines()}
+
+    pk, cv = colours(passk_figure(m)), colours(curves_figure(m["curves"], "math", list(m["methods"])))
+    assert cv["grpo"] == pk["grpo"] and pk["grpo"] != pk["dph_js"]

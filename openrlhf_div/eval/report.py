@@ -324,9 +324,10 @@ def passk_figure(metrics: Mapping[str, Any]):
             ks = sorted(int(k) for k in curve)
             kmax = max(kmax, ks[-1])
             y = np.array([curve[str(k)] for k in ks])
+            j = i - 1  # the methods' own index: the same colour and marker as in curves.png
             style = (dict(color="black", lw=2.2, ls="--", marker="o") if name == "base" else
-                     dict(color=cmap(i % 10), lw=1.6, marker=MARKERS[i % len(MARKERS)],
-                          ls=("-", "-.", ":")[(i // 10) % 3]))
+                     dict(color=cmap(j % 10), lw=1.6, marker=MARKERS[j % len(MARKERS)],
+                          ls=("-", "-.", ":")[(j // 10) % 3]))
             ax.plot(ks, y, ms=3.5, label=name, **style)
             sd = _get(M.get("sd") or {}, p)
             if sd:
@@ -452,7 +453,8 @@ def write_report(out_dir: str, metrics: Mapping[str, Any], *, settings: Optional
                "sign is wrong.", ""] + checks + [""]
     curves = metrics.get("curves")
     if curves:
-        paths["curves_plot"] = plot_curves(curves, os.path.join(out_dir, "curves.png"), str(metrics.get("task", "")))
+        paths["curves_plot"] = plot_curves(curves, os.path.join(out_dir, "curves.png"), str(metrics.get("task", "")),
+                                           order=list(metrics["methods"]))
         md += curves_markdown(curves)
     md += ["## Plots", "", "![pass@k](passk.png)", ""]
     if curves:
@@ -519,9 +521,20 @@ def learning_curves(groups: Mapping[str, Mapping[str, Any]]) -> Dict[str, Any]:
     return out
 
 
-def plot_curves(curves: Mapping[str, Any], path: str, task: str = "") -> str:
+def plot_curves(curves: Mapping[str, Any], path: str, task: str = "", order: Sequence[str] = ()) -> str:
     """pass@1 and pass@kmax (the largest k every row evaluated) against training steps, one line per
-    row (mean over seeds, band = ±1 sd)."""
+    row (mean over seeds, band = ±1 sd); a method has the colour and marker it has in passk.png."""
+    plt = _plt()
+    fig = curves_figure(curves, task, order)
+    fig.savefig(path + ".tmp.png", dpi=120)
+    plt.close(fig)
+    os.replace(path + ".tmp.png", path)
+    return path
+
+
+def curves_figure(curves: Mapping[str, Any], task: str = "", order: Sequence[str] = ()):
+    """The figure of :func:`plot_curves`, not yet saved; ``order``: the report's rows (metrics' methods), so
+    a row has its passk.png colour even where a row before it has no curve."""
     plt = _plt()
     common = set.intersection(*(set(c["mean"]) for c in curves.values()))
     kmax = max((k for k in common), key=lambda k: int(k.split("@")[1]))
@@ -529,7 +542,8 @@ def plot_curves(curves: Mapping[str, Any], path: str, task: str = "") -> str:
     fig, axes = plt.subplots(1, len(panels), figsize=(5.4 * len(panels), 4.2), squeeze=False, layout="constrained")
     cmap = plt.get_cmap("tab10")
     for ax, key in zip(axes[0], panels):
-        for i, (label, c) in enumerate(curves.items()):
+        for n, (label, c) in enumerate(curves.items()):
+            i = list(order).index(label) if label in order else n
             x = np.array(c["steps"])
             y, e = np.array(c["mean"][key]), np.array(c["sd"][key])
             ax.plot(x, y, marker=MARKERS[i % len(MARKERS)], ms=3.5, lw=1.6, color=cmap(i % 10),
@@ -541,10 +555,7 @@ def plot_curves(curves: Mapping[str, Any], path: str, task: str = "") -> str:
     axes[0][-1].legend(fontsize=8, loc="lower right")
     fig.suptitle(_wrapped(f"{task}: held-out pass@k during training (the runs' periodic evaluations; mean over "
                           f"seeds, band = ±1 sd)", 5.4 * len(panels)))
-    fig.savefig(path + ".tmp.png", dpi=120)
-    plt.close(fig)
-    os.replace(path + ".tmp.png", path)
-    return path
+    return fig
 
 
 def curves_markdown(curves: Mapping[str, Any]) -> List[str]:
