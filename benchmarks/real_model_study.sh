@@ -3,15 +3,16 @@
 # family, configs/openrlhf/_smollm2_arith.yaml), several seeds each, through the methods x seeds
 # sweep on the local engine, then one `compare` report. How it was sized and the settings fixed
 # before the runs: docs/real_model.md ("Sizing measurements", "Settings fixed before the runs", "Sizing: what the study costs").
-# Running since 2026-11-28 (seed 1 first: SEEDS="1"; then the default "1 2" continues in the same OUT):
-# docs/real_model.md has the results so far.
+# Ran 2026-11-28 (seed 1 first: SEEDS="1"; then the default "1 2" continued in the same OUT; steps 5 and 6
+# were added after the k = 64 results were seen): docs/real_model.md has the results.
 #
 #   bash benchmarks/real_model_study.sh                   # background: nohup ... > study.log 2>&1 &
 #   SEEDS="1 2 3" OUT=runs/study_smollm2 bash benchmarks/real_model_study.sh
 #   DRY_RUN=1 bash benchmarks/real_model_study.sh         # print the commands only
 #
 # Cost (docs/real_model.md, "Sizing: what the study costs"): about 45-50 min per run on the shared 2-core host at one thread,
-# 8 runs for 2 seeds: plan on 6-7 hours there, not 90 minutes.
+# 8 runs for 2 seeds: plan on 6-7 hours there, not 90 minutes (measured: 5 h 30 min of training, about 40 min of
+# pass@64 evaluations, about 1 h 30 min more for steps 5 and 6).
 #
 # Stopped at any point, the same command continues it: the pre-sampling resumes by chunks, and the
 # sweep resumes its runs (a finished run is skipped, a stopped one continues from its last
@@ -100,9 +101,26 @@ done
 #    pass@1..16 against steps)
 run "$PY" -m openrlhf_div.cli.main compare "${dirs[@]}" --out "$OUT/report_pass64"
 
-# 5. the evaluation's own noise: the base model again with evaluation seed 1 (same model, prompts and
-#    settings; the difference to step 3's base is what one evaluation's sampling moves pass@k by)
-evaluate64 "$SMOLLM2_GGUF" base_evalseed1 --role base --seed 1
+# 5. the evaluation's own noise and more samples where it is large: the base model again at evaluation
+#    seeds 1, 2, 3 (same model, prompts and settings: what one evaluation's sampling moves pass@k by) and
+#    every final model again at evaluation seed 1; benchmarks/pool_evals.py puts each model's evaluations
+#    together (256 samples per problem for the base, 128 per final model: pass@k to k = 128) and compare
+#    reports them in OUT/report_pooled
+for es in 1 2 3; do evaluate64 "$SMOLLM2_GGUF" "base_evalseed$es" --role base --seed "$es"; done
+pooled=("$OUT/pooled/base")
+run "$PY" benchmarks/pool_evals.py --out "$OUT/pooled/base" "$P64/base" "$P64/base_evalseed1" "$P64/base_evalseed2" \
+  "$P64/base_evalseed3"
+for m in $METHODS; do
+  for s in $SEEDS; do
+    final="$OUT/runs/$m/seed$s/final_model"
+    [[ "${DRY_RUN:-0}" != "1" && ! -d "$final" ]] && continue
+    evaluate64 "$final" "${m}_seed${s}_evalseed1" --role method --base-results "$P64/base" --seed 1
+    run "$PY" benchmarks/pool_evals.py --out "$OUT/pooled/${m}_seed$s" --base-results "$P64/base" \
+      "$P64/${m}_seed$s" "$P64/${m}_seed${s}_evalseed1"
+    pooled+=("$m=$OUT/pooled/${m}_seed$s")
+  done
+done
+run "$PY" -m openrlhf_div.cli.main compare "${pooled[@]}" --out "$OUT/report_pooled"
 
 # 6. pass@1..64 during training: every run's step-32 checkpoint (the last but one the family keeps:
 #    checkpoint.every 8, the newest two), evaluated as in step 3, with its report; with steps 0 (the
@@ -122,4 +140,4 @@ if [[ "${STEP32:-1}" == "1" ]]; then
   done
   run "$PY" -m openrlhf_div.cli.main compare "${dirs[@]}" --out "$OUT/report_pass64_step32"
 fi
-say "done in $(( $(date +%s) - t0 )) s wall: reports in $OUT/report, $OUT/report_pass64 and $OUT/report_pass64_step32"
+say "done in $(( $(date +%s) - t0 )) s wall: reports in $OUT/report, $OUT/report_pass64, $OUT/report_pooled and $OUT/report_pass64_step32"
