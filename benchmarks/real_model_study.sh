@@ -83,19 +83,27 @@ evaluate64() {  # evaluate64 MODEL NAME [--base-results DIR]
   run nice -n "$NICE" "$PY" -m openrlhf_div.cli.main eval --model "$model" "${EVAL[@]}" --name "$name" \
     --out "$P64/$name" "$@"
 }
-evaluate64 "$SMOLLM2_GGUF" base --role base
-dirs=("$P64/base")
-for m in $METHODS; do
-  for s in $SEEDS; do
-    final="$OUT/runs/$m/seed$s/final_model"
-    if [[ "${DRY_RUN:-0}" != "1" && ! -d "$final" ]]; then
-      say "no $final (the run did not finish): left out of the pass@64 report"
-      continue
-    fi
-    evaluate64 "$final" "${m}_seed$s" --role method --base-results "$P64/base"
-    dirs+=("$m=$P64/${m}_seed$s")  # labelled by method: compare puts a method's seeds in one row (mean, sd)
+evaluate_runs() {  # evaluate_runs final|step32: every run's model of that kind -> dirs (with the base first)
+  local kind="$1" model name
+  dirs=("$P64/base")
+  for m in $METHODS; do
+    for s in $SEEDS; do
+      if [[ "$kind" == final ]]; then
+        model="$OUT/runs/$m/seed$s/final_model" name="${m}_seed$s"
+      else  # the last but one checkpoint the family keeps (checkpoint.every 8, the newest two)
+        model="$OUT/runs/$m/seed$s/checkpoints/step_000032/model" name="${m}_seed${s}_step32"
+      fi
+      if [[ "${DRY_RUN:-0}" != "1" && ! -d "$model" ]]; then
+        say "no $model (the run did not get there): left out of the $kind report"
+        continue
+      fi
+      evaluate64 "$model" "$name" --role method --base-results "$P64/base"
+      dirs+=("$m=$P64/$name")  # labelled by method: compare puts a method's seeds in one row (mean, sd)
+    done
   done
-done
+}
+evaluate64 "$SMOLLM2_GGUF" base --role base
+evaluate_runs final
 
 # 4. the report of the pass@1..64 evaluations (the sweep's own report, OUT/report, has the in-run
 #    pass@1..16 against steps)
@@ -126,18 +134,7 @@ run "$PY" -m openrlhf_div.cli.main compare "${pooled[@]}" --out "$OUT/report_poo
 #    checkpoint.every 8, the newest two), evaluated as in step 3, with its report; with steps 0 (the
 #    base) and 40 (step 3) it gives pass@64 at three points of training. STEP32=0 skips it.
 if [[ "${STEP32:-1}" == "1" ]]; then
-  dirs=("$P64/base")
-  for m in $METHODS; do
-    for s in $SEEDS; do
-      ckpt="$OUT/runs/$m/seed$s/checkpoints/step_000032/model"
-      if [[ "${DRY_RUN:-0}" != "1" && ! -d "$ckpt" ]]; then
-        say "no $ckpt: left out of the step-32 report"
-        continue
-      fi
-      evaluate64 "$ckpt" "${m}_seed${s}_step32" --role method --base-results "$P64/base"
-      dirs+=("$m=$P64/${m}_seed${s}_step32")
-    done
-  done
+  evaluate_runs step32
   run "$PY" -m openrlhf_div.cli.main compare "${dirs[@]}" --out "$OUT/report_pass64_step32"
 fi
 say "done in $(( $(date +%s) - t0 )) s wall: reports in $OUT/report, $OUT/report_pass64, $OUT/report_pooled and $OUT/report_pass64_step32"

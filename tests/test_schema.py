@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "openrlhf", "_tiny_cpu.yaml")
 
 
-def _experiment(tmp_path, body: str, name: str = "exp_schema.yaml") -> str:
+def _experiment(tmp_path, body: str, name: str = "exp_schema.yaml", method: str = "grpo") -> str:
     """An experiment over the tiny CPU family (copied next to it so `extends:` resolves)."""
     d = tmp_path / "configs"
     d.mkdir(exist_ok=True)
@@ -32,7 +32,7 @@ def _experiment(tmp_path, body: str, name: str = "exp_schema.yaml") -> str:
     toy.mkdir(exist_ok=True)
     shutil.copy(os.path.join(ROOT, "configs", "toy", "math.yaml"), toy / "math.yaml")
     p = d / name
-    p.write_text("extends: _tiny_cpu.yaml\nexperiment: exp_schema\nmethod: {name: grpo}\n" + body)
+    p.write_text(f"extends: _tiny_cpu.yaml\nexperiment: exp_schema\nmethod: {{name: {method}}}\n" + body)
     return str(p)
 
 
@@ -311,12 +311,7 @@ def test_anchors_per_step_have_one_name(tmp_path, capsys):
 
 def _dph(tmp_path, body: str, name: str) -> str:
     """A dph_js experiment over the tiny CPU family (16 online + 2 anchor rows per step)."""
-    p = _experiment(tmp_path, body + "openrlhf: {train.batch_size: 18}\n", name=name)
-    with open(p) as fh:
-        text = fh.read().replace("method: {name: grpo}", "method: {name: dph_js}")
-    with open(p, "w") as fh:
-        fh.write(text)
-    return p
+    return _experiment(tmp_path, body + "openrlhf: {train.batch_size: 18}\n", name=name, method="dph_js")
 
 
 def _presample_out(path, *over):
@@ -419,11 +414,7 @@ def test_the_converter_rewrites_the_toy_overlay(tmp_path, capsys):
 
     body = ("toy:\n  # the toy's own scale\n  div:\n    anchor_batch_size: 2\n    anchor_eta: 0.3\n"
             "  openrlhf:\n    rollout.batch_size: 4\n    train.batch_size: 16\n\ndata: {presample_dir: runs/pre}\n")
-    p = _experiment(tmp_path, body, name="toyold.yaml")
-    with open(p) as fh:
-        text = fh.read().replace("method: {name: grpo}", "method: {name: dph_js}")
-    with open(p, "w") as fh:
-        fh.write(text)
+    p = _experiment(tmp_path, body, name="toyold.yaml", method="dph_js")
 
     def seen(path):
         return ({toy: E.to_local(E.load(path, toy=toy), run_dir="/tmp/x", toy=toy)[0] for toy in (False, True)},
@@ -463,11 +454,7 @@ def test_the_converter_gives_the_folder_one_name(tmp_path):
             "presample:\n  out: runs/pre\n  n_pre: 8\n"
             "local:\n  data:\n    presample_dir: runs/pre  # keep it equal\n    train_on_exp: false\n"
             "toy:\n  local:\n    data: {presample_dir: null}\nopenrlhf: {train.batch_size: 20}\n")
-    p = _experiment(tmp_path, body, name="conv.yaml")
-    with open(p) as fh:
-        text = fh.read().replace("method: {name: grpo}", "method: {name: dph_js}")
-    with open(p, "w") as fh:
-        fh.write(text)
+    p = _experiment(tmp_path, body, name="conv.yaml", method="dph_js")
 
     def seen(path):
         out = {}
