@@ -45,3 +45,18 @@ def test_two_seeds_pool_into_one_evaluation_and_mismatches_are_refused(tmp_path,
         assert P.main(["--out", str(tmp_path / "x"), *bad]) == 2
         err = capsys.readouterr().err.strip()
         assert msg in err and len(err.splitlines()) == 1, err
+
+
+def test_coverage_names_the_lost_and_gained_problems(tmp_path, capsys):
+    """benchmarks/coverage.py: lost = the base solves it in >= min-base-rate of its samples and the model
+    never; a base one-off (below the rate) is not lost; gained = the base never, the model at least once.
+    Mutation: the rate condition dropped -> the one-off problem counts as lost (fails)."""
+    spec2 = importlib.util.spec_from_file_location("coverage", os.path.join(ROOT, "benchmarks", "coverage.py"))
+    C = importlib.util.module_from_spec(spec2)
+    spec2.loader.exec_module(C)
+    base = _eval(tmp_path / "b", ["1100", "1000", "0000", "1111"], 0)  # rates 0.5, 0.25, 0, 1
+    model = _eval(tmp_path / "m", ["0000", "0000", "0100", "1111"], 0, role="trained", seed=1)
+    c = C.coverage(C._load(base), C._load(model), min_base_rate=0.3)
+    assert c["lost"] == ["p0"] and c["gained"] == ["p2"] and (c["base_solved"], c["model_solved"]) == (3, 2)
+    assert C.main([base, model, "--min-base-rate", "0.3"]) == 0
+    assert "| m (seed 1) | 4 / 4 | 3 of 4 | 2 | 1 | 0.500 | 1 |" in capsys.readouterr().out
