@@ -116,6 +116,7 @@ run "$PY" -m openrlhf_div.cli.main compare "${dirs[@]}" --out "$OUT/report_pass6
 #    reports them in OUT/report_pooled
 for es in 1 2 3; do evaluate64 "$SMOLLM2_GGUF" "base_evalseed$es" --role base --seed "$es"; done
 pooled=("$OUT/pooled/base")
+covered=()
 run "$PY" benchmarks/pool_evals.py --out "$OUT/pooled/base" "$P64/base" "$P64/base_evalseed1" "$P64/base_evalseed2" \
   "$P64/base_evalseed3"
 for m in $METHODS; do
@@ -126,9 +127,17 @@ for m in $METHODS; do
     run "$PY" benchmarks/pool_evals.py --out "$OUT/pooled/${m}_seed$s" --base-results "$P64/base" \
       "$P64/${m}_seed$s" "$P64/${m}_seed${s}_evalseed1"
     pooled+=("$m=$OUT/pooled/${m}_seed$s")
+    covered+=("$OUT/pooled/${m}_seed$s")
   done
 done
 run "$PY" -m openrlhf_div.cli.main compare "${pooled[@]}" --out "$OUT/report_pooled"
+# the problems behind pass@128: lost (the base solves them in >= 1% of its 256 samples, the model in none
+# of its 128) and gained, per final model
+if [[ "${DRY_RUN:-0}" == "1" ]]; then
+  run "$PY" benchmarks/coverage.py "$OUT/pooled/base" "${covered[@]}"
+else
+  "$PY" benchmarks/coverage.py "$OUT/pooled/base" "${covered[@]}" | tee "$OUT/report_pooled/coverage.md"
+fi
 
 # 6. pass@1..64 during training: every run's step-32 checkpoint (the last but one the family keeps:
 #    checkpoint.every 8, the newest two), evaluated as in step 3, with its report; with steps 0 (the
