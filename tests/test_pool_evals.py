@@ -60,3 +60,16 @@ def test_coverage_names_the_lost_and_gained_problems(tmp_path, capsys):
     assert c["lost"] == ["p0"] and c["gained"] == ["p2"] and (c["base_solved"], c["model_solved"]) == (3, 2)
     assert C.main([base, model, "--min-base-rate", "0.3"]) == 0
     assert "| m (seed 1) | 4 / 4 | 3 of 4 | 2 | 1 | 0.500 | 1 |" in capsys.readouterr().out
+
+
+def test_a_report_of_different_sample_counts_says_both(tmp_path):
+    """compare --allow-mismatch of a pooled base (8 samples) and a model (4): the report's first line said
+    "x 8 samples each"; it names both counts now. Mutation: `ns` forced empty -> "8 samples each" (fails)."""
+    from openrlhf_div.eval.report import compare_runs
+
+    a = _eval(tmp_path / "a", ["1000", "0000"], 0)
+    b = _eval(tmp_path / "b", ["0000", "0001"], 1)
+    assert P.main(["--out", str(tmp_path / "base"), a, b]) == 0
+    m = _eval(tmp_path / "m", ["1100", "0000"], 0, role="trained", seed=1)
+    md = open(compare_runs([str(tmp_path / "base"), m], str(tmp_path / "out"), allow_mismatch=True)["report"]).read()
+    assert "2 evaluation problems x 8 samples (base) / 4 (methods) each;" in md, md[:600]

@@ -433,7 +433,10 @@ def write_report(out_dir: str, metrics: Mapping[str, Any], *, settings: Optional
     if intro:
         md += [intro.strip(), ""]
     base = metrics["base"]
-    md += [f"{base.get('n_problems', '?')} evaluation problems x {base.get('n_samples', '?')} samples each; "
+    ns = sorted({M.get("n_samples") for _, M in rows[1:] if M.get("n_samples") is not None} - {base.get("n_samples")})
+    per = (f"{base.get('n_samples', '?')} samples each" if not ns else  # --allow-mismatch: say both
+           f"{base.get('n_samples', '?')} samples (base) / {', '.join(f'{n:g}' for n in ns)} (methods) each")
+    md += [f"{base.get('n_problems', '?')} evaluation problems x {per}; "
            f"methods: mean ± sd over {'/'.join(map(str, seeds))} seed(s). pass@k is the unbiased estimator; "
            f"keep / explore use the first {keep_k} samples of each problem (one pass@{keep_k} draw) against the base.",
            ""]
