@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any, Dict, Optional, Sequence
 
 
 def _load(path: str) -> Dict[str, Any]:
-    with open(os.path.join(path, "eval.json") if os.path.isdir(path) else path) as fh:
-        return json.load(fh)
+    from openrlhf_div.eval.results import read_eval_json
+
+    return read_eval_json(path)
 
 
 def coverage(base: Dict[str, Any], model: Dict[str, Any], min_base_rate: float = 0.01) -> Dict[str, Any]:

@@ -16,7 +16,6 @@ evaluation seeds. dist-n is left out (the samples' texts are in each input's sam
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
@@ -27,13 +26,9 @@ FREE = ("n", "ks")
 
 def pool(dirs: Sequence[str], base_dir: Optional[str] = None) -> Dict[str, Any]:
     """The pooled eval.json content of ``dirs`` (ValueError naming the first difference)."""
-    from openrlhf_div.eval.results import model_metrics
+    from openrlhf_div.eval.results import model_metrics, read_eval_json
 
-    evals = []
-    for d in dirs:
-        path = os.path.join(d, "eval.json") if os.path.isdir(d) else d
-        with open(path) as fh:
-            evals.append((path, json.load(fh)))
+    evals = [(d, read_eval_json(d)) for d in dirs]
     if len(evals) < 2:
         raise ValueError("give at least two evaluations to pool")
     ref_path, ref = evals[0]
@@ -67,8 +62,7 @@ def pool(dirs: Sequence[str], base_dir: Optional[str] = None) -> Dict[str, Any]:
     else:
         base = None
         if base_dir:
-            with open(os.path.join(base_dir, "eval.json") if os.path.isdir(base_dir) else base_dir) as fh:
-                base = json.load(fh)["problems"]
+            base = read_eval_json(base_dir)["problems"]
         metrics = model_metrics(problems, base=base)
     ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if k <= n} | {n})
     for k in ks:
