@@ -36,6 +36,7 @@ def test_two_seeds_pool_into_one_evaluation_and_mismatches_are_refused(tmp_path,
     assert e["problems"][0]["correct"] == [1, 0, 0, 0, 0, 0, 0, 0] and e["problems"][1]["n_correct"] == 1
     assert e["metrics"]["pass@8"] == pytest.approx(1.0)
     assert e["metrics"]["pass@4"] == pytest.approx(pass_at_k(8, 1, 4))  # 0.5 each: one right of 8
+    assert e["metrics"]["pass@4"] == pytest.approx(1 - 35 / 70)  # by hand: 1 - C(7,4)/C(8,4)
     assert [x["eval_seed"] for x in e["info"]["pooled_from"]] == [0, 1]
     capsys.readouterr()
     for bad, msg in (([a, _eval(tmp_path / "c", ["1111", "0000"], 0)], "evaluation seed 0 given twice"),
@@ -45,6 +46,7 @@ def test_two_seeds_pool_into_one_evaluation_and_mismatches_are_refused(tmp_path,
         assert P.main(["--out", str(tmp_path / "x"), *bad]) == 2
         err = capsys.readouterr().err.strip()
         assert msg in err and len(err.splitlines()) == 1, err
+        assert not (tmp_path / "x").exists()  # a refusal writes nothing
 
 
 def test_coverage_names_the_lost_and_gained_problems(tmp_path, capsys):
